@@ -1,0 +1,183 @@
+"""Measurement primitives shared by the benchmark modules: clocks, cache dropping, RSS sampling,
+scratch paths and the child-process result protocol.
+
+Kept free of any system under test so that every system is timed with the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import psutil
+
+#: Marker of the one result line a child process prints on stdout; everything else a child
+#: prints (library warnings, progress) is passed through to the user's terminal.
+RESULT_MARKER = "@@ZS-BENCH-RESULT "
+
+now = time.perf_counter
+
+
+def median(xs: Iterable[float | None]) -> float | None:
+    """Median of the non-None values, None if there are none."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def drop_cache(path: str | os.PathLike[str]) -> None:
+    """Evict a file, or every file under a directory, from the page cache.
+
+    ``POSIX_FADV_DONTNEED`` only drops clean pages, so callers fsync before (every writer
+    measured here fsyncs before it reports completion). This affects the guest page cache
+    only; a hypervisor cache below the virtio disk may still serve "cold" reads.
+    """
+    p = Path(path)
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # no-op when already clean; makes DONTNEED effective if not
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike[str]) -> None:
+    """fsync every file and directory under path (for writers that do not fsync themselves)."""
+    p = Path(path)
+    if p.is_file():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(p.parent)
+        return
+    for f in p.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(p)
+    fsync_dir(p.parent)
+
+
+def scratch_path(base: str | os.PathLike[str], stem: str) -> Path:
+    """A fresh, not yet existing path under base (checkpoint APIs refuse existing targets)."""
+    return Path(base) / f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint file or directory; missing is fine (disk space matters here)."""
+    p = Path(path)
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _tree_rss(proc: psutil.Process) -> tuple[int, int]:
+    """(rss of proc, summed rss of all its descendants); vanished children count as 0."""
+    own = proc.memory_info().rss
+    kids = 0
+    for c in proc.children(recursive=True):
+        try:
+            kids += c.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return own, kids
+
+
+@dataclass
+class RssSampler:
+    """Samples the RSS of this process and of its descendants on a background thread.
+
+    RSS counts shared-memory pages in every process that touched them, so a trainer and a
+    writer sharing a staging buffer both show it; report the two separately, never summed.
+    The 20 ms period is a compromise: short enough to catch a multi-GiB peak that lasts a
+    fraction of a second, long enough that the sampler's own GIL time does not show in timings.
+    """
+
+    period_s: float = 0.02
+    baseline_trainer: int = 0
+    peak_trainer: int = 0
+    peak_children: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> "RssSampler":
+        self._proc = psutil.Process()
+        self.baseline_trainer, self.peak_children = _tree_rss(self._proc)
+        self.peak_trainer = self.baseline_trainer
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        try:
+            own, kids = _tree_rss(self._proc)
+        except psutil.Error:
+            return
+        self.peak_trainer = max(self.peak_trainer, own)
+        self.peak_children = max(self.peak_children, kids)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "trainer_rss_baseline": self.baseline_trainer,
+            "trainer_rss_peak": self.peak_trainer,
+            "trainer_rss_extra": self.peak_trainer - self.baseline_trainer,
+            "children_rss_peak": self.peak_children,
+        }
+
+
+def emit(result: dict[str, Any]) -> None:
+    """Print a child's result as the single marked JSON line the parent looks for."""
+    sys.stdout.flush()
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def parse_child_output(stdout: str) -> dict[str, Any] | None:
+    """Find the marked JSON line in a child's stdout; None if the child died before it."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    return None
+
+
+def log(msg: str) -> None:
+    """Progress to stderr so stdout stays parseable."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
