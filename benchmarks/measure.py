@@ -181,3 +181,111 @@ def parse_child_output(stdout: str) -> dict[str, Any] | None:
 def log(msg: str) -> None:
     """Progress to stderr so stdout stays parseable."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The save/restore loop every checkpointing system (zerostall and peers) is measured with.
+
+
+class Pending:
+    """What a system's ``save`` returns: the caller may mutate the state again, and
+    :meth:`wait` blocks until the checkpoint is durable, returning optional extra stats."""
+
+    def wait(self) -> dict[str, Any] | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Done(Pending):
+    """A save that was already durable when ``save`` returned (blocking systems)."""
+
+    def __init__(self, extra: dict[str, Any] | None = None) -> None:
+        self.extra = extra
+
+    def wait(self) -> dict[str, Any] | None:
+        return self.extra
+
+
+class System:
+    """A checkpointing system under test. Subclasses override the methods they need.
+
+    ``save(path, state)`` must return only once the caller may mutate ``state`` again (that wait
+    is the stall); ``Pending.wait()`` returns once the checkpoint is durable (fsynced and
+    committed). ``restore(path, template)`` returns the restored tree; ``in_place`` says whether
+    it fills ``template`` (True) or allocates new tensors (False).
+    """
+
+    name = "system"
+    in_place = True
+
+    def setup(self, directory: Path) -> None:
+        pass
+
+    def save(self, path: Path, state: Any) -> Pending:
+        raise NotImplementedError
+
+    def restore(self, path: Path, template: Any) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def measure_system(system: System, state: Any, directory: Path, repeats: int) -> dict[str, Any]:
+    """First save, ``repeats`` later saves, then ``repeats`` warm and cold restores.
+
+    Every save goes to a new path (checkpointers refuse to overwrite); each checkpoint is deleted
+    as soon as it is no longer needed so that 4 GiB runs do not fill the disk. The last one is
+    kept for the restores, which start warm (it was just written, so it is in the page cache),
+    then cold (``drop_cache`` before every read).
+    """
+    from benchmarks.state import nbytes, template_like, trees_equal
+
+    out: dict[str, Any] = {"system": system.name, "nbytes": nbytes(state), "in_place": system.in_place}
+    system.setup(directory)
+    saves: list[dict[str, Any]] = []
+    path: Path | None = None
+    try:
+        for r in range(repeats + 1):  # r == 0 is the first save: allocations, process start
+            if path is not None:
+                remove(path)
+            path = scratch_path(directory, system.name)
+            with RssSampler() as mem:
+                t0 = now()
+                pending = system.save(path, state)
+                t1 = now()
+                extra = pending.wait()
+                t2 = now()
+            m = {"stall_s": t1 - t0, "commit_s": t2 - t0, "persist_s": t2 - t1, **mem.as_dict()}
+            if extra:
+                m["extra"] = extra
+            m["disk_bytes"] = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
+            saves.append(m)
+            log(f"{system.name} save {'first' if r == 0 else r}: stall {m['stall_s']:.3f}s "
+                f"commit {m['commit_s']:.3f}s trainer +{m['trainer_rss_extra'] / 2**20:.0f} MiB "
+                f"children peak {m['children_rss_peak'] / 2**20:.0f} MiB")
+        out["first_save"] = saves[0]
+        out["saves"] = saves[1:]
+
+        assert path is not None
+        template = template_like(state)
+        warm, cold = [], []
+        for r in range(repeats):
+            t0 = now()
+            restored = system.restore(path, template)
+            warm.append(now() - t0)
+            if r == 0:  # correctness once, untimed: a fast wrong restore is not a result
+                out["restore_correct"] = trees_equal(state, restored)
+            del restored
+            drop_cache(path)
+            t0 = now()
+            restored = system.restore(path, template)
+            cold.append(now() - t0)
+            del restored
+            log(f"{system.name} restore {r}: warm {warm[-1]:.3f}s cold {cold[-1]:.3f}s")
+        out["restore_warm_s"] = warm
+        out["restore_cold_s"] = cold
+    finally:
+        if path is not None:
+            remove(path)
+        system.close()
+    return out
