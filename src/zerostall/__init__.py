@@ -1,0 +1,49 @@
+"""zerostall: checkpoint training state without stalling training.
+
+Saving copies every array into reused host buffers (the only part the training thread waits
+for); a background writer process writes, checksums and commits. Loading reads straight into
+existing tensors and verifies checksums. Data files are safetensors; nothing runs pickle.
+"""
+
+__version__ = "0.1.0"
+
+from zerostall.api import (
+    load_checkpointables,
+    load_pytree,
+    save_checkpointables,
+    save_checkpointables_async,
+    save_pytree,
+    save_pytree_async,
+)
+from zerostall.checkpointer import Checkpointer
+from zerostall.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    MismatchError,
+    MissingKeyError,
+    StorageError,
+    UnsupportedFormatError,
+    UnsupportedLeafError,
+    WriterError,
+    ZerostallError,
+)
+from zerostall.options import LoadOptions, SaveOptions, WriterKind
+from zerostall.response import Response, SaveStats
+from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
+
+__all__ = [
+    "__version__",
+    # saving and loading
+    "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
+    "load_pytree", "load_checkpointables",
+    "Checkpointer", "Response", "SaveStats",
+    # configuration and extension
+    "SaveOptions", "LoadOptions", "WriterKind", "Stateful", "LeafHandler", "register_handler",
+    "unregister_handler",
+    # errors
+    "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
+    "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
+    "UnsupportedLeafError", "StorageError", "WriterError",
+]

@@ -1,0 +1,124 @@
+"""Free functions: save and load one tree (``*_pytree``) or several named items (``*_checkpointables``).
+
+The synchronous saves are the asynchronous ones plus ``result()``: one code path. The free
+functions share one background writer and one set of staging buffers per :class:`SaveOptions`
+in this process, started on first use and closed at interpreter exit (after in-flight saves
+commit); use a :class:`~zerostall.Checkpointer` to own them explicitly.
+
+Example::
+
+    >>> import torch, zerostall
+    >>> state = {"w": torch.arange(4.0), "step": 3}
+    >>> response = zerostall.save_pytree_async("/tmp/zs-doc/ckpt", state)   # doctest: +SKIP
+    >>> state["w"].add_(1)        # safe: the old values were already staged   # doctest: +SKIP
+    >>> response.result()          # committed                                  # doctest: +SKIP
+    >>> zerostall.load_pytree("/tmp/zs-doc/ckpt")["w"]                         # doctest: +SKIP
+    tensor([0., 1., 2., 3.])
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import Any
+
+from zerostall.engine import Engine
+from zerostall.errors import MissingKeyError
+from zerostall.options import LoadOptions, SaveOptions
+from zerostall.response import Response
+from zerostall.restore import load_items
+from zerostall.storage import split_url
+
+__all__ = [
+    "PYTREE",
+    "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
+    "load_pytree", "load_checkpointables",
+]
+
+#: the item name under which ``save_pytree`` stores its tree
+PYTREE = "pytree"
+
+_engines: dict[SaveOptions, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine(options: SaveOptions | None) -> Engine:
+    opts = options or SaveOptions()
+    with _engines_lock:
+        eng = _engines.get(opts)
+        if eng is None or eng._closed:
+            eng = _engines[opts] = Engine(opts)
+        return eng
+
+
+@atexit.register
+def _close_engines() -> None:
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for eng in engines:
+        eng.close()
+
+
+def _path(path: str | os.PathLike[str]) -> str:
+    return os.fspath(path)
+
+
+def save_checkpointables_async(
+    path: str | os.PathLike[str], items: dict[str, Any], *, metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+) -> Response:
+    """Stage ``{name: item}`` and return; the checkpoint at ``path`` commits in the background.
+
+    ``path`` must not hold a checkpoint yet. On return every array has been copied: the caller
+    may mutate its tensors. ``metadata`` is plain JSON stored in the manifest.
+    """
+    parent, name = split_url(_path(path))
+    return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
+
+
+def save_checkpointables(
+    path: str | os.PathLike[str], items: dict[str, Any], *, metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+) -> None:
+    """Save ``{name: item}`` to ``path`` and return once it is committed."""
+    save_checkpointables_async(path, items, metadata=metadata, options=options).result()
+
+
+def save_pytree_async(
+    path: str | os.PathLike[str], tree: Any, *, metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+) -> Response:
+    """Stage ``tree`` and return; see :func:`save_checkpointables_async`."""
+    return save_checkpointables_async(path, {PYTREE: tree}, metadata=metadata, options=options)
+
+
+def save_pytree(
+    path: str | os.PathLike[str], tree: Any, *, metadata: dict[str, Any] | None = None,
+    options: SaveOptions | None = None,
+) -> None:
+    """Save ``tree`` to ``path`` and return once it is committed."""
+    save_pytree_async(path, tree, metadata=metadata, options=options).result()
+
+
+def load_checkpointables(
+    path: str | os.PathLike[str], items: dict[str, Any] | None = None, *, options: LoadOptions | None = None,
+) -> dict[str, Any]:
+    """Load named items. ``items`` maps a name to a template (filled in place) or ``None``.
+
+    ``items=None`` loads every item as saved. A template restricts what is read to its keys;
+    tensors and arrays in it are filled in place; ``Stateful`` objects get ``load_state_dict``.
+    """
+    parent, name = split_url(_path(path))
+    return load_items(parent, name, items, options)
+
+
+def load_pytree(
+    path: str | os.PathLike[str], template: Any = None, *, options: LoadOptions | None = None,
+) -> Any:
+    """Load the tree saved by :func:`save_pytree`, into ``template`` in place if given."""
+    out = load_checkpointables(path, {PYTREE: template}, options=options)
+    if PYTREE not in out:  # pragma: no cover - load_items raises first
+        raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)
+    return out[PYTREE]

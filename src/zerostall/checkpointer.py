@@ -1,0 +1,153 @@
+"""``Checkpointer``: numbered steps in one directory, retention, latest, for training loops."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Any
+
+from zerostall.api import PYTREE
+from zerostall.commit import committed_steps, step_name
+from zerostall.engine import Engine
+from zerostall.errors import CheckpointNotFoundError
+from zerostall.options import LoadOptions, SaveOptions
+from zerostall.response import Response, SaveStats
+from zerostall.restore import load_items
+from zerostall.storage import open_storage
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """Save and restore numbered steps under ``directory`` (``step_00000100/`` ...).
+
+    Args:
+        directory: a local path or storage URL; created if needed.
+        keep_last: keep this many newest steps (``None``: keep all). Older ones are deleted by
+            the writer only after a newer step has committed.
+        keep_every_n_steps: also keep every step divisible by this, whatever ``keep_last`` says.
+        save_interval_steps: :meth:`should_save` is true every this many steps (default: every step).
+        save_options / load_options: see :class:`SaveOptions` and :class:`LoadOptions`.
+
+    The writer process starts here, so the first save does not pay for it. Saves are
+    unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
+    leaving it waits for in-flight saves.
+
+    Example::
+
+        >>> with zerostall.Checkpointer("/tmp/run1", keep_last=3) as ckpt:    # doctest: +SKIP
+        ...     start = ckpt.latest_step() or 0
+        ...     if start:
+        ...         ckpt.load_pytree(template={"model": model, "optim": optim})
+        ...     for step in range(start + 1, 1001):
+        ...         train_step()
+        ...         if ckpt.should_save(step):
+        ...             ckpt.save_pytree_async(step, {"model": model, "optim": optim})
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every_n_steps: int | None = None,
+        save_interval_steps: int | None = None,
+        save_options: SaveOptions | None = None,
+        load_options: LoadOptions | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if keep_every_n_steps is not None and keep_every_n_steps < 1:
+            raise ValueError(f"keep_every_n_steps must be >= 1 or None, got {keep_every_n_steps}")
+        if save_interval_steps is not None and save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
+        self.directory = os.fspath(directory)
+        if "://" not in self.directory or self.directory.startswith("file://"):
+            local = self.directory.removeprefix("file://")
+            os.makedirs(local, exist_ok=True)
+            self.directory = os.path.abspath(local)
+        self.keep_last = keep_last
+        self.keep_every_n_steps = keep_every_n_steps
+        self.save_interval_steps = save_interval_steps
+        self.load_options = load_options
+        self._storage = open_storage(self.directory)
+        self._engine = Engine(save_options, prewarm=True)
+        self._stats: deque[SaveStats] = deque(maxlen=100)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` falls on the save interval."""
+        return self.save_interval_steps is None or step % self.save_interval_steps == 0
+
+    def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
+                                   metadata: dict[str, Any] | None = None) -> Response:
+        """Stage ``items`` as ``step`` and return; commit (and retention) follow in the background."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        retention = None
+        if self.keep_last is not None:
+            retention = {"step": step, "keep_last": self.keep_last, "keep_every_n_steps": self.keep_every_n_steps}
+        meta = dict(metadata or {}, step=step)
+        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, retention=retention)
+        r.add_done_callback(self._record)
+        return r
+
+    def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
+        self.save_checkpointables_async(step, items, metadata=metadata).result()
+
+    def save_pytree_async(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> Response:
+        return self.save_checkpointables_async(step, {PYTREE: tree}, metadata=metadata)
+
+    def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
+        self.save_pytree_async(step, tree, metadata=metadata).result()
+
+    def _record(self, r: Response) -> None:
+        if r.exception() is None:
+            self._stats.append(r.stats)
+
+    def stats(self) -> list[SaveStats]:
+        """Statistics of the most recent committed saves (up to 100), oldest first."""
+        return list(self._stats)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. In-flight and partial saves are never listed."""
+        return committed_steps(self._storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def _resolve(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError("no committed step to load", path=self.directory)
+        return step
+
+    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`."""
+        return load_items(self.directory, step_name(self._resolve(step)), items, self.load_options)
+
+    def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
+        """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
+        return self.load_checkpointables(step, {PYTREE: template})[PYTREE]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every in-flight save has committed or failed."""
+        self._engine.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for in-flight saves, then stop the writer and free the buffers."""
+        self._engine.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

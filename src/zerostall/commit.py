@@ -1,0 +1,176 @@
+"""One place decides the commit: how a checkpoint's files become visible, all at once or not at all.
+
+Two protocols, picked by what the storage can do:
+
+* :class:`RenameCommit` (POSIX, memory): write everything into ``.<name>.zs-tmp-<id>/`` next to
+  the target, fsync files and directory, write the manifest last, rename the directory onto
+  ``<name>`` (which fails if it exists), fsync the parent.
+* :class:`ManifestLastCommit` (object stores, no rename): data objects go under
+  ``<name>/data-<attempt>/``; the manifest ``<name>/manifest.json`` is put last with a
+  conditional put, so two writers cannot both commit a step.
+
+Under both, a checkpoint exists iff ``<name>/manifest.json`` exists, and retention deletes a
+step only after a newer one is committed, making it invisible (manifest gone) before its data.
+Runs in the writer, never on the training thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import uuid
+from dataclasses import dataclass
+
+from zerostall.errors import CheckpointExistsError
+from zerostall.manifest import MANIFEST_NAME
+from zerostall.storage import Storage
+
+__all__ = [
+    "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
+    "is_committed", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+]
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+TMP_MARK = ".zs-tmp-"
+DEL_MARK = ".zs-del-"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_committed(storage: Storage, name: str) -> bool:
+    return storage.exists(f"{name}/{MANIFEST_NAME}")
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps under the storage root whose manifest exists, ascending."""
+    try:
+        names = storage.list("")
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        s = parse_step(n)
+        if s is not None and is_committed(storage, n):
+            out.append(s)
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    name: str  # the checkpoint's final name under the storage root
+    staging: str  # where this attempt's files are written
+    data_dir: str  # the data directory, relative to the checkpoint (recorded in the manifest)
+
+
+class CommitProtocol:
+    def begin(self, name: str) -> Attempt:
+        raise NotImplementedError
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        raise NotImplementedError
+
+    def abort(self, attempt: Attempt) -> None:
+        raise NotImplementedError
+
+
+class RenameCommit(CommitProtocol):
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def begin(self, name: str) -> Attempt:
+        if self.storage.exists(name):
+            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
+                                        path=_join(self.storage.url, name))
+        return Attempt(name=name, staging=f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}", data_dir="data")
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        s = self.storage
+        s.sync(f"{attempt.staging}/{attempt.data_dir}")
+        s.put(f"{attempt.staging}/{MANIFEST_NAME}", manifest)
+        s.sync(attempt.staging)
+        try:
+            s.rename(attempt.staging, attempt.name)
+        except FileExistsError as exc:
+            raise CheckpointExistsError("another writer committed this checkpoint first",
+                                        path=_join(s.url, attempt.name)) from exc
+        s.sync("")
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.delete(attempt.staging)
+
+
+class ManifestLastCommit(CommitProtocol):
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def begin(self, name: str) -> Attempt:
+        if is_committed(self.storage, name):
+            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
+                                        path=_join(self.storage.url, name))
+        data_dir = f"data-{uuid.uuid4().hex[:12]}"
+        return Attempt(name=name, staging=name, data_dir=data_dir)
+
+    def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        try:
+            self.storage.put(f"{attempt.name}/{MANIFEST_NAME}", manifest, if_absent=True)
+        except FileExistsError as exc:
+            raise CheckpointExistsError("another writer committed this checkpoint first",
+                                        path=_join(self.storage.url, attempt.name)) from exc
+
+    def abort(self, attempt: Attempt) -> None:
+        self.storage.delete(f"{attempt.name}/{attempt.data_dir}")
+
+
+def protocol_for(storage: Storage) -> CommitProtocol:
+    return RenameCommit(storage) if storage.atomic_rename else ManifestLastCommit(storage)
+
+
+def delete_checkpoint(storage: Storage, name: str) -> None:
+    """Make ``name`` invisible first (rename away, or drop its manifest), then delete its data."""
+    if storage.atomic_rename:
+        doomed = f".{name}{DEL_MARK}{uuid.uuid4().hex[:12]}"
+        try:
+            storage.rename(name, doomed)
+        except FileNotFoundError:
+            return
+        storage.sync("")
+        storage.delete(doomed)
+    else:
+        storage.delete(f"{name}/{MANIFEST_NAME}")
+        storage.delete(name)
+
+
+def steps_to_delete(steps: list[int], *, newest: int, keep_last: int | None,
+                    keep_every_n_steps: int | None) -> list[int]:
+    """Which committed ``steps`` retention removes once ``newest`` is committed.
+
+    Never the newest committed step, nor any step after ``newest`` (a concurrent, later save).
+    ``keep_last=None`` keeps everything.
+    """
+    if keep_last is None:
+        return []
+    older = sorted(s for s in steps if s < newest)
+    keep = set(older[-(keep_last - 1):]) if keep_last > 1 else set()
+    out = []
+    for s in older:
+        if s in keep:
+            continue
+        if keep_every_n_steps and s % keep_every_n_steps == 0:
+            continue
+        out.append(s)
+    return out
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def errno_of(exc: BaseException) -> int:
+    return getattr(exc, "errno", None) or errno.EIO

@@ -1,0 +1,202 @@
+"""The zerostall error tree.
+
+Every error raised by zerostall derives from :class:`ZerostallError` and also from the builtin
+exception a caller would naturally catch, so ``except FileNotFoundError`` keeps working::
+
+    ZerostallError(Exception)                 .path  .key  .rank
+    ├── CheckpointNotFoundError(FileNotFoundError)   no committed checkpoint at a path / step
+    ├── CheckpointExistsError(FileExistsError)       refusing to overwrite a committed checkpoint
+    ├── CorruptCheckpointError(ValueError)           bytes or manifest do not match what was committed
+    │   └── ChecksumMismatchError                    a leaf's checksum differs
+    ├── UnsupportedFormatError(ValueError)           unknown format version or entry kind
+    ├── MismatchError(ValueError)                    template and checkpoint disagree (shape, dtype, kind)
+    ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
+    ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
+    ├── StorageError(OSError)                        an I/O failure, errno preserved
+    └── WriterError(RuntimeError)                    the background writer died or was closed
+
+Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
+class and errno they had in the writer.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+__all__ = [
+    "ZerostallError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "ChecksumMismatchError",
+    "UnsupportedFormatError",
+    "MismatchError",
+    "MissingKeyError",
+    "UnsupportedLeafError",
+    "StorageError",
+    "WriterError",
+]
+
+
+class ZerostallError(Exception):
+    """Base of every zerostall error. ``path``, ``key`` and ``rank`` say where it happened."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        key: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.key = key
+        self.rank = rank
+
+    def __str__(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"checkpoint {self.path!r}")
+        if self.key is not None:
+            where.append(f"key {self.key!r}")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild, (type(self), self.message, self.path, self.key, self.rank))
+
+
+def _rebuild(cls, message, path, key, rank):  # type: ignore[no-untyped-def]
+    return cls(message, path=path, key=key, rank=rank)
+
+
+class CheckpointNotFoundError(ZerostallError, FileNotFoundError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class CheckpointExistsError(ZerostallError, FileExistsError):
+    """The target already holds a committed checkpoint; zerostall never overwrites one."""
+
+
+class CorruptCheckpointError(ZerostallError, ValueError):
+    """The checkpoint's files do not match its manifest (truncated, malformed, out of range)."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A leaf's bytes do not have the checksum recorded at save time."""
+
+
+class UnsupportedFormatError(ZerostallError, ValueError):
+    """The manifest has a format version or entry kind this reader does not know."""
+
+
+class MismatchError(ZerostallError, ValueError):
+    """A template leaf differs from the saved leaf in shape, dtype or kind."""
+
+
+class MissingKeyError(ZerostallError, KeyError):
+    """A key asked for by the template is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return ZerostallError.__str__(self)
+
+
+class UnsupportedLeafError(ZerostallError, TypeError):
+    """A leaf has a type zerostall cannot save; register a handler for it."""
+
+
+class StorageError(ZerostallError, OSError):
+    """An I/O operation failed. ``errno`` is the operating system's (ENOSPC, EIO, ...)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errno: int | None = None,
+        path: str | None = None,
+        key: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        ZerostallError.__init__(self, message, path=path, key=key, rank=rank)
+        self.errno = errno
+        self.strerror = _errno.errorcode.get(errno, None) if errno is not None else None
+        self.filename = path
+
+    def __str__(self) -> str:
+        base = ZerostallError.__str__(self)
+        if self.errno is not None:
+            return f"[{_errno.errorcode.get(self.errno, self.errno)}] {base}"
+        return base
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_rebuild_storage, (type(self), self.message, self.errno, self.path, self.key, self.rank))
+
+
+def _rebuild_storage(cls, message, errno, path, key, rank):  # type: ignore[no-untyped-def]
+    return cls(message, errno=errno, path=path, key=key, rank=rank)
+
+
+class WriterError(ZerostallError, RuntimeError):
+    """The background writer died (killed, crashed) or was closed before the save committed."""
+
+
+_BY_NAME: dict[str, type[ZerostallError]] = {
+    cls.__name__: cls
+    for cls in (
+        ZerostallError,
+        CheckpointNotFoundError,
+        CheckpointExistsError,
+        CorruptCheckpointError,
+        ChecksumMismatchError,
+        UnsupportedFormatError,
+        MismatchError,
+        MissingKeyError,
+        UnsupportedLeafError,
+        StorageError,
+        WriterError,
+    )
+}
+
+
+def to_wire(exc: BaseException, *, path: str | None = None) -> dict[str, object]:
+    """Describe an exception as JSON so that another process can raise the same class."""
+    if isinstance(exc, ZerostallError):
+        return {
+            "class": type(exc).__name__,
+            "message": exc.message,
+            "errno": getattr(exc, "errno", None) if isinstance(exc, StorageError) else None,
+            "path": exc.path if exc.path is not None else path,
+            "key": exc.key,
+            "rank": exc.rank,
+        }
+    if isinstance(exc, FileExistsError):
+        return {"class": "CheckpointExistsError", "message": str(exc), "path": path}
+    if isinstance(exc, OSError):
+        return {
+            "class": "StorageError",
+            "message": exc.strerror or str(exc),
+            "errno": exc.errno,
+            "path": exc.filename if isinstance(exc.filename, str) else path,
+        }
+    return {"class": "WriterError", "message": f"{type(exc).__name__}: {exc}", "path": path}
+
+
+def from_wire(data: dict[str, object]) -> ZerostallError:
+    """Rebuild an exception described by :func:`to_wire`."""
+    cls = _BY_NAME.get(str(data.get("class")), WriterError)
+    message = str(data.get("message", ""))
+    path = data.get("path")
+    key = data.get("key")
+    rank = data.get("rank")
+    kw = {
+        "path": None if path is None else str(path),
+        "key": None if key is None else str(key),
+        "rank": rank if isinstance(rank, int) else None,
+    }
+    if issubclass(cls, StorageError):
+        err = data.get("errno")
+        return cls(message, errno=err if isinstance(err, int) else None, **kw)
+    return cls(message, **kw)

@@ -1,0 +1,239 @@
+"""The manifest: plain JSON, integer ``format_version``, written last; its presence is the commit.
+
+Reading it is the first thing a load does with untrusted bytes, so :func:`parse_manifest`
+validates everything a later step relies on (types, ranges, file names, nesting) and raises
+a :class:`~zerostall.errors.ZerostallError` naming the checkpoint and the key for anything off.
+It never imports or calls anything named in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerostall.dtypes import ITEMSIZE
+from zerostall.errors import CorruptCheckpointError, UnsupportedFormatError
+
+__all__ = [
+    "FORMAT_VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "FileEntry", "LeafEntry", "Manifest",
+    "parse_manifest", "encode_manifest",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_NDIM = 64
+MAX_DEPTH = 200
+LEAF_KINDS = frozenset({"torch", "numpy", "numpy_scalar", "bytes", "custom"})
+NODE_TYPES = frozenset({"none", "bool", "int", "float", "str", "bytes", "array", "custom",
+                        "dict", "list", "tuple", "namedtuple"})
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the checkpoint, "/"-separated, no ".." components
+    size: int
+
+
+@dataclass(frozen=True)
+class LeafEntry:
+    key: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: int
+    offset: int
+    nbytes: int
+    crc32c: int | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    files: tuple[FileEntry, ...]
+    leaves: tuple[LeafEntry, ...]
+    items: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_unix: float | None = None
+    library_version: str | None = None
+
+
+def encode_manifest(
+    *, items: dict[str, Any], leaves: list[dict[str, Any]], files: list[dict[str, Any]],
+    metadata: dict[str, Any] | None = None, library_version: str = "",
+) -> bytes:
+    doc = {
+        "format": "zerostall",
+        "format_version": FORMAT_VERSION,
+        "library_version": library_version,
+        "created_unix": time.time(),
+        "files": files,
+        "leaves": leaves,
+        "items": items,
+        "metadata": metadata or {},
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _bad(msg: str, path: str, key: str | None = None) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"malformed manifest: {msg}", path=path, key=key)
+
+
+def _int(v: Any, what: str, path: str, key: str | None = None, *, lo: int = 0) -> int:
+    if type(v) is not int or v < lo:
+        raise _bad(f"{what} must be an integer >= {lo}, got {v!r}"[:300], path, key)
+    return v
+
+
+def parse_manifest(data: bytes, *, path: str) -> Manifest:
+    """Decode and validate a manifest. ``path`` is the checkpoint's, for error messages."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise _bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES} allowed", path)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _bad(f"not UTF-8 ({exc.reason} at byte {exc.start})", path) from exc
+    except json.JSONDecodeError as exc:
+        raise _bad(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", path) from exc
+    except RecursionError as exc:
+        raise _bad("JSON nested too deeply", path) from exc
+    if not isinstance(doc, dict):
+        raise _bad("top level must be an object", path)
+    version = doc.get("format_version")
+    if type(version) is not int:
+        raise _bad(f"format_version must be an integer, got {version!r}"[:200], path)
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"format_version {version} is not supported by this zerostall (reads {FORMAT_VERSION}); "
+            "upgrade zerostall to read it", path=path)
+
+    raw_files = doc.get("files")
+    if not isinstance(raw_files, list):
+        raise _bad("'files' must be a list", path)
+    files: list[FileEntry] = []
+    for i, f in enumerate(raw_files):
+        if not isinstance(f, dict) or not isinstance(f.get("path"), str):
+            raise _bad(f"files[{i}] must be an object with a string 'path'", path)
+        fp = f["path"]
+        if not _SAFE_PATH.match(fp) or any(part in ("..", ".") for part in fp.split("/")):
+            raise _bad(f"files[{i}].path {fp!r} is not a plain relative path inside the checkpoint", path)
+        files.append(FileEntry(fp, _int(f.get("size"), f"files[{i}].size", path)))
+
+    raw_leaves = doc.get("leaves")
+    if not isinstance(raw_leaves, list):
+        raise _bad("'leaves' must be a list", path)
+    leaves: list[LeafEntry] = []
+    for i, lf in enumerate(raw_leaves):
+        leaves.append(_leaf(lf, i, files, path))
+    _check_overlaps(leaves, path)
+
+    items = doc.get("items")
+    if not isinstance(items, dict):
+        raise _bad("'items' must be an object", path)
+    for name, node in items.items():
+        _check_node(node, name, len(leaves), path, 0)
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _bad("'metadata' must be an object", path)
+    created = doc.get("created_unix")
+    lib = doc.get("library_version")
+    return Manifest(
+        format_version=version,
+        files=tuple(files),
+        leaves=tuple(leaves),
+        items=items,
+        metadata=metadata,
+        created_unix=float(created) if isinstance(created, (int, float)) else None,
+        library_version=lib if isinstance(lib, str) else None,
+    )
+
+
+def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
+    if not isinstance(lf, dict):
+        raise _bad(f"leaves[{i}] must be an object", path)
+    key = lf.get("key")
+    if not isinstance(key, str):
+        raise _bad(f"leaves[{i}].key must be a string", path)
+    kind = lf.get("kind")
+    if kind not in LEAF_KINDS:
+        raise UnsupportedFormatError(f"unknown leaf kind {kind!r}"[:200], path=path, key=key)
+    dtype = lf.get("dtype")
+    if dtype not in ITEMSIZE:
+        raise UnsupportedFormatError(f"unknown dtype {dtype!r}"[:200], path=path, key=key)
+    shape = lf.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise _bad(f"shape must be a list of at most {MAX_NDIM} sizes", path, key)
+    dims = tuple(_int(s, "shape entries", path, key) for s in shape)
+    nbytes = _int(lf.get("nbytes"), "nbytes", path, key)
+    expect = math.prod(dims) * ITEMSIZE[dtype]
+    if nbytes != expect:
+        raise _bad(f"nbytes {nbytes} does not match shape {list(dims)} of {dtype} ({expect} bytes)", path, key)
+    fi = _int(lf.get("file"), "file", path, key)
+    if fi >= len(files):
+        raise _bad(f"file index {fi} is out of range ({len(files)} files)", path, key)
+    offset = _int(lf.get("offset"), "offset", path, key)
+    if offset + nbytes > files[fi].size:
+        raise _bad(f"byte range [{offset}, {offset + nbytes}) lies outside {files[fi].path} "
+                   f"({files[fi].size} bytes)", path, key)
+    crc = lf.get("crc32c")
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
+        raise _bad("crc32c must be a 32-bit unsigned integer", path, key)
+    return LeafEntry(key, kind, dtype, dims, fi, offset, nbytes, crc)
+
+
+def _check_overlaps(leaves: list[LeafEntry], path: str) -> None:
+    spans = sorted((lf.file, lf.offset, lf.offset + lf.nbytes, lf.key) for lf in leaves if lf.nbytes)
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise _bad(f"byte ranges of {a[3]!r} and {b[3]!r} overlap", path, b[3])
+
+
+def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _bad(f"tree nested deeper than {MAX_DEPTH}", path, key)
+    if not isinstance(node, dict):
+        raise _bad("tree node must be an object", path, key)
+    t = node.get("type")
+    if t not in NODE_TYPES:
+        raise UnsupportedFormatError(f"unknown tree node type {t!r}"[:200], path=path, key=key)
+    if t in ("array", "bytes") or (t == "custom" and "leaf" in node):
+        li = node.get("leaf")
+        if type(li) is not int or not 0 <= li < n_leaves:
+            raise _bad(f"leaf index {li!r} out of range"[:200], path, key)
+    if t == "custom" and not isinstance(node.get("handler"), str):
+        raise _bad("custom node needs a handler name", path, key)
+    if t in ("int", "bool", "str", "float"):
+        v = node.get("value")
+        ok = {"int": type(v) is int, "bool": type(v) is bool, "str": isinstance(v, str), "float": isinstance(v, str)}[t]
+        if not ok:
+            raise _bad(f"{t} node has value {v!r}"[:200], path, key)
+        if t == "float":
+            try:
+                float.fromhex(v)
+            except ValueError as exc:
+                raise _bad(f"float value {v!r} is not a hex float"[:200], path, key) from exc
+    if t in ("dict", "list", "tuple", "namedtuple"):
+        values = node.get("values")
+        if not isinstance(values, list):
+            raise _bad(f"{t} node needs a 'values' list", path, key)
+        labels: list[Any]
+        if t == "dict":
+            keys = node.get("keys")
+            if not isinstance(keys, list) or len(keys) != len(values) or any(type(k) not in (str, int) for k in keys):
+                raise _bad("dict node needs 'keys' (str or int) matching its values", path, key)
+            labels = keys
+        elif t == "namedtuple":
+            fields = node.get("fields")
+            if not isinstance(fields, list) or len(fields) != len(values) or not all(
+                    isinstance(f, str) and f.isidentifier() for f in fields):
+                raise _bad("namedtuple node needs identifier 'fields' matching its values", path, key)
+            labels = fields
+        else:
+            labels = list(range(len(values)))
+        for label, child in zip(labels, values):
+            _check_node(child, f"{key}/{label}", n_leaves, path, depth + 1)

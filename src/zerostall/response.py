@@ -1,0 +1,102 @@
+"""What an asynchronous save returns: staged on return, committed when ``result()`` returns."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Response", "SaveStats"]
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Telemetry of one save.
+
+    Attributes:
+        path: the checkpoint's URL.
+        nbytes: bytes written (data files, headers included).
+        stall_s: seconds the caller was blocked in ``save_*_async`` (flatten, wait for a free
+            buffer, copy into it, hand-off).
+        staging_gbps: array bytes staged per second of copying.
+        persist_s: seconds from hand-off to commit in the writer (None until committed).
+        persist_gbps: ``nbytes`` over the writer's write time.
+        commit_s: seconds spent writing the manifest, syncing and renaming.
+        writer_peak_rss: the writer process's peak resident memory in bytes.
+    """
+
+    path: str
+    nbytes: int
+    stall_s: float
+    staging_gbps: float
+    persist_s: float | None = None
+    persist_gbps: float | None = None
+    commit_s: float | None = None
+    writer_peak_rss: int | None = None
+
+    def summary(self) -> str:
+        mib = self.nbytes / (1 << 20)
+        s = f"{self.path}: {mib:.1f} MiB, stall {self.stall_s * 1e3:.1f} ms ({self.staging_gbps:.2f} GB/s)"
+        if self.persist_s is not None:
+            s += f", persist {self.persist_s:.2f} s ({self.persist_gbps or 0:.2f} GB/s), commit {self.commit_s or 0:.3f} s"
+        return s
+
+
+class Response:
+    """Handle of an asynchronous save.
+
+    When ``save_*_async`` returns, the state has been copied: the caller may modify its
+    tensors at once. ``result()`` waits until the checkpoint is committed and returns its
+    :class:`SaveStats`, or raises the background error with its original type.
+    """
+
+    def __init__(self, path: str, nbytes: int, staging_gbps: float) -> None:
+        self._future: Future[None] = Future()
+        self._path = path
+        self._nbytes = nbytes
+        self._staging_gbps = staging_gbps
+        self._stall_s = 0.0
+        self._writer: dict[str, Any] | None = None
+
+    @property
+    def stats(self) -> SaveStats:
+        """Statistics so far (persist fields are None until committed)."""
+        w = self._writer
+        if w is None:
+            return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
+                             staging_gbps=self._staging_gbps)
+        write_s = w.get("write_s") or 0.0
+        return SaveStats(
+            path=self._path,
+            nbytes=w["nbytes"],
+            stall_s=self._stall_s,
+            staging_gbps=self._staging_gbps,
+            persist_s=w["persist_s"],
+            persist_gbps=(w["nbytes"] / write_s / 1e9) if write_s > 0 else None,
+            commit_s=w["commit_s"],
+            writer_peak_rss=w.get("writer_peak_rss"),
+        )
+
+    def done(self) -> bool:
+        """True once the save committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveStats:
+        """Block until committed; raise the save's error if it failed; ``TimeoutError`` on timeout."""
+        self._future.result(timeout)
+        return self.stats
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["Response"], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def _finish(self, writer_stats: dict[str, Any] | None, error: BaseException | None) -> None:
+        if self._future.done():
+            return
+        if error is not None:
+            self._future.set_exception(error)
+            return
+        self._writer = writer_stats
+        self._future.set_result(None)

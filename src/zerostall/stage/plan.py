@@ -1,0 +1,85 @@
+"""Where each leaf's bytes go: one safetensors-layout data file per rank, laid out once per layout.
+
+The staging buffer of a file *is* the file's image: 8-byte header length, JSON header, then
+the data section. The header depends only on keys, dtypes and shapes, so it is written into
+the buffer when a layout is first planned, and persisting is one large write of the buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+from zerostall.tree import FlatState
+
+__all__ = ["LeafSlot", "FilePlan", "Plan", "make_plan", "DATA_ALIGN", "PAGE"]
+
+#: every tensor starts at a multiple of this many bytes from the data section start
+DATA_ALIGN = 64
+#: buffers are sized in whole pages so that direct I/O can write the padded tail
+PAGE = 4096
+PAD_PREFIX = "__zerostall_pad_"
+
+
+@dataclass(frozen=True)
+class LeafSlot:
+    key: str
+    offset: int  # absolute byte offset in the file (and in the buffer)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str  # file name inside the checkpoint's data directory
+    header: bytes  # the first `data_start` bytes of the file: length prefix + JSON header
+    data_start: int
+    size: int  # file size in bytes
+    alloc: int  # buffer size: `size` rounded up to whole pages
+
+
+@dataclass(frozen=True)
+class Plan:
+    signature: tuple[object, ...]
+    files: tuple[FilePlan, ...]
+    slots: tuple[LeafSlot, ...]  # one per leaf, in leaf order
+    leaf_file: tuple[int, ...]  # file index of each leaf
+    nbytes: int  # array bytes (without headers and padding)
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def make_plan(flat: FlatState, *, rank: int = 0) -> Plan:
+    """Lay out every leaf of ``flat`` in one data file for ``rank``."""
+    name = f"rank-{rank:05d}.safetensors"
+    header: dict[str, object] = {"__metadata__": {"format": "zerostall", "rank": str(rank)}}
+    rel_offsets: list[int] = []
+    pos = 0
+    pads = 0
+    for leaf in flat.leaves:
+        aligned = _round_up(pos, DATA_ALIGN)
+        if aligned != pos:
+            # safetensors forbids holes between tensors: fill alignment gaps with named padding.
+            header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [aligned - pos], "data_offsets": [pos, aligned]}
+            pads += 1
+            pos = aligned
+        header[leaf.key] = {"dtype": leaf.dtype, "shape": list(leaf.shape), "data_offsets": [pos, pos + leaf.nbytes]}
+        rel_offsets.append(pos)
+        pos += leaf.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    # Pad the header with spaces (allowed by safetensors) so the data section starts aligned.
+    data_start = _round_up(8 + len(body), DATA_ALIGN)
+    body += b" " * (data_start - 8 - len(body))
+    head = struct.pack("<Q", len(body)) + body
+    size = data_start + pos
+    fplan = FilePlan(name=name, header=head, data_start=data_start, size=size, alloc=_round_up(max(size, 1), PAGE))
+    slots = tuple(LeafSlot(leaf.key, data_start + off, leaf.nbytes) for leaf, off in zip(flat.leaves, rel_offsets))
+    return Plan(
+        signature=flat.signature,
+        files=(fplan,),
+        slots=slots,
+        leaf_file=tuple(0 for _ in flat.leaves),
+        nbytes=sum(leaf.nbytes for leaf in flat.leaves),
+    )

@@ -1,0 +1,136 @@
+"""Copy leaves into a slot's buffers.
+
+Each leaf gets a typed view into its place in the data-file image, built once per layout and
+kept with the slot, so a save is one ``copy_`` per tensor: strided sources are gathered by the
+copy itself (no ``.contiguous()`` temporary), device tensors are copied device-to-host.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+import numpy as np
+
+from zerostall.dtypes import to_numpy_dtype, to_torch_dtype
+from zerostall.stage.buffers import Slot
+from zerostall.stage.plan import Plan
+from zerostall.tree import ArrayLeaf, FlatState
+
+__all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage"]
+
+
+class CopyEngine(Protocol):
+    """Copies tensors into host views; ``finish`` returns once every copy has landed."""
+
+    def copy(self, dst: Any, src: Any) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class CpuCopyEngine:
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def finish(self) -> None:
+        return None
+
+
+class CudaCopyEngine:
+    """Device-to-host copies on a side stream into page-locked buffers.
+
+    The side stream first waits for the trainer's current stream, so kernels that produce the
+    tensors finish before they are read; ``finish`` synchronizes the side stream only, so the
+    caller may mutate its tensors as soon as staging returns.
+    """
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self._torch = torch
+        self._stream = torch.cuda.Stream(device=device)
+        self._started = False
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if not src.is_cuda:
+            dst.copy_(src)
+            return
+        if not self._started:
+            self._stream.wait_stream(self._torch.cuda.current_stream(src.device))
+            self._started = True
+        with self._torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+
+    def finish(self) -> None:
+        if self._started:
+            self._stream.synchronize()
+            self._started = False
+
+
+def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None) -> CopyEngine:
+    """The CUDA engine when any leaf lives on a CUDA device and CUDA works, else the CPU one."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return CpuCopyEngine()
+    cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.device.type == "cuda"), None)
+    if cuda_leaf is None:
+        return CpuCopyEngine()
+    if cuda_available is None:
+        cuda_available = bool(torch.cuda.is_available())
+    if not cuda_available:
+        return CpuCopyEngine()
+    return CudaCopyEngine(torch, cuda_leaf.value.device)
+
+
+def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
+    """Typed destination views of every leaf, cached on the slot for its current layout."""
+    if slot.signature == plan.signature and len(slot.views) == len(flat.leaves):
+        return slot.views
+    views: list[Any] = []
+    torch = sys.modules.get("torch")
+    for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file):
+        buf = slot.buffers[fi].mmap
+        if leaf.nbytes == 0:
+            views.append(None)
+        elif leaf.kind == "torch":
+            assert torch is not None
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=leaf.nbytes, offset=place.offset)
+            views.append(raw.view(to_torch_dtype(leaf.dtype)).view(leaf.shape))
+        elif leaf.kind in ("numpy", "numpy_scalar"):
+            raw_np = np.frombuffer(buf, dtype=np.uint8, count=leaf.nbytes, offset=place.offset)
+            views.append(raw_np.view(to_numpy_dtype(leaf.dtype)).reshape(leaf.shape))
+        else:  # bytes and custom handlers' bytes
+            views.append(np.frombuffer(buf, dtype=np.uint8, count=leaf.nbytes, offset=place.offset))
+    slot.views = views
+    slot.signature = plan.signature
+    return views
+
+
+def write_headers(slot: Slot, plan: Plan) -> None:
+    for fplan, buf in zip(plan.files, slot.buffers):
+        buf.mmap[: len(fplan.header)] = fplan.header
+
+
+def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None) -> None:
+    """Copy every leaf of ``flat`` into ``slot``; returns when the copies are complete."""
+    if slot.signature != plan.signature:
+        write_headers(slot, plan)
+    views = _views(slot, plan, flat)
+    if engine is None:
+        engine = select_engine(flat.leaves)
+    torch = sys.modules.get("torch")
+    grad_off = torch.no_grad() if torch is not None else None
+    if grad_off is not None:
+        grad_off.__enter__()
+    try:
+        for leaf, dst in zip(flat.leaves, views):
+            if dst is None:
+                continue
+            if leaf.kind == "torch":
+                engine.copy(dst, leaf.value)
+            elif leaf.kind in ("numpy", "numpy_scalar"):
+                np.copyto(dst, leaf.value, casting="no")
+            else:
+                dst[:] = np.frombuffer(leaf.value, dtype=np.uint8)
+        engine.finish()
+    finally:
+        if grad_off is not None:
+            grad_off.__exit__(None, None, None)

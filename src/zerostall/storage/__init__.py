@@ -1,0 +1,65 @@
+"""Storage backends, chosen by URL scheme.
+
+``/path`` or ``file:///path``: :class:`~zerostall.storage.local.LocalStorage`;
+``memory://name``: :class:`~zerostall.storage.memory.MemoryStorage` (one process, for tests and
+the RAM tier); further schemes register with :func:`register_scheme`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Callable
+
+from zerostall.storage.base import Storage
+
+__all__ = ["Storage", "open_storage", "split_url", "register_scheme"]
+
+_Factory = Callable[[str], Storage]
+_SCHEMES: dict[str, tuple[str, str, str]] = {
+    # scheme: (module, factory attribute, extra to install)
+    "file": ("zerostall.storage.local", "LocalStorage", ""),
+    "memory": ("zerostall.storage.memory", "MemoryStorage", ""),
+}
+_REGISTERED: dict[str, _Factory] = {}
+
+
+def register_scheme(scheme: str, factory: _Factory) -> None:
+    """Make ``scheme://`` URLs open with ``factory(root_url)``."""
+    _REGISTERED[scheme] = factory
+
+
+def _scheme_of(url: str) -> str:
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep else "file"
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """Split a checkpoint URL into the URL of its parent and its last path component."""
+    url = str(url)
+    scheme = _scheme_of(url)
+    if scheme == "file":
+        path = url[len("file://"):] if url.startswith("file://") else url
+        path = posixpath.normpath(posixpath.abspath(path))
+        parent, name = posixpath.split(path)
+        return parent, name
+    rest = url.split("://", 1)[1].rstrip("/")
+    parent, _, name = rest.rpartition("/")
+    return f"{scheme}://{parent}", name
+
+
+def open_storage(root_url: str) -> Storage:
+    """The backend rooted at ``root_url``."""
+    scheme = _scheme_of(str(root_url))
+    if scheme in _REGISTERED:
+        return _REGISTERED[scheme](str(root_url))
+    if scheme not in _SCHEMES:
+        raise ValueError(f"no storage backend for URL scheme {scheme!r} ({root_url!r}); known: "
+                         f"{sorted(set(_SCHEMES) | set(_REGISTERED))}")
+    module_name, attr, extra = _SCHEMES[scheme]
+    try:
+        module = __import__(module_name, fromlist=[attr])
+    except ImportError as exc:  # an optional dependency is missing
+        hint = f": pip install 'zerostall[{extra}]'" if extra else ""
+        raise ImportError(f"the {scheme}:// backend needs an optional dependency{hint} ({exc})") from exc
+    factory: _Factory = getattr(module, attr)
+    return factory(str(root_url))

@@ -1,0 +1,274 @@
+"""Flatten a training state into a JSON structure plus a list of array leaves.
+
+Runs on the training thread at every save: it only walks containers and reads tensor metadata;
+no tensor bytes are touched here.
+
+A state is a nest of dict / list / tuple / namedtuple whose leaves are torch tensors, numpy
+arrays, Python scalars (int, float, bool, str, None), ``bytes``, objects with a
+``state_dict()`` / ``load_state_dict()`` pair (:class:`Stateful`: modules, optimizers, LR
+schedulers, user objects), or objects of a type with a registered :class:`LeafHandler`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from zerostall.dtypes import ITEMSIZE, numpy_dtype_name, torch_dtype_name
+from zerostall.errors import UnsupportedLeafError
+
+__all__ = [
+    "Stateful",
+    "LeafHandler",
+    "register_handler",
+    "unregister_handler",
+    "ArrayLeaf",
+    "FlatState",
+    "flatten",
+    "is_stateful",
+]
+
+JSON = Any
+Node = dict[str, Any]
+LeafKind = Literal["torch", "numpy", "numpy_scalar", "bytes", "custom"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object saved through its state dict and restored in place.
+
+    ``torch.nn.Module``, optimizers and LR schedulers already are. Restoring calls
+    ``load_state_dict`` with the saved state, whose tensors were first filled into the
+    object's own current ``state_dict()`` tensors where shapes and dtypes match.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    return (
+        not isinstance(obj, (dict, list, tuple, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+@dataclass(frozen=True)
+class LeafHandler:
+    """Saves objects of one type as bytes (into the data file) or JSON (into the manifest).
+
+    ``encode`` turns the object into ``bytes`` (``format="bytes"``) or a JSON value
+    (``format="json"``); ``decode`` turns that back into the object. Nothing is pickled.
+
+    Example::
+
+        >>> import datetime, zerostall
+        >>> zerostall.register_handler(
+        ...     datetime.date, name="date", format="json",
+        ...     encode=lambda d: d.isoformat(), decode=datetime.date.fromisoformat)
+    """
+
+    name: str
+    type: type
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+    format: Literal["bytes", "json"] = "json"
+
+
+_HANDLERS_BY_TYPE: dict[type, LeafHandler] = {}
+_HANDLERS_BY_NAME: dict[str, LeafHandler] = {}
+_HANDLER_LOCK = threading.Lock()
+
+
+def register_handler(
+    type_: type,
+    *,
+    name: str,
+    encode: Callable[[Any], Any],
+    decode: Callable[[Any], Any],
+    format: Literal["bytes", "json"] = "json",
+) -> LeafHandler:
+    """Register how leaves of ``type_`` (and its subclasses) are saved and restored.
+
+    ``name`` is written into the manifest and must be registered again (with the same name)
+    in the process that loads the checkpoint.
+    """
+    if format not in ("bytes", "json"):
+        raise ValueError(f"format must be 'bytes' or 'json', got {format!r}")
+    handler = LeafHandler(name=name, type=type_, encode=encode, decode=decode, format=format)
+    with _HANDLER_LOCK:
+        _HANDLERS_BY_TYPE[type_] = handler
+        _HANDLERS_BY_NAME[name] = handler
+    return handler
+
+
+def unregister_handler(type_: type) -> None:
+    with _HANDLER_LOCK:
+        handler = _HANDLERS_BY_TYPE.pop(type_, None)
+        if handler is not None:
+            _HANDLERS_BY_NAME.pop(handler.name, None)
+
+
+def handler_for_type(type_: type) -> LeafHandler | None:
+    if not _HANDLERS_BY_TYPE:
+        return None
+    for base in type_.__mro__:
+        h = _HANDLERS_BY_TYPE.get(base)
+        if h is not None:
+            return h
+    return None
+
+
+def handler_by_name(name: str) -> LeafHandler | None:
+    return _HANDLERS_BY_NAME.get(name)
+
+
+@dataclass(frozen=True)
+class ArrayLeaf:
+    """One run of bytes to stage: a tensor, an array, or an encoded object."""
+
+    key: str
+    kind: LeafKind
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    value: Any  # the tensor / array / bytes; never part of the plan's identity
+
+
+@dataclass(frozen=True)
+class FlatState:
+    items: dict[str, Node]
+    leaves: list[ArrayLeaf]
+
+    @property
+    def signature(self) -> tuple[tuple[str, str, str, tuple[int, ...]], ...]:
+        """What decides the buffer layout: keys, kinds, dtypes and shapes, in order."""
+        return tuple((leaf.key, leaf.kind, leaf.dtype, leaf.shape) for leaf in self.leaves)
+
+
+def key_join(prefix: str, part: Any) -> str:
+    return f"{prefix}/{part}" if prefix else str(part)
+
+
+def flatten(items: dict[str, Any]) -> FlatState:
+    """Walk ``{item name: tree}`` into JSON nodes and array leaves."""
+    leaves: list[ArrayLeaf] = []
+    out: dict[str, Node] = {}
+    for name, tree in items.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise UnsupportedLeafError(f"item names must be non-empty strings without '/', got {name!r}", key=str(name))
+        out[name] = _flatten(tree, name, leaves, depth=0)
+    keys = [leaf.key for leaf in leaves]
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise UnsupportedLeafError(
+            "two leaves flatten to the same key; rename one of the dict keys", key=dup)
+    return FlatState(items=out, leaves=leaves)
+
+
+_MAX_DEPTH = 200
+
+
+def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
+    if depth > _MAX_DEPTH:
+        raise UnsupportedLeafError(f"state is nested deeper than {_MAX_DEPTH} levels (a cycle?)", key=key)
+    # Order matters: bool before int, namedtuple before tuple, handlers before generic types.
+    if obj is None:
+        return {"type": "none"}
+    t = type(obj)
+    if t is bool:
+        return {"type": "bool", "value": obj}
+    if t is int:
+        return {"type": "int", "value": obj}
+    if t is float:
+        return {"type": "float", "value": obj.hex()}
+    if t is str:
+        return {"type": "str", "value": obj}
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _torch_leaf(obj, key, leaves)
+    if isinstance(obj, np.ndarray):
+        return _numpy_leaf(obj, key, leaves, "numpy")
+    if isinstance(obj, np.generic):
+        return _numpy_leaf(np.asarray(obj), key, leaves, "numpy_scalar")
+    handler = handler_for_type(t)
+    if handler is not None:
+        return _custom_leaf(obj, handler, key, leaves)
+    if t in (bytes, bytearray):
+        leaves.append(ArrayLeaf(key, "bytes", "U8", (len(obj),), len(obj), bytes(obj)))
+        return {"type": "bytes", "leaf": len(leaves) - 1}
+    if isinstance(obj, dict):
+        keys: list[Any] = []
+        values: list[Node] = []
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise UnsupportedLeafError(
+                    f"dict keys must be str or int, got {type(k).__name__} {k!r}", key=key)
+            keys.append(k)
+            values.append(_flatten(v, key_join(key, k), leaves, depth + 1))
+        return {"type": "dict", "keys": keys, "values": values}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        values = [_flatten(v, key_join(key, f), leaves, depth + 1) for f, v in zip(obj._fields, obj)]
+        return {"type": "namedtuple", "name": t.__name__, "fields": list(obj._fields), "values": values}
+    if isinstance(obj, (list, tuple)):
+        values = [_flatten(v, key_join(key, i), leaves, depth + 1) for i, v in enumerate(obj)]
+        return {"type": "list" if isinstance(obj, list) else "tuple", "values": values}
+    if is_stateful(obj):
+        state = obj.state_dict()
+        return _flatten(state, key, leaves, depth + 1)
+    raise UnsupportedLeafError(
+        f"cannot save a leaf of type {t.__module__}.{t.__qualname__}; save its state_dict(), "
+        "or register a handler with zerostall.register_handler", key=key)
+
+
+def _torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
+    import torch
+
+    name = torch_dtype_name(t.dtype)
+    if name is None:
+        raise UnsupportedLeafError(f"tensor dtype {t.dtype} has no safetensors equivalent", key=key)
+    if t.layout != torch.strided:
+        raise UnsupportedLeafError(f"only dense (strided) tensors can be saved, got layout {t.layout}", key=key)
+    if t.is_quantized or t.device.type == "meta":
+        raise UnsupportedLeafError(f"cannot save a {'quantized' if t.is_quantized else 'meta'} tensor", key=key)
+    if type(t).__name__ == "DTensor":
+        raise UnsupportedLeafError("DTensor leaves need the torch.distributed save path", key=key)
+    shape = tuple(int(s) for s in t.shape)
+    nbytes = t.numel() * ITEMSIZE[name]
+    leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t))
+    return {"type": "array", "leaf": len(leaves) - 1}
+
+
+def _numpy_leaf(a: np.ndarray, key: str, leaves: list[ArrayLeaf], kind: LeafKind) -> Node:
+    name = numpy_dtype_name(a.dtype)
+    if name is None:
+        raise UnsupportedLeafError(f"numpy dtype {a.dtype} cannot be saved (object, string or big-endian)", key=key)
+    leaves.append(ArrayLeaf(key, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes), a))
+    return {"type": "array", "leaf": len(leaves) - 1}
+
+
+def _custom_leaf(obj: Any, handler: LeafHandler, key: str, leaves: list[ArrayLeaf]) -> Node:
+    try:
+        encoded = handler.encode(obj)
+    except Exception as exc:
+        raise UnsupportedLeafError(f"handler {handler.name!r} failed to encode: {exc}", key=key) from exc
+    if handler.format == "bytes":
+        if not isinstance(encoded, (bytes, bytearray, memoryview)):
+            raise UnsupportedLeafError(f"handler {handler.name!r} must return bytes", key=key)
+        data = bytes(encoded)
+        leaves.append(ArrayLeaf(key, "custom", "U8", (len(data),), len(data), data))
+        return {"type": "custom", "handler": handler.name, "leaf": len(leaves) - 1}
+    try:
+        json.dumps(encoded, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedLeafError(f"handler {handler.name!r} returned a value that is not plain JSON: {exc}",
+                                   key=key) from exc
+    return {"type": "custom", "handler": handler.name, "json": encoded}
