@@ -6,6 +6,8 @@
   it is reported to show what page faults cost, not as a floor.
 * ``write_fsync``: one new file in the benchmark directory, the state's bytes written with
   64 MiB ``write`` calls, then ``fsync`` of the file and the directory -- the floor for persist.
+* ``write_direct_fsync`` (informational): the same with ``O_DIRECT`` (no page-cache copy), the
+  disk's own ceiling; a writer that uses ``O_DIRECT`` can beat the buffered floor above.
 * ``read_warm``: ``readinto`` the same preallocated buffer with 64 MiB reads while the file is
   in the page cache -- the floor for an in-place restore of a checkpoint just written.
 * ``read_cold``: the same after ``POSIX_FADV_DONTNEED`` -- the floor for a cold restore.
@@ -16,6 +18,7 @@ Run alone: ``python -m benchmarks.floors --size 256M --repeats 1 --dir /tmp/zsb`
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ import torch
 from benchmarks import measure
 from benchmarks.state import build_state, iter_tensors, nbytes, parse_size
 
+_KEEP: dict[int, mmap.mmap] = {}  # the mappings behind the flat buffers
 CHUNK = 64 << 20  # large enough that per-syscall overhead is noise, small enough to stream
 ALIGN = 64
 
@@ -36,7 +40,13 @@ def _flat_views(state: Any) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torc
     for _, t in iter_tensors(state):
         pairs_meta.append((t, off))
         off += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
-    flat = torch.zeros(off, dtype=torch.uint8)  # zeros: every page faulted in now, not timed
+    # Page-aligned anonymous memory so that O_DIRECT can write straight from it; rounded up to
+    # whole pages so the last O_DIRECT write may be a full page.
+    size = (off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    mem = mmap.mmap(-1, size)
+    flat = torch.frombuffer(mem, dtype=torch.uint8)
+    flat.zero_()  # every page faulted in now, not timed
+    _KEEP[id(flat)] = mem
     pairs = []
     for t, o in pairs_meta:
         n = t.numel() * t.element_size()
@@ -54,6 +64,25 @@ def _write_file(path: Path, buf: memoryview) -> None:
     finally:
         os.close(fd)
     measure.fsync_dir(path.parent)
+
+
+def _write_file_direct(path: Path, buf: memoryview, length: int) -> bool:
+    """O_DIRECT write of buf (page-aligned, whole pages) then truncate to length; False if the
+    filesystem refuses O_DIRECT."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        pos = 0
+        while pos < len(buf):
+            pos += os.write(fd, buf[pos : pos + CHUNK])
+        os.ftruncate(fd, length)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    measure.fsync_dir(path.parent)
+    return True
 
 
 def _read_file(path: Path, buf: memoryview) -> int:
@@ -74,7 +103,7 @@ def run(state: Any, directory: Path, repeats: int) -> dict[str, Any]:
     for src, dst in pairs:  # one untimed pass: caches, thread pool, lazy init
         dst.copy_(src)
     out: dict[str, Any] = {"nbytes": total, "memcpy_s": [], "memcpy_fresh_s": [],
-                           "write_fsync_s": [], "read_warm_s": [], "read_cold_s": []}
+                           "write_fsync_s": [], "write_direct_fsync_s": [], "read_warm_s": [], "read_cold_s": []}
     # The file holds exactly the state's bytes (not the alignment padding of the buffer).
     payload = memoryview(flat.numpy())[: sum(t.numel() * t.element_size() for t, _ in pairs)]
     readbuf = memoryview(flat.numpy())[: len(payload)]
@@ -91,6 +120,16 @@ def run(state: Any, directory: Path, repeats: int) -> dict[str, Any]:
             fresh = [src.clone() for src, _ in pairs]
             out["memcpy_fresh_s"].append(measure.now() - t0)
             del fresh
+
+        npay = len(payload)
+        direct_buf = memoryview(flat.numpy())[: (npay + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE]
+        path = measure.scratch_path(directory, "floor-direct")
+        try:
+            t0 = measure.now()
+            if _write_file_direct(path, direct_buf, npay):
+                out["write_direct_fsync_s"].append(measure.now() - t0)
+        finally:
+            measure.remove(path)
 
         path = measure.scratch_path(directory, "floor")
         try:
@@ -111,7 +150,7 @@ def run(state: Any, directory: Path, repeats: int) -> dict[str, Any]:
             measure.remove(path)
         measure.log(
             f"floors r{r}: memcpy {out['memcpy_s'][-1]:.3f}s write+fsync "
-            f"{out['write_fsync_s'][-1]:.3f}s read warm {out['read_warm_s'][-1]:.3f}s "
+            f"{out['write_fsync_s'][-1]:.3f}s (O_DIRECT {(out['write_direct_fsync_s'] or [float('nan')])[-1]:.3f}s) read warm {out['read_warm_s'][-1]:.3f}s "
             f"cold {out['read_cold_s'][-1]:.3f}s"
         )
     out["torch_threads"] = torch.get_num_threads()
