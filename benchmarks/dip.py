@@ -22,6 +22,8 @@ One window per repeat:
 The window therefore always spans the whole save; ``none`` runs a fixed ``PRE_S + 2 + POST_S``
 second window with no save, and its "work lost" is the noise floor of the method.
 A system's first save (buffer allocation, process start) happens before the windows, untimed.
+Before every window the trainer waits (up to 30 s) until other users of the shared machine
+leave it nearly idle, and the cores they used during the window are recorded with it.
 
 Run alone: ``python -m benchmarks.dip --system zerostall --size 256M --dir /tmp/zsb``.
 """
@@ -96,6 +98,8 @@ def _make_system(name: str) -> measure.System | None:
 
 def window(trainer: Trainer, system: measure.System | None, state: Any, directory: Path) -> dict[str, Any]:
     """One baseline + one save window; see the module docstring for the accounting."""
+    quiet = measure.wait_for_quiet(max_wait_s=30.0)
+    foreign = measure.ForeignLoad().__enter__()
     base = trainer.run_for(BASE_S)
     path = measure.scratch_path(directory, f"dip-{system.name if system else 'none'}")
     done = threading.Event()
@@ -140,6 +144,7 @@ def window(trainer: Trainer, system: measure.System | None, state: Any, director
         raise box["error"]
     durable_at = box["durable_at"]
     base += trainer.run_for(BASE_S)
+    foreign.__exit__(None, None, None)
     t0 = statistics.fmean(base)
     measure.remove(path)
 
@@ -152,6 +157,7 @@ def window(trainer: Trainer, system: measure.System | None, state: Any, director
         "iters": len(iters), "lost_s": lost, "lost_iters": lost / t0,
         "iters_during_persist": len(during),
         "slowdown_during_persist": (statistics.fmean(during) / t0) if during else None,
+        "foreign_cores": foreign.cores, **quiet,
     }
 
 
@@ -175,7 +181,7 @@ def run(system_name: str, state_size: int, directory: Path, repeats: int) -> dic
             measure.log(f"dip {system_name} r{r}: t0 {w['t0_s'] * 1e3:.1f}ms stall {w['stall_s']:.3f}s "
                         f"durable {w['durable_s']:.2f}s lost {w['lost_s']:.2f}s "
                         f"({w['lost_iters']:.1f} iters), slowdown "
-                        f"{w['slowdown_during_persist'] or float('nan'):.2f}x")
+                        f"{w['slowdown_during_persist'] or float('nan'):.2f}x; others used {w['foreign_cores']:.1f} cores")
         if system is not None:
             system.close()
     except Exception as e:

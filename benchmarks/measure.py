@@ -99,6 +99,68 @@ def remove(path: str | os.PathLike[str]) -> None:
             pass
 
 
+def _cpu_jiffies() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    total = sum(vals[:8])  # guest time is already counted in user
+    return (total - idle) / hz, total / hz
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds used by this process and its descendants (live and reaped)."""
+    p = psutil.Process()
+    t = p.cpu_times()
+    own = t.user + t.system + t.children_user + t.children_system
+    for c in p.children(recursive=True):
+        try:
+            ct = c.cpu_times()
+            own += ct.user + ct.system
+        except psutil.Error:
+            pass
+    return own
+
+
+class ForeignLoad:
+    """Measures how many cores *other* users of the machine kept busy during a block.
+
+    The development machine is shared: other engineers' test runs take cores at random. The
+    machine's busy CPU time minus this process tree's CPU time, divided by the wall time, is
+    the average number of cores someone else used; a measurement taken under foreign load is
+    flagged with it instead of being silently trusted.
+    """
+
+    def __enter__(self) -> "ForeignLoad":
+        self._busy0, _ = _cpu_jiffies()
+        self._own0 = _own_cpu_s()
+        self._t0 = now()
+        self.cores = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy1, _ = _cpu_jiffies()
+        own1 = _own_cpu_s()
+        wall = now() - self._t0
+        self.cores = max(0.0, ((busy1 - self._busy0) - (own1 - self._own0)) / wall) if wall > 0 else 0.0
+
+
+def wait_for_quiet(max_wait_s: float = 20.0, busy_cores: float = 0.3, probe_s: float = 0.5) -> dict[str, float]:
+    """Wait (up to ``max_wait_s``) until the other users of the machine use < ``busy_cores``.
+
+    Returns how long it waited and the foreign load of the last probe, to be stored with the
+    measurement that follows; after ``max_wait_s`` the measurement goes ahead anyway (a run
+    must finish), flagged by that load.
+    """
+    start = now()
+    while True:
+        with ForeignLoad() as fl:
+            time.sleep(probe_s)
+        if fl.cores < busy_cores or now() - start >= max_wait_s:
+            return {"quiet_wait_s": now() - start, "foreign_cores_before": fl.cores}
+
+
 def _tree_rss(proc: psutil.Process) -> tuple[int, int]:
     """(rss of proc, summed rss of all its descendants); vanished children count as 0."""
     own = proc.memory_info().rss
@@ -229,6 +291,11 @@ class System:
     def close(self) -> None:
         pass
 
+    def restore_variants(self) -> dict[str, Any]:
+        """Extra named restore functions ``(path, template) -> tree`` timed like ``restore``
+        (e.g. with verification off, to show what verification costs)."""
+        return {}
+
 
 def measure_system(system: System, state: Any, directory: Path, repeats: int) -> dict[str, Any]:
     """First save, ``repeats`` later saves, then ``repeats`` warm and cold restores.
@@ -258,25 +325,27 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
             if path is not None:
                 remove(path)
             path = scratch_path(directory, system.name)
-            tm = now()
-            for src, dst in pairs:
-                dst.copy_(src)
-            memcpy_s = now() - tm
-            with RssSampler() as mem:
-                t0 = now()
-                pending = system.save(path, state)
-                t1 = now()
-                extra = pending.wait()
-                t2 = now()
+            quiet = wait_for_quiet(max_wait_s=10.0)
+            with ForeignLoad() as foreign:
+                tm = now()
+                for src, dst in pairs:
+                    dst.copy_(src)
+                memcpy_s = now() - tm
+                with RssSampler() as mem:
+                    t0 = now()
+                    pending = system.save(path, state)
+                    t1 = now()
+                    extra = pending.wait()
+                    t2 = now()
             m = {"stall_s": t1 - t0, "commit_s": t2 - t0, "persist_s": t2 - t1, "memcpy_s": memcpy_s,
-                 **mem.as_dict()}
+                 **mem.as_dict(), **quiet, "foreign_cores": foreign.cores}
             if extra:
                 m["extra"] = extra
             m["disk_bytes"] = sum(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file())
             saves.append(m)
             log(f"{system.name} save {'first' if r == 0 else r}: stall {m['stall_s']:.3f}s "
                 f"commit {m['commit_s']:.3f}s trainer +{m['trainer_rss_extra'] / 2**20:.0f} MiB "
-                f"children peak {m['children_rss_peak'] / 2**20:.0f} MiB")
+                f"children peak {m['children_rss_peak'] / 2**20:.0f} MiB; others used {m['foreign_cores']:.1f} cores")
         out["first_save"] = saves[0]
         out["saves"] = saves[1:]
         del flat, pairs  # free the floor buffer before the restore template is allocated
@@ -285,6 +354,7 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         template = template_like(state)
         warm, cold = [], []
         for r in range(repeats):
+            wait_for_quiet(max_wait_s=10.0)
             t0 = now()
             restored = system.restore(path, template)
             warm.append(now() - t0)
@@ -292,6 +362,7 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
                 out["restore_correct"] = trees_equal(state, restored)
             del restored
             drop_cache(path)
+            wait_for_quiet(max_wait_s=10.0)
             t0 = now()
             restored = system.restore(path, template)
             cold.append(now() - t0)
@@ -299,6 +370,20 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
             log(f"{system.name} restore {r}: warm {warm[-1]:.3f}s cold {cold[-1]:.3f}s")
         out["restore_warm_s"] = warm
         out["restore_cold_s"] = cold
+        for vname, fn in system.restore_variants().items():
+            vw, vc = [], []
+            for r in range(repeats):
+                wait_for_quiet(max_wait_s=10.0)
+                t0 = now()
+                fn(path, template)
+                vw.append(now() - t0)
+                drop_cache(path)
+                wait_for_quiet(max_wait_s=10.0)
+                t0 = now()
+                fn(path, template)
+                vc.append(now() - t0)
+                log(f"{system.name} restore {vname} {r}: warm {vw[-1]:.3f}s cold {vc[-1]:.3f}s")
+            out.setdefault("restore_variants", {})[vname] = {"warm_s": vw, "cold_s": vc}
     finally:
         if path is not None:
             remove(path)

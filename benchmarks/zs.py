@@ -49,6 +49,18 @@ class Zerostall(measure.System):
     def restore(self, path: Path, template: Any) -> Any:
         return self.zs.load_pytree(str(path), template)
 
+    def restore_variants(self) -> dict[str, Any]:
+        # The default load verifies every leaf's checksum; timing it without shows whether a
+        # slow restore is I/O or checksum CPU.
+        lo = getattr(self.zs, "LoadOptions", None)
+        if lo is None:
+            return {}
+        try:
+            opts = lo(verify=False)
+        except TypeError:
+            return {}
+        return {"verify=False": lambda path, template: self.zs.load_pytree(str(path), template, options=opts)}
+
 
 def available() -> str | None:
     """None if zerostall's API is importable, else why not (the suite then skips it)."""
