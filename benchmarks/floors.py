@@ -108,7 +108,7 @@ def run(state: Any, directory: Path, repeats: int) -> dict[str, Any]:
     payload = memoryview(flat.numpy())[: sum(t.numel() * t.element_size() for t, _ in pairs)]
     readbuf = memoryview(flat.numpy())[: len(payload)]
     for r in range(repeats):
-        measure.wait_for_quiet(max_wait_s=10.0)
+        measure.wait_for_quiet(max_wait_s=measure.QUIET_WAIT_S)
         t0 = measure.now()
         for src, dst in pairs:
             dst.copy_(src)

@@ -96,6 +96,7 @@ def summarize_system(r: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
     s["restore_warm_x_read"] = _div(floors.get("read_warm_s"), s["restore_warm_s"])
     s["restore_cold_x_read"] = _div(floors.get("read_cold_s"), s["restore_cold_s"])
     s["restore_correct"] = r.get("restore_correct")
+    s["restore_first_s"] = r.get("restore_first_s")
     extras = [x.get("extra") for x in saves if x.get("extra")]
     if extras and "persist_gbps" in extras[0]:  # zerostall's own SaveStats
         s["lib_stats"] = {k: median(e.get(k) for e in extras)
@@ -237,7 +238,8 @@ def table(summary: dict[str, Any]) -> str:
     lines: list[str] = [
         "columns: xmemcpy = stall / memcpy floor paired with each save; persist = GB/s from the",
         "caller's release to durable; xwrite = that / buffered write+fsync floor (blocking systems:",
-        "whole save); 1st/ltr = first commit time / later; xread = floor read time / restore time;",
+        "whole save); 1st/ltr = first commit time / later; rest.1st = first restore in the process;",
+        "xread = floor read time / restore time;",
         "+RSS = trainer peak RSS above its pre-save level; child = peak RSS of child processes",
         "(shared staging memory counts in both); ok = restored bytes equal; others = CPU cores other",
         "users of the machine kept busy during the measurement (noise flag).",
@@ -253,7 +255,7 @@ def table(summary: dict[str, Any]) -> str:
                 f"({_f(fl.get('write_gbps'), '{:.2f}')} GB/s; O_DIRECT {_f(fl.get('write_direct_gbps'), '{:.2f}')} GB/s) | "
                 f"read warm {_f(fl.get('read_warm_s'))}s cold {_f(fl.get('read_cold_s'))}s")
         hdr = (f"{'system':<18}{'stall s':>9}{'xmemcpy':>9}{'commit s':>9}{'persist':>9}{'xwrite':>8}"
-               f"{'1st/ltr':>8}{'rest.warm':>10}{'xread':>7}{'rest.cold':>10}{'xread':>7}"
+               f"{'1st/ltr':>8}{'rest.1st':>9}{'rest.warm':>10}{'xread':>7}{'rest.cold':>10}{'xread':>7}"
                f"{'+RSS MiB':>9}{'child MiB':>10}{'ok':>4}{'others':>7}")
         lines.append(hdr)
         lines.append("-" * len(hdr))
@@ -266,7 +268,7 @@ def table(summary: dict[str, Any]) -> str:
                 f"{name:<18}{_f(r['stall_s']):>9}{_f(r['stall_x_memcpy_paired'], '{:.2f}'):>9}"
                 f"{_f(r['commit_s']):>9}{persist:>9}"
                 f"{_f(r['persist_x_write'] if not r['blocking'] else r['durable_x_write'], '{:.2f}'):>8}"
-                f"{_f(r['first_x_later_commit'], '{:.2f}'):>8}"
+                f"{_f(r['first_x_later_commit'], '{:.2f}'):>8}{_f(r.get('restore_first_s')):>9}"
                 f"{_f(r['restore_warm_s']):>10}{_f(r['restore_warm_x_read'], '{:.2f}'):>7}"
                 f"{_f(r['restore_cold_s']):>10}{_f(r['restore_cold_x_read'], '{:.2f}'):>7}"
                 f"{r['trainer_rss_extra'] / MiB:>9.0f}{r['children_rss_peak'] / MiB:>10.0f}"
