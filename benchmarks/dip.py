@@ -22,7 +22,7 @@ One window per repeat:
 The window therefore always spans the whole save; ``none`` runs a fixed ``PRE_S + 2 + POST_S``
 second window with no save, and its "work lost" is the noise floor of the method.
 A system's first save (buffer allocation, process start) happens before the windows, untimed.
-Before every window the trainer waits (up to 10 s) until other users of the shared machine
+Before every window the trainer waits (up to 5 s) until other users of the shared machine
 leave it nearly idle, and the cores they used during the window are recorded with it.
 
 Run alone: ``python -m benchmarks.dip --system zerostall --size 256M --dir /tmp/zsb``.
@@ -98,7 +98,7 @@ def _make_system(name: str) -> measure.System | None:
 
 def window(trainer: Trainer, system: measure.System | None, state: Any, directory: Path) -> dict[str, Any]:
     """One baseline + one save window; see the module docstring for the accounting."""
-    quiet = measure.wait_for_quiet(max_wait_s=10.0)
+    quiet = measure.wait_for_quiet(max_wait_s=5.0)
     foreign = measure.ForeignLoad().__enter__()
     base = trainer.run_for(BASE_S)
     path = measure.scratch_path(directory, f"dip-{system.name if system else 'none'}")

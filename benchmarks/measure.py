@@ -147,7 +147,7 @@ class ForeignLoad:
 
 
 #: How long a save or restore measurement waits for the machine to quieten before going ahead.
-QUIET_WAIT_S = 3.0
+QUIET_WAIT_S = 1.0
 
 
 def wait_for_quiet(max_wait_s: float = 20.0, busy_cores: float = 0.3, probe_s: float = 0.5) -> dict[str, float]:
