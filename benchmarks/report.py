@@ -178,6 +178,18 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     for size, s in sizes.items():
         zs = s["systems"].get("zerostall", {})
         fl = s["floors"]
+        zd = s["dip"].get("zerostall", {})
+        peers = {n: d for n, d in s["dip"].items() if n not in ("zerostall", "none") and d.get("lost_s") is not None}
+        if zd.get("lost_s") is not None and peers:
+            best = min(peers, key=lambda n: peers[n]["lost_s"])
+            noise = abs(s["dip"].get("none", {}).get("lost_s") or 0.0)
+            v = _div(zd["lost_s"], peers[best]["lost_s"])
+            # A ratio to a loss that is not above the method's noise says nothing.
+            ok = None if peers[best]["lost_s"] <= 2 * noise or peers[best]["lost_s"] <= 0 else v <= LOST_MAX_X_BEST_PEER
+            add("work lost <= 1/3 best peer", size, v, "<= 0.33", ok,
+                f"zerostall {zd['lost_s']:.2f}s vs best peer {best} {peers[best]['lost_s']:.2f}s "
+                f"(noise control 'none': {s['dip'].get('none', {}).get('lost_s') or float('nan'):.2f}s"
+                f"{'; best peer within 2x noise: inconclusive' if ok is None else ''})")
         if "stall_s" not in zs:
             continue
         v = zs["stall_x_memcpy_paired"]
@@ -199,18 +211,6 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                          "limit": "-", "verdict": "info",
                          "detail": f"warm {rv['warm_s']:.3f}s ({_f(rv['warm_x_read'], '{:.2f}')}x read), "
                                    f"cold {rv['cold_s']:.3f}s ({_f(rv['cold_x_read'], '{:.2f}')}x read)"})
-        zd = s["dip"].get("zerostall", {})
-        peers = {n: d for n, d in s["dip"].items() if n not in ("zerostall", "none") and d.get("lost_s") is not None}
-        if zd.get("lost_s") is not None and peers:
-            best = min(peers, key=lambda n: peers[n]["lost_s"])
-            noise = abs(s["dip"].get("none", {}).get("lost_s") or 0.0)
-            v = _div(zd["lost_s"], peers[best]["lost_s"])
-            # A ratio to a loss that is not above the method's noise says nothing.
-            ok = None if peers[best]["lost_s"] <= 2 * noise or peers[best]["lost_s"] <= 0 else v <= LOST_MAX_X_BEST_PEER
-            add("work lost <= 1/3 best peer", size, v, "<= 0.33", ok,
-                f"zerostall {zd['lost_s']:.2f}s vs best peer {best} {peers[best]['lost_s']:.2f}s "
-                f"(noise control 'none': {s['dip'].get('none', {}).get('lost_s') or float('nan'):.2f}s"
-                f"{'; best peer within 2x noise: inconclusive' if ok is None else ''})")
         v = max(zs["first_x_later_stall"] or 0, zs["first_x_later_commit"] or 0)
         add("first save <= 2x later", size, v, "<= 2", v <= FIRST_MAX_X_LATER,
             f"first stall {zs['first_stall_s']:.3f}s / commit {zs['first_commit_s']:.3f}s vs later "

@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"systems for the training dip (default {','.join(dip.DEFAULT)}; 'none' is the noise "
                         f"control; all: {','.join(dip.SYSTEMS)}); empty string skips the dip")
     p.add_argument("--no-zerostall", action="store_true", help="skip zerostall (e.g. before it is importable)")
+    p.add_argument("--only-dip", action="store_true", help="floors and the training dip only (no save/restore runs)")
     p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
     a = p.parse_args(argv)
     if a.quick:
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
-                 "repeats": a.repeats, "scratch": str(scratch), "filesystem": fs_of(scratch), "machine": machine()},
+                 "repeats": a.repeats, "scratch": str(scratch),
+                 "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ}, "filesystem": fs_of(scratch), "machine": machine()},
         "sizes": {},
     }
     try:
@@ -152,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             results["sizes"][label] = res
             log(f"== {label}: floors")
             res["floors"].append(run_child("floors", common, a.timeout))
-            if not a.no_zerostall:
+            if not a.no_zerostall and not a.only_dip:
                 log(f"== {label}: zerostall")
                 res["systems"]["zerostall"] = run_child("zs", common, a.timeout)
-            for name in peer_names:
+            for name in ([] if a.only_dip else peer_names):
                 log(f"== {label}: {name}")
                 res["systems"][name] = run_child("peers", [*common, "--system", name], a.timeout)
             for name in dip_names:
