@@ -314,33 +314,38 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def chart(summary: dict[str, Any], png: Path) -> None:
-    """Bar chart per size: stall and training work lost per save, per system (log scale)."""
+    """Bar chart per size: stall and training work lost per save, per system (linear scale,
+    values printed on the bars; a negative loss is noise and is drawn below zero as measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sizes = list(summary["sizes"])
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.4), squeeze=False)
     for ax, size in zip(axes[0], sizes):
         s = summary["sizes"][size]
         names = [n for n, r in s["systems"].items() if "stall_s" in r]
-        stall = [s["systems"][n]["stall_s"] for n in names]
+        names += [n for n, d in s["dip"].items() if n not in names and n != "none" and "lost_s" in d]
+        stall = [s["systems"].get(n, {}).get("stall_s") for n in names]
         lost = [s["dip"].get(n, {}).get("lost_s") for n in names]
-        x = range(len(names))
-        ax.bar([i - 0.2 for i in x], stall, width=0.4, label="stall per save (s)")
-        ax.bar([i + 0.2 for i in x], [v if v is not None and v > 0 else 0 for v in lost], width=0.4,
-               label="training work lost per save (s)")
-        for i, v in enumerate(lost):
-            if v is None:
-                ax.text(i + 0.2, 0, "not\nrun", ha="center", va="bottom", fontsize=7)
+        x = list(range(len(names)))
+        b1 = ax.bar([i - 0.2 for i in x], [v or 0 for v in stall], width=0.4, label="stall per save (s)")
+        b2 = ax.bar([i + 0.2 for i in x], [v or 0 for v in lost], width=0.4, label="training work lost per save (s)")
+        for bars, vals in ((b1, stall), (b2, lost)):
+            for bar, v in zip(bars, vals):
+                ax.annotate("n/m" if v is None else f"{v:.2f}", (bar.get_x() + bar.get_width() / 2, max(v or 0, 0)),
+                            ha="center", va="bottom", fontsize=6)
         memcpy = s["floors"].get("memcpy_s")
         if memcpy:
             ax.axhline(memcpy, color="gray", ls="--", lw=1, label=f"memcpy floor {memcpy:.2f}s")
-        ax.set_xticks(list(x))
+        noise = s["dip"].get("none", {}).get("lost_s")
+        if noise is not None:
+            ax.axhline(noise, color="red", ls=":", lw=1, label=f"'none' control loss {noise:.2f}s (noise)")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_xticks(x)
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-        ax.set_yscale("log")
-        ax.set_title(f"state {size}")
+        ax.set_title(f"state {size}  (n/m = not measured)", fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("zerostall benchmark: stall and training work lost per save (median, lower is better)", fontsize=10)
     fig.tight_layout()
