@@ -191,7 +191,7 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                 f"zerostall {zd['lost_s']:.2f}s vs best peer {best} {peers[best]['lost_s']:.2f}s "
                 f"(noise control 'none': {s['dip'].get('none', {}).get('lost_s') or float('nan'):.2f}s"
                 f"{'; best peer within 2x noise: inconclusive' if ok is None else ''}"
-                f"{'; zerostall loss within noise' if ok is not None and abs(zd['lost_s']) <= 2 * noise else ''})")
+                f"{'; zerostall loss not above the noise' if ok is not None and zd['lost_s'] <= 2 * noise else ''})")
         if "stall_s" not in zs:
             continue
         v = zs["stall_x_memcpy_paired"]
