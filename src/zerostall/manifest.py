@@ -214,7 +214,7 @@ def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> No
             raise _bad(f"{t} node has value {v!r}"[:200], path, key)
         if t == "float":
             try:
-                float.fromhex(v)
+                float.fromhex(str(v))
             except ValueError as exc:
                 raise _bad(f"float value {v!r} is not a hex float"[:200], path, key) from exc
     if t in ("dict", "list", "tuple", "namedtuple"):
