@@ -88,6 +88,9 @@ def main() -> int:
         optim.step()
         sched.step()
         timeline["steps"].append([step, t0, time.perf_counter() - t0])
+        if ckpt is not None and step == start + 1:
+            # The optimizer has its state now: allocate the staging buffers before the first save.
+            ckpt.prepare(tree={**state, "step": step})
         if step % 25 == 0:
             print(f"step {step:4d}  loss {loss.item():.3f}", flush=True)
         if ckpt is not None and ckpt.should_save(step):

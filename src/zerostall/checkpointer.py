@@ -80,6 +80,18 @@ class Checkpointer:
         """Whether ``step`` falls on the save interval."""
         return self.save_interval_steps is None or step % self.save_interval_steps == 0
 
+    def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
+        """Allocate the staging buffers for this state's layout now, so the first save only copies.
+
+        Pass the same ``items`` (or ``tree=`` for ``save_pytree``) you will save, once it has its
+        final layout (optimizers create their state at their first step). Returns the bytes
+        allocated per in-flight slot times ``max_in_flight``. Optional: without it the first
+        save allocates.
+        """
+        if (items is None) == (tree is None):
+            raise ValueError("pass exactly one of items or tree=")
+        return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
+
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
                                    metadata: dict[str, Any] | None = None) -> Response:
         """Stage ``items`` as ``step`` and return; commit (and retention) follow in the background."""

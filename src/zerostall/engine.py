@@ -18,6 +18,7 @@ from zerostall.options import SaveOptions
 from zerostall.persist.client import WriterClient
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
+from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import flatten
 
@@ -65,6 +66,26 @@ class Engine:
         if len(self._plans) > _PLAN_CACHE:
             self._plans.popitem(last=False)
         return plan, leaves
+
+    def prepare(self, items: dict[str, Any]) -> int:
+        """Plan ``items``' layout and allocate (and pre-fault) every slot's buffers for it now.
+
+        Returns the bytes allocated. Saves of the same layout then only copy. Nothing is saved.
+        """
+        flat = flatten(items)
+        plan, _ = self._plan(flat)
+        total = 0
+        slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
+        try:
+            for slot in slots:
+                self.pool.fit(slot, [f.alloc for f in plan.files])
+                prepare_slot(flat, plan, slot)
+                total += slot.nbytes
+        finally:
+            for slot in slots:
+                self.pool.release(slot)
+        self.writer.start()
+        return total
 
     def save_async(
         self,

@@ -246,6 +246,19 @@ class TestCheckpointer:
             assert ck.load_pytree(4)["step"] == 4
             assert len(ck.stats()) == 8 and all(s.persist_s is not None for s in ck.stats())
 
+    def test_prepare_allocates_before_the_first_save(self, ckdir):
+        state = {"w": torch.randn(1000), "step": 0}
+        with Checkpointer(ckdir) as ck:
+            nbytes = ck.prepare(tree=state)
+            assert nbytes >= 4000
+            slot = ck._engine.pool._all[0]
+            buffers = list(slot.buffers)
+            ck.save_pytree(1, state)
+            assert slot.buffers == buffers  # the first save reused them
+            assert torch.equal(ck.load_pytree(1)["w"], state["w"])
+            with pytest.raises(ValueError):
+                ck.prepare()
+
     def test_should_save(self, ckdir):
         with Checkpointer(ckdir, save_interval_steps=5) as ck:
             assert [s for s in range(12) if ck.should_save(s)] == [0, 5, 10]
