@@ -7,7 +7,7 @@ from collections import deque
 from typing import Any
 
 from zerostall.api import PYTREE
-from zerostall.commit import committed_steps, step_name
+from zerostall.commit import committed_steps, remove_stale_attempts, step_name
 from zerostall.engine import Engine
 from zerostall.errors import CheckpointNotFoundError
 from zerostall.options import LoadOptions, SaveOptions
@@ -29,7 +29,8 @@ class Checkpointer:
         save_interval_steps: :meth:`should_save` is true every this many steps (default: every step).
         save_options / load_options: see :class:`SaveOptions` and :class:`LoadOptions`.
 
-    The writer process starts here, so the first save does not pay for it. Saves are
+    The writer process starts here, so the first save does not pay for it. Partial saves left by
+    writers that died (on this host) are removed here. Saves are
     unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
     leaving it waits for in-flight saves.
 
@@ -71,6 +72,8 @@ class Checkpointer:
         self.save_interval_steps = save_interval_steps
         self.load_options = load_options
         self._storage = open_storage(self.directory)
+        if self._storage.atomic_rename:
+            remove_stale_attempts(self._storage)  # partial saves of writers that died
         self._engine = Engine(save_options, prewarm=True)
         self._stats: deque[SaveStats] = deque(maxlen=100)
 

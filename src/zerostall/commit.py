@@ -17,7 +17,9 @@ Runs in the writer, never on the training thread.
 from __future__ import annotations
 
 import errno
+import os
 import re
+import socket
 import uuid
 from dataclasses import dataclass
 
@@ -27,12 +29,49 @@ from zerostall.storage import Storage
 
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
-    "is_committed", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+    "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
 ]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".zs-tmp-"
 DEL_MARK = ".zs-del-"
+# .<name>.zs-tmp-<host>-<pid>-<id>: who made a partial directory, so leftovers of dead writers
+# on this host can be told apart from the attempts of live ones.
+_ATTEMPT_RE = re.compile(r"^\..+\.zs-(?:tmp|del)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
+
+
+def _attempt_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_attempts(storage: Storage) -> list[str]:
+    """Delete partial save and deletion directories whose writer (on this host) is dead.
+
+    Returns the names removed. Directories of live writers and of other hosts are left alone.
+    """
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = storage.list("")
+    except FileNotFoundError:
+        return []
+    for n in names:
+        m = _ATTEMPT_RE.match(n)
+        if m is None or m.group("host") != host or _pid_alive(int(m.group("pid"))):
+            continue
+        storage.delete(n)
+        removed.append(n)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def step_name(step: int) -> str:
@@ -88,7 +127,7 @@ class RenameCommit(CommitProtocol):
         if self.storage.exists(name):
             raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
                                         path=_join(self.storage.url, name))
-        return Attempt(name=name, staging=f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}", data_dir="data")
+        return Attempt(name=name, staging=f".{name}{TMP_MARK}{_attempt_tag()}", data_dir="data")
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
         s = self.storage
@@ -135,7 +174,7 @@ def protocol_for(storage: Storage) -> CommitProtocol:
 def delete_checkpoint(storage: Storage, name: str) -> None:
     """Make ``name`` invisible first (rename away, or drop its manifest), then delete its data."""
     if storage.atomic_rename:
-        doomed = f".{name}{DEL_MARK}{uuid.uuid4().hex[:12]}"
+        doomed = f".{name}{DEL_MARK}{_attempt_tag()}"
         try:
             storage.rename(name, doomed)
         except FileNotFoundError:

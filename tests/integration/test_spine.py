@@ -93,6 +93,11 @@ def test_writer_sigkill_mid_save(ckdir, monkeypatch):
         assert_equal_state(ck.load_pytree(3), make_state(8, seed=3))
     finally:
         ck.close()
+    # the dead writer's partial directory is hidden, and removed by the next Checkpointer
+    assert glob.glob(str(ckdir / ".step_00000002.zs-tmp-*"))
+    with Checkpointer(ckdir) as ck2:
+        assert not glob.glob(str(ckdir / ".step_00000002.zs-tmp-*"))
+        assert ck2.steps() == [1, 3]
 
 
 def test_flipped_byte_fails_naming_key_and_safetensors_reads_data(ckdir):
