@@ -176,11 +176,14 @@ def to_wire(exc: BaseException, *, path: str | None = None) -> dict[str, object]
     if isinstance(exc, FileExistsError):
         return {"class": "CheckpointExistsError", "message": str(exc), "path": path}
     if isinstance(exc, OSError):
+        message = exc.strerror or str(exc)
+        if isinstance(exc.filename, str) and exc.filename != path:
+            message = f"{message}: {exc.filename}"
         return {
             "class": "StorageError",
-            "message": exc.strerror or str(exc),
+            "message": message,
             "errno": exc.errno,
-            "path": exc.filename if isinstance(exc.filename, str) else path,
+            "path": path if path is not None else exc.filename,
         }
     return {"class": "WriterError", "message": f"{type(exc).__name__}: {exc}", "path": path}
 

@@ -300,3 +300,38 @@ def test_public_api_is_frozen():
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError"])
+
+
+def test_response_telemetry_and_info_log(ckdir, caplog):
+    import logging
+
+    state = {"w": torch.randn(256, 1024)}
+    with caplog.at_level(logging.INFO, logger="zerostall"):
+        r = zerostall.save_pytree_async(ckdir / "c", state)
+        before = r.stats
+        assert before.stall_s > 0 and before.nbytes >= 1 << 20 and before.staging_gbps > 0
+        stats = r.result()
+    assert r.done()
+    assert stats.persist_s is not None and stats.persist_s > 0
+    assert stats.persist_gbps is not None and stats.persist_gbps > 0
+    assert stats.commit_s is not None and stats.commit_s >= 0
+    assert stats.writer_peak_rss is not None and stats.writer_peak_rss > 0
+    assert stats.stall_s == before.stall_s and stats.path.endswith("/c")
+    assert any("saved" in rec.getMessage() and "stall" in rec.getMessage() for rec in caplog.records)
+
+
+def test_background_error_keeps_its_type(ckdir, monkeypatch):
+    """A failure in the writer comes back from result() with the same class and errno."""
+    import errno
+    import json
+
+    monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"write": "raise:ENOSPC"}))
+    r = zerostall.save_pytree_async(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
+    with pytest.raises(zerostall.StorageError) as ei:
+        r.result()
+    assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC
+    assert str(ckdir / "c") in str(ei.value)
+    assert not os.path.exists(ckdir / "c")
+    assert not [n for n in os.listdir(ckdir) if "zs-tmp" in n]  # the attempt was cleaned up
+    monkeypatch.delenv("ZEROSTALL_FAULTS")
+    zerostall.save_pytree(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
