@@ -56,7 +56,7 @@ def assert_bit_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
         g = got[k]
         if isinstance(v, torch.Tensor):
             assert g.dtype == v.dtype and g.shape == v.shape, k
-            assert torch.equal(g.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
+            assert torch.equal(g.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
         elif isinstance(v, np.ndarray):
             assert g.dtype == v.dtype and g.tobytes() == v.tobytes(), k
         else:
