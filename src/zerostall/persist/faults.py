@@ -3,7 +3,9 @@
 Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin``, ``write``,
 ``checksum``, ``manifest``, ``commit``, ``retention``. Actions:
 
-* ``sleep:<seconds>``: hold the writer there (crash tests kill it meanwhile);
+* ``sleep:<seconds>``: hold the writer there (crash tests kill it meanwhile); if
+  ``ZEROSTALL_FAULTS_MARK`` names a directory, the writer first creates ``<phase>-<pid>`` in it,
+  so a test knows the writer has reached the phase;
 * ``raise:<ERRNO NAME>``: raise ``OSError(errno, ...)`` as a failing system call would;
 * ``exit``: the writer process dies at once, as if killed (``os._exit(137)``).
 
@@ -29,9 +31,10 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["hit", "ENV"]
+__all__ = ["hit", "ENV", "MARK_ENV"]
 
 ENV = "ZEROSTALL_FAULTS"
+MARK_ENV = "ZEROSTALL_FAULTS_MARK"
 _SYSCALLS = ("pwrite", "fsync")
 _patched = False
 _patch_lock = threading.Lock()
@@ -62,6 +65,10 @@ def hit(phase: str, path: str = "") -> None:
         return
     verb, _, arg = str(action).partition(":")
     if verb == "sleep":
+        mark = os.environ.get(MARK_ENV)
+        if mark:
+            with open(os.path.join(mark, f"{phase}-{os.getpid()}"), "w"):
+                pass
         time.sleep(float(arg))
     elif verb == "raise":
         raise _error(arg, phase)
