@@ -87,6 +87,23 @@ class _Read:
     dest: memoryview  # uint8, exactly leaf.nbytes
 
 
+def _missing(storage: Storage, name: str, rel: str, path: str, key: str) -> ZerostallError:
+    """The error for a data file that is not there: deleted with its checkpoint, or lost from it.
+
+    Retention (or a user) may delete a checkpoint while it is being loaded; deletion removes the
+    manifest first (rename away, or manifest-first on object stores), so a missing manifest
+    means the checkpoint is gone, not corrupt.
+    """
+    try:
+        gone = not storage.exists(f"{name}/{MANIFEST_NAME}")
+    except OSError:
+        gone = False
+    if gone:
+        return CheckpointNotFoundError("the checkpoint was deleted while it was being loaded (retention?)",
+                                       path=path, key=key)
+    return CorruptCheckpointError(f"data file {rel} is missing", path=path, key=key)
+
+
 class _Files:
     """Checks each data file once, before anything is allocated for the leaves it holds.
 
@@ -107,8 +124,7 @@ class _Files:
         try:
             size = self.storage.size(f"{self.name}/{entry.path}")
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {entry.path} is missing", path=self.path,
-                                         key=leaf.key) from None
+            raise _missing(self.storage, self.name, entry.path, self.path, leaf.key) from None
         except OSError as exc:
             raise StorageError(f"cannot stat data file {entry.path}: {exc}", errno=exc.errno, path=self.path,
                                key=leaf.key) from exc
@@ -339,8 +355,7 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
         except EOFError as exc:
             raise CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key) from exc
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"data file {m.files[leaf.file].path} is missing", path=path,
-                                         key=leaf.key) from exc
+            raise _missing(storage, name, m.files[leaf.file].path, path, leaf.key) from exc
         except OSError as exc:
             raise StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key) from exc
         if opts.verify:
