@@ -23,6 +23,10 @@ from zerostall import LoadOptions, SaveOptions, WriterKind
 THREAD = SaveOptions(writer=WriterKind.THREAD)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stress: runs longer under ZEROSTALL_STRESS=1 (selected by make stress)")
+
+
 def sample_tree() -> dict[str, Any]:
     return {
         "a": torch.arange(16, dtype=torch.float32),

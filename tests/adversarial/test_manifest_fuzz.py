@@ -21,6 +21,7 @@ from zerostall.manifest import parse_manifest
 from conftest import Ckpt
 
 STRESS = bool(os.environ.get("ZEROSTALL_STRESS"))
+pytestmark = pytest.mark.stress  # `make stress` (-k "crash or stress") runs these with many more examples
 FAST = settings(max_examples=2000 if STRESS else 150, deadline=None, derandomize=not STRESS,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
