@@ -244,7 +244,7 @@ def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> No
             raise _bad(f"{t} node has value {_short(v)}", path, key)
         if t == "float":
             try:
-                float.fromhex(v)
+                float.fromhex(str(v))
             except ValueError as exc:
                 raise _bad(f"float value {_short(v)} is not a hex float", path, key) from exc
     if t in ("dict", "list", "tuple", "namedtuple"):

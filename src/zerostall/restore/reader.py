@@ -81,6 +81,11 @@ def read_manifest(storage: Storage, name: str, *, path: str) -> Manifest:
     return parse_manifest(data, path=path)
 
 
+def _bytes_of(a: Any) -> memoryview:
+    """A flat uint8 view of a C-contiguous numpy array's memory."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
 @dataclass
 class _Read:
     leaf: LeafEntry
@@ -199,10 +204,10 @@ class _Planner:
         if leaf.nbytes == 0:
             return lambda: a
         if a.flags.c_contiguous and a.flags.writeable:
-            self.reads.append(_Read(leaf, memoryview(a.reshape(-1).view(np.uint8))))
+            self.reads.append(_Read(leaf, _bytes_of(a)))
             return lambda: a
         tmp = np.empty(leaf.shape, dtype=want)
-        self.reads.append(_Read(leaf, memoryview(tmp.reshape(-1).view(np.uint8))))
+        self.reads.append(_Read(leaf, _bytes_of(tmp)))
 
         def copy_back() -> Any:
             if not a.flags.writeable:
@@ -213,18 +218,20 @@ class _Planner:
 
     def _fresh(self, leaf: LeafEntry, key: str) -> Thunk:
         if leaf.kind == "torch":
+            torch_mod: Any
             try:
-                import torch
+                import torch as torch_mod
             except ImportError:
-                torch = None
-            if torch is not None:
+                torch_mod = None
+            if torch_mod is not None:
+                torch = torch_mod
                 t = torch.empty(leaf.shape, dtype=to_torch_dtype(leaf.dtype))
                 if leaf.nbytes:
                     self.reads.append(_Read(leaf, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
                 return lambda: t
         a = np.empty(leaf.shape, dtype=to_numpy_dtype(leaf.dtype))
         if leaf.nbytes:
-            self.reads.append(_Read(leaf, memoryview(a.reshape(-1).view(np.uint8))))
+            self.reads.append(_Read(leaf, _bytes_of(a)))
         if leaf.kind == "numpy_scalar":
             return lambda: a[()]
         return lambda: a

@@ -1,0 +1,289 @@
+import collections
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall
+from zerostall import (
+    CheckpointExistsError, CheckpointNotFoundError, Checkpointer, MismatchError, MissingKeyError, SaveOptions,
+    WriterKind,
+)
+
+Pair = collections.namedtuple("Pair", ["left", "right"])
+THREAD = SaveOptions(writer=WriterKind.THREAD)
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(7, 5, generator=g),
+        "bf16": torch.randn(4, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(3, generator=g).half(),
+        "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+        "fp8b": torch.randn(6, generator=g).to(torch.float8_e5m2),
+        "bool": torch.tensor([True, False, True]),
+        "i64": torch.arange(-3, 3),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "scalar_t": torch.tensor(3.25),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.arange(20.0).reshape(4, 5)[:, 1::2],
+        "transposed": torch.arange(6.0).reshape(2, 3).t(),
+        "np": np.arange(6, dtype=np.float64).reshape(2, 3),
+        "np_scalar": np.float32(1.5),
+        "nested": {"list": [1, 2.5, "x", None, True], "tuple": (b"raw", -7), "pair": Pair(1, torch.ones(2))},
+        3: "int key",
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "big": 2 ** 100,
+    }
+
+
+def _assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b and type(a) is type(b), (a, b)
+
+
+@pytest.mark.parametrize("options", [None, THREAD], ids=["process", "thread"])
+def test_round_trip_without_template(ckdir, options):
+    state = _state()
+    zerostall.save_pytree(ckdir / "c", state, options=options)
+    out = zerostall.load_pytree(ckdir / "c")
+    expect = dict(state)
+    expect["nested"] = dict(state["nested"], pair=(1, state["nested"]["pair"].right))  # namedtuple -> tuple
+    expect["np_scalar"] = state["np_scalar"]
+    _assert_same(expect, out)
+    assert isinstance(out["np_scalar"], np.float32)
+
+
+def test_load_into_template_in_place(ckdir):
+    state = _state()
+    zerostall.save_pytree(ckdir / "c", state)
+    template = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    template["np"] = np.zeros((2, 3))
+    ptrs = {k: v.data_ptr() for k, v in template.items() if isinstance(v, torch.Tensor)}
+    out = zerostall.load_pytree(ckdir / "c", template)
+    for k, p in ptrs.items():
+        assert out[k] is template[k] and out[k].data_ptr() == p
+        _assert_same(state[k], out[k])
+    assert out["np"] is template["np"] and np.array_equal(out["np"], state["np"])
+    assert isinstance(out["nested"]["pair"], Pair)
+
+
+def test_non_contiguous_template_is_filled(ckdir):
+    zerostall.save_pytree(ckdir / "c", {"w": torch.arange(6.0).reshape(2, 3)})
+    holder = torch.zeros(3, 2)
+    view = holder.t()
+    zerostall.load_pytree(ckdir / "c", {"w": view})
+    assert torch.equal(holder.t(), torch.arange(6.0).reshape(2, 3))
+
+
+def test_partial_restore_reads_only_requested_keys(ckdir):
+    zerostall.save_pytree(ckdir / "c", {"a": torch.ones(3), "b": torch.full((1000,), 2.0)})
+    # corrupt b's bytes: a partial load of "a" must not read (nor verify) them
+    m = zerostall.load_pytree  # noqa
+    import json
+    man = json.loads((ckdir / "c" / "manifest.json").read_text())
+    b = next(lf for lf in man["leaves"] if lf["key"] == "pytree/b")
+    data = ckdir / "c" / man["files"][0]["path"]
+    raw = bytearray(data.read_bytes())
+    raw[b["offset"]] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    out = zerostall.load_pytree(ckdir / "c", {"a": torch.zeros(3)})
+    assert list(out) == ["a"] and torch.equal(out["a"], torch.ones(3))
+    with pytest.raises(zerostall.ChecksumMismatchError):
+        zerostall.load_pytree(ckdir / "c", {"b": torch.zeros(1000)})
+
+
+def test_mismatches_name_key_and_both_sides(ckdir):
+    zerostall.save_pytree(ckdir / "c", {"m": {"w": torch.zeros(2, 3)}})
+    with pytest.raises(MismatchError) as ei:
+        zerostall.load_pytree(ckdir / "c", {"m": {"w": torch.zeros(3, 2)}})
+    assert ei.value.key == "pytree/m/w" and "[2, 3]" in str(ei.value) and "[3, 2]" in str(ei.value)
+    assert str(ckdir / "c") in str(ei.value)
+    with pytest.raises(MismatchError, match="dtype"):
+        zerostall.load_pytree(ckdir / "c", {"m": {"w": torch.zeros(2, 3, dtype=torch.float64)}})
+    with pytest.raises(MissingKeyError) as ei2:
+        zerostall.load_pytree(ckdir / "c", {"m": {"nope": torch.zeros(1)}})
+    assert ei2.value.key == "pytree/m/nope"
+
+
+def test_existing_checkpoint_is_never_overwritten(ckdir):
+    zerostall.save_pytree(ckdir / "c", {"a": torch.ones(1)})
+    with pytest.raises(CheckpointExistsError):
+        zerostall.save_pytree(ckdir / "c", {"a": torch.zeros(1)})
+    assert torch.equal(zerostall.load_pytree(ckdir / "c")["a"], torch.ones(1))
+
+
+def test_missing_checkpoint(ckdir):
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        zerostall.load_pytree(ckdir / "nothing")
+    assert isinstance(ei.value, FileNotFoundError)
+
+
+def test_checkpointables(ckdir):
+    zerostall.save_checkpointables(ckdir / "c", {"model": {"w": torch.ones(2)}, "extra": {"step": 5}})
+    out = zerostall.load_checkpointables(ckdir / "c")
+    assert set(out) == {"model", "extra"} and out["extra"] == {"step": 5}
+    only = zerostall.load_checkpointables(ckdir / "c", {"extra": None})
+    assert list(only) == ["extra"]
+    with pytest.raises(MissingKeyError):
+        zerostall.load_checkpointables(ckdir / "c", {"nope": None})
+
+
+def test_stateful_module_optimizer_scheduler_round_trip(ckdir):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    zerostall.save_pytree(ckdir / "c", {"model": model, "opt": opt, "sched": sched})
+
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)  # fresh: no state yet
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    w_ptr = model2[0].weight.data_ptr()
+    zerostall.load_pytree(ckdir / "c", {"model": model2, "opt": opt2, "sched": sched2})
+    assert model2[0].weight.data_ptr() == w_ptr  # in place
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    for k in s1["state"]:
+        for n in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1["state"][k][n], s2["state"][k][n])
+    assert s1["param_groups"] == s2["param_groups"]
+    assert sched.state_dict() == sched2.state_dict()
+    # the restored run continues identically
+    x = torch.randn(5, 4)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_rng_states_round_trip(ckdir):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    rng = np.random.default_rng(4)
+    state = {"py": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state(),
+             "np_gen": rng.bit_generator.state}
+    expect = (random.random(), np.random.rand(), torch.rand(1).item(), rng.random())
+    zerostall.save_pytree(ckdir / "c", state)
+    out = zerostall.load_pytree(ckdir / "c")
+    random.setstate(out["py"])
+    np.random.set_state(out["np"])
+    torch.set_rng_state(out["torch"])
+    rng2 = np.random.default_rng()
+    rng2.bit_generator.state = out["np_gen"]
+    assert (random.random(), np.random.rand(), torch.rand(1).item(), rng2.random()) == expect
+
+
+def test_unsupported_leaf_error_at_save(ckdir):
+    with pytest.raises(zerostall.UnsupportedLeafError) as ei:
+        zerostall.save_pytree(ckdir / "c", {"ok": 1, "bad": object()})
+    assert ei.value.key == "pytree/bad"
+    assert not os.path.exists(ckdir / "c")
+
+
+def test_handlers_round_trip(ckdir):
+    import datetime
+
+    zerostall.register_handler(datetime.date, name="date", encode=lambda d: d.isoformat(),
+                               decode=datetime.date.fromisoformat)
+    zerostall.register_handler(complex, name="cplx", format="bytes",
+                               encode=lambda c: np.array([c.real, c.imag]).tobytes(),
+                               decode=lambda b: complex(*np.frombuffer(b)))
+    try:
+        zerostall.save_pytree(ckdir / "c", {"d": datetime.date(2024, 5, 6), "c": 1.5 - 2j})
+        out = zerostall.load_pytree(ckdir / "c")
+        assert out == {"d": datetime.date(2024, 5, 6), "c": 1.5 - 2j}
+    finally:
+        zerostall.unregister_handler(datetime.date)
+    with pytest.raises(zerostall.UnsupportedFormatError, match="register"):
+        zerostall.load_pytree(ckdir / "c")
+    zerostall.unregister_handler(complex)
+
+
+def test_memory_backend_with_thread_writer():
+    zerostall.save_pytree("memory://unit/c1", {"a": torch.arange(3)}, options=THREAD)
+    assert torch.equal(zerostall.load_pytree("memory://unit/c1")["a"], torch.arange(3))
+
+
+class TestCheckpointer:
+    def test_steps_latest_retention(self, ckdir):
+        with Checkpointer(ckdir, keep_last=2, keep_every_n_steps=4) as ck:
+            for step in range(1, 9):
+                ck.save_pytree_async(step, {"w": torch.full((3,), float(step)), "step": step})
+            ck.wait()
+            assert ck.latest_step() == 8
+            assert ck.steps() == [4, 7, 8]
+            out = ck.load_pytree(template={"w": torch.zeros(3), "step": 0})
+            assert out["step"] == 8 and torch.equal(out["w"], torch.full((3,), 8.0))
+            assert ck.load_pytree(4)["step"] == 4
+            assert len(ck.stats()) == 8 and all(s.persist_s is not None for s in ck.stats())
+
+    def test_should_save(self, ckdir):
+        with Checkpointer(ckdir, save_interval_steps=5) as ck:
+            assert [s for s in range(12) if ck.should_save(s)] == [0, 5, 10]
+
+    def test_no_checkpoint_yet(self, ckdir):
+        with Checkpointer(ckdir) as ck:
+            assert ck.latest_step() is None and ck.steps() == []
+            with pytest.raises(CheckpointNotFoundError):
+                ck.load_pytree()
+
+    def test_hidden_partial_dirs_are_not_steps(self, ckdir):
+        (ckdir / ".step_00000009.zs-tmp-abc").mkdir()
+        (ckdir / "step_00000010").mkdir()  # no manifest: not committed
+        with Checkpointer(ckdir) as ck:
+            assert ck.steps() == []
+
+    def test_checkpointables_and_metadata(self, ckdir):
+        with Checkpointer(ckdir) as ck:
+            ck.save_checkpointables(1, {"a": {"x": 1}, "b": [torch.ones(1)]}, metadata={"note": "hi"})
+            out = ck.load_checkpointables(items={"a": None})
+            assert out == {"a": {"x": 1}}
+        import json
+        man = json.loads((ckdir / "step_00000001" / "manifest.json").read_text())
+        assert man["metadata"] == {"note": "hi", "step": 1}
+
+    def test_bad_arguments(self, ckdir):
+        with pytest.raises(ValueError):
+            Checkpointer(ckdir, keep_last=0)
+        with Checkpointer(ckdir) as ck:
+            with pytest.raises(ValueError):
+                ck.save_pytree(-1, {})
+
+
+def test_public_api_is_frozen():
+    assert sorted(zerostall.__all__) == sorted([
+        "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
+        "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
+        "LoadOptions", "WriterKind", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+        "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
+        "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
+        "UnsupportedLeafError", "StorageError", "WriterError"])
