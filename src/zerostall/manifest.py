@@ -195,14 +195,15 @@ def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise _bad(f"shape must be a list of at most {MAX_NDIM} sizes", path, key)
     dims = tuple(_int(s, "shape entries", path, key) for s in shape)
+    nbytes = _int(lf.get("nbytes"), "nbytes", path, key)
+    expect = math.prod(dims) * ITEMSIZE[dtype]
+    if nbytes != expect:
+        raise _bad(f"nbytes {nbytes} does not match shape {_short(list(dims))} of {dtype} ({expect} bytes)",
+                   path, key)
     # Bound the element count with zero sizes taken as one: torch and numpy reject (or overflow
     # on) such shapes even when a zero makes the array empty.
     if math.prod(max(d, 1) for d in dims) * ITEMSIZE[dtype] > MAX_SIZE:
         raise _bad(f"shape {_short(list(dims))} is too large for any array", path, key)
-    nbytes = _int(lf.get("nbytes"), "nbytes", path, key)
-    expect = math.prod(dims) * ITEMSIZE[dtype]
-    if nbytes != expect:
-        raise _bad(f"nbytes {nbytes} does not match shape {list(dims)} of {dtype} ({expect} bytes)", path, key)
     fi = _int(lf.get("file"), "file", path, key)
     if fi >= len(files):
         raise _bad(f"file index {fi} is out of range ({len(files)} files)", path, key)

@@ -25,7 +25,7 @@ from zerostall import (
 )
 from zerostall.manifest import parse_manifest
 
-from conftest import Ckpt
+from .conftest import Ckpt
 
 Doc = dict[str, Any]
 
@@ -134,7 +134,9 @@ MANIFEST_CASES: list[tuple[str, Any, type[ZerostallError], str]] = [
     ("shape-negative", _set("leaves.0.shape", [-16]), B, "shape entries"),
     ("shape-float", _set("leaves.0.shape", [16.0]), B, "shape entries"),
     ("shape-too-many-dims", _set("leaves.0.shape", [1] * 65), B, "at most 64"),
-    ("shape-overflows-int64", _set("leaves.0.shape", [2**62, 2**62, 0]), B, "too large"),
+    ("shape-overflows-int64", lambda d: _set("leaves.0.nbytes", 0)(_set("leaves.0.shape", [2**62, 2**62, 0])(d)),
+     B, "too large"),
+    ("shape-product-huge", _set("leaves.0.shape", [10**12, 10**12]), B, "does not match shape"),
     ("shape-dim-2**64", _set("leaves.0.shape", [2**64]), B, "shape entries"),
     ("nbytes-mismatch", _set("leaves.0.nbytes", 60), B, "does not match shape"),
     ("nbytes-missing", _del("leaves.0.nbytes"), B, "nbytes"),

@@ -18,7 +18,7 @@ import zerostall
 from zerostall import ZerostallError
 from zerostall.manifest import parse_manifest
 
-from conftest import Ckpt
+from .conftest import Ckpt
 
 STRESS = bool(os.environ.get("ZEROSTALL_STRESS"))
 pytestmark = pytest.mark.stress  # `make stress` (-k "crash or stress") runs these with many more examples
