@@ -99,7 +99,7 @@ def _patch_syscalls() -> None:
                     data = view[:half]
             return real_pwrite(fd, data, offset)
 
-        def fsync(fd: int) -> None:
+        def fsync(fd: Any) -> None:
             verb, _, arg = str(_spec().get("fsync", "")).partition(":")
             if verb == "raise":
                 raise _error(arg, "fsync")
