@@ -151,8 +151,11 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
     items = doc.get("items")
     if not isinstance(items, dict):
         raise _bad("'items' must be an object", path)
+    # Each leaf may back one node only: a leaf referenced a million times would make a
+    # template-less load allocate it a million times.
+    used = bytearray(len(leaves))
     for name, node in items.items():
-        _check_node(node, name, len(leaves), path, 0)
+        _check_node(node, name, used, path, 0)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _bad("'metadata' must be an object", path)
@@ -224,7 +227,7 @@ def _check_overlaps(leaves: list[LeafEntry], path: str) -> None:
             raise _bad(f"byte ranges of {_short(a[3])} and {_short(b[3])} overlap", path, b[3])
 
 
-def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> None:
+def _check_node(node: Any, key: str, used: bytearray, path: str, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise _bad(f"tree nested deeper than {MAX_DEPTH}", path, key)
     if not isinstance(node, dict):
@@ -234,8 +237,11 @@ def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> No
         raise UnsupportedFormatError(f"unknown tree node type {_short(t)}", path=path, key=key)
     if t in ("array", "bytes") or (t == "custom" and "leaf" in node):
         li = node.get("leaf")
-        if type(li) is not int or not 0 <= li < n_leaves:
+        if type(li) is not int or not 0 <= li < len(used):
             raise _bad(f"leaf index {_short(li)} out of range", path, key)
+        if used[li]:
+            raise _bad(f"leaf {li} is referenced by more than one tree node", path, key)
+        used[li] = 1
     if t == "custom" and not isinstance(node.get("handler"), str):
         raise _bad("custom node needs a handler name", path, key)
     if t in ("int", "bool", "str", "float"):
@@ -267,4 +273,4 @@ def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> No
         else:
             labels = list(range(len(values)))
         for label, child in zip(labels, values):
-            _check_node(child, f"{key}/{label}", n_leaves, path, depth + 1)
+            _check_node(child, f"{key}/{label}", used, path, depth + 1)
