@@ -36,10 +36,11 @@ def check_local_file(storage: Storage, name: str, rel: str, *, path: str, what: 
     checkpoint or block forever. A missing file is left for the caller to report. The checkpoint
     directory itself may be reached through a symlink.
     """
-    root = getattr(storage, "root", None)
-    if not isinstance(root, str) or getattr(storage, "atomic_rename", False) is not True:
-        return  # not a local filesystem
-    ckpt = os.path.join(root, name)
+    from zerostall.storage.local import LocalStorage
+
+    if not isinstance(storage, LocalStorage):
+        return  # not a local filesystem: no symlinks or FIFOs to fear
+    ckpt = os.path.join(storage.root, name)
     full = os.path.join(ckpt, rel)
     try:
         st = os.lstat(full)
