@@ -256,3 +256,66 @@ def test_restore_read_error_keeps_errno(run_dir: Path, monkeypatch: pytest.Monke
         zerostall.load_pytree(run_dir / step_name(2))
     assert info.value.errno == errno.EIO
     assert info.value.key is not None and info.value.key.startswith("pytree/")
+
+
+# -- the same matrix under the manifest-last commit (object stores: no rename) --------------
+
+
+@pytest.fixture
+def no_rename_url(tmp_path: Path) -> str:
+    """A local directory whose backend claims no atomic rename, so commits go manifest-last."""
+    from zerostall.storage import _REGISTERED, register_scheme
+    from zerostall.storage.local import LocalStorage
+
+    class NoRenameLocal(LocalStorage):
+        atomic_rename = False
+
+    register_scheme("zsnorename", lambda url: NoRenameLocal(url.split("://", 1)[1]))
+    d = tmp_path / "run"
+    d.mkdir()
+    url = f"zsnorename://{d}"
+    with Checkpointer(url, save_options=SaveOptions(writer=WriterKind.THREAD)) as c:
+        c.save_pytree(1, state(1))
+        c.save_pytree(2, state(2))
+    yield url
+    _REGISTERED.pop("zsnorename", None)
+
+
+ML_CASES = [(p, a) for p in PHASES for a in ACTIONS if a != "exit"]
+
+
+@pytest.mark.parametrize(("phase", "action"), ML_CASES, ids=[f"{p}-{a}" for p, a in ML_CASES])
+def test_fault_matrix_manifest_last(no_rename_url: str, monkeypatch: pytest.MonkeyPatch, phase: str,
+                                    action: str) -> None:
+    from zerostall.commit import protocol_for
+    from zerostall.storage import open_storage
+
+    storage = open_storage(no_rename_url)
+    assert type(protocol_for(storage)).__name__ == "ManifestLastCommit"
+    directory = Path(no_rename_url.split("://", 1)[1])
+    monkeypatch.setenv(ENV, json.dumps({phase: action}))
+    expect = ACTIONS[action]
+    with Checkpointer(no_rename_url, keep_last=2, save_options=SaveOptions(writer=WriterKind.THREAD)) as ckpt:
+        r = ckpt.save_pytree_async(3, state(3))
+        if expect[0] == "ok":
+            r.result(timeout=60)
+        else:
+            with pytest.raises(StorageError) as info:
+                r.result(timeout=60)
+            assert info.value.errno == expect[2]
+            assert info.value.path == f"{no_rename_url}/{step_name(3)}"
+        committed = expect[0] == "ok" or phase in AFTER_COMMIT
+        assert (ckpt.steps()[-1] == 3) if committed else (ckpt.steps() == [1, 2])
+        if committed:
+            assert_bit_exact(ckpt.load_pytree(3), state(3))
+        else:
+            # Without rename the step's directory may exist, but it has no manifest and no data.
+            assert not (directory / step_name(3) / "manifest.json").exists()
+            assert not any((directory / step_name(3)).glob("data-*"))
+            with pytest.raises(zerostall.CheckpointNotFoundError):
+                ckpt.load_pytree(3)
+        assert_bit_exact(ckpt.load_pytree(2), state(2))
+        monkeypatch.delenv(ENV)
+        ckpt.save_pytree(4, state(4))
+        assert ckpt.latest_step() == 4
+        assert_bit_exact(ckpt.load_pytree(), state(4))
