@@ -215,3 +215,20 @@ def test_verify_in_process_reports_all_problems(copy_of: Path) -> None:
     assert report.bad_keys == ["pytree/h", "pytree/opt/m/0"]
     with pytest.raises(zerostall.ChecksumMismatchError):
         zerostall.load_pytree(copy_of)
+
+
+def test_text_output_escapes_control_characters(tmp_path: Path) -> None:
+    """Keys come from the checkpoint: a hostile one must not drive the terminal."""
+    evil = "\x1b[2J\x1b[31mevil\nkey\r"
+    path = tmp_path / "evil"
+    zerostall.save_pytree(path, {evil: torch.ones(3)}, options=THREAD)
+    p = zs("inspect", path)
+    assert p.returncode == 0
+    assert "\x1b" not in p.stdout and "\r" not in p.stdout
+    assert "\\x1b[2J\\x1b[31mevil\\nkey\\r" in p.stdout
+    _flip(path, f"pytree/{evil}")
+    p = zs("verify", path)
+    assert p.returncode == 1 and "\x1b" not in p.stdout
+    assert len(p.stdout.splitlines()) == 2  # one BAD line, one FAILED line: no injected newlines
+    rc, doc = zs_json("verify", path)
+    assert doc["bad_keys"] == [f"pytree/{evil}"]  # JSON keeps the key exact

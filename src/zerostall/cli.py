@@ -110,49 +110,62 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_list(r: dict[str, Any]) -> None:
     if not r["checkpoints"]:
-        print(f"no committed checkpoints in {r['dir']}")
+        _out(f"no committed checkpoints in {r['dir']}")
     for row in r["checkpoints"]:
         if row["ok"]:
-            print(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
+            _out(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
         else:
-            print(f"{row['name']:<24} UNREADABLE: {row['error']}")
+            _out(f"{row['name']:<24} UNREADABLE: {row['error']}")
     if r["unfinished"]:
-        print(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
+        _out(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
               f"{', '.join(r['unfinished'])})")
 
 
 def _print_inspect(r: dict[str, Any]) -> None:
     t = r["totals"]
-    print(f"checkpoint     {r['path']}")
-    print(f"format         zerostall v{r['format_version']} (written by zerostall {r['library_version'] or '?'})")
-    print(f"created        {r['created'] or '?'}")
-    print(f"size           {_size(t['file_bytes'])} in {len(r['files'])} file(s); "
+    _out(f"checkpoint     {r['path']}")
+    _out(f"format         zerostall v{r['format_version']} (written by zerostall {r['library_version'] or '?'})")
+    _out(f"created        {r['created'] or '?'}")
+    _out(f"size           {_size(t['file_bytes'])} in {len(r['files'])} file(s); "
           f"{t['leaves']} leaves, {_size(t['nbytes'])} of array data")
-    print("by dtype       " + ", ".join(f"{d} {_size(n)}" for d, n in t["by_dtype"].items()))
+    _out("by dtype       " + ", ".join(f"{d} {_size(n)}" for d, n in t["by_dtype"].items()))
     if r["metadata"]:
-        print(f"metadata       {json.dumps(r['metadata'])[:200]}")
+        _out(f"metadata       {json.dumps(r['metadata'])[:200]}")
     for name, summary in r["items"].items():
-        print(f"item {name!r}: {summary}")
+        _out(f"item {name!r}: {summary}")
     if r["leaves"]:
         width = min(60, max(len(lf["key"]) for lf in r["leaves"]))
-        print(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}")
+        _out(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}")
         for lf in r["leaves"]:
             shape = "x".join(map(str, lf["shape"])) or "()"
-            print(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}")
+            _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}")
 
 
 def _print_verify(r: dict[str, Any]) -> None:
     if r["ok"]:
-        print(f"OK {r['path']}: {r['leaves']} leaves, {_size(r['nbytes_checked'])} checked")
+        _out(f"OK {r['path']}: {r['leaves']} leaves, {_size(r['nbytes_checked'])} checked")
         return
     for p in r["problems"]:
         where = p["key"] or p["file"] or ""
-        print(f"BAD {where}: {p['message']}")
-    print(f"FAILED {r['path']}: {len(r['problems'])} problem(s), {len(r['bad_keys'])} bad key(s)"
+        _out(f"BAD {where}: {p['message']}")
+    _out(f"FAILED {r['path']}: {len(r['problems'])} problem(s), {len(r['bad_keys'])} bad key(s)"
           + (f": {', '.join(r['bad_keys'])}" if r["bad_keys"] else ""))
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _out(line: str, file: Any = None) -> None:
+    """Print one line of text output with control characters escaped: keys, names and messages
+    come from the checkpoint, and a hostile one could otherwise drive the terminal (ANSI escapes)."""
+    print(_printable(line), file=file)
+
+
+def _printable(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 
 def _url(p: str) -> str:
@@ -221,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": _error_doc(exc)}))
         else:
-            print(f"zerostall {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+            _out(f"zerostall {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     try:
         if args.json:
