@@ -1,0 +1,180 @@
+"""Run the zerostall benchmark suite: floors, zerostall, peers and the training dip per size.
+
+    python benchmarks/run.py [--sizes 256M,1G,4G] [--repeats 3] [--dir DIR]
+                             [--out benchmarks/results] [--quick]
+
+Every measurement runs in its own child process (``python -m benchmarks.<module>``) so that one
+system's memory, threads and first-save costs never show up in another's numbers. The floors
+run twice per size, before and after the systems, and their samples are pooled, because the
+machine is shared and drifts. Results: a table on stdout, ``results.json`` (raw samples and the
+summary), ``table.txt`` and ``chart.png`` in ``--out``. Partial results are written after every
+size so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import dip, peers, report  # noqa: E402
+from benchmarks.measure import log, parse_child_output  # noqa: E402
+from benchmarks.state import format_size, parse_size  # noqa: E402
+
+
+def child_env() -> dict[str, str]:
+    """Children import ``benchmarks`` from the repo root and ``zerostall`` from ``src`` unless it
+    is installed; torch gets both cores (the dip is defined with two threads)."""
+    env = dict(os.environ)
+    paths = [str(ROOT), str(ROOT / "src")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("OMP_NUM_THREADS", "2")
+    return env
+
+
+def run_child(module: str, args: list[str], timeout: float) -> dict[str, Any]:
+    """Run ``python -m benchmarks.<module> args``; its marked stdout line is the result."""
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"timed out after {timeout:.0f}s", "cmd": cmd,
+                "stdout_tail": (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""}
+    res = parse_child_output(p.stdout)
+    if res is None:
+        return {"error": f"child exited {p.returncode} without a result", "cmd": cmd, "stdout_tail": p.stdout[-2000:]}
+    res["child_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(), "mem_bytes": psutil.virtual_memory().total,
+        "python": platform.python_version(), "platform": platform.platform(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                 if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+def git_rev() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def fs_of(path: Path) -> str | None:
+    try:
+        import psutil
+
+        best = max((p for p in psutil.disk_partitions(all=True) if str(path).startswith(p.mountpoint)),
+                   key=lambda p: len(p.mountpoint))
+        return f"{best.fstype} on {best.device} ({best.mountpoint})"
+    except (ValueError, OSError):
+        return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="256M,1G,4G", help="comma-separated state sizes (default 256M,1G,4G)")
+    p.add_argument("--repeats", type=int, default=3, help="measured repetitions per measurement (default 3)")
+    p.add_argument("--dir", default=None, help="scratch directory on the disk under test (default: a new dir in /tmp)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="where results go")
+    p.add_argument("--quick", action="store_true", help="256M only, 1 repeat: a smoke test of the whole suite")
+    p.add_argument("--peers", default=",".join(peers.DEFAULT),
+                   help=f"peers to measure (default {','.join(peers.DEFAULT)}; all: {','.join(peers.ALL)})")
+    p.add_argument("--dip", default=",".join(dip.DEFAULT),
+                   help=f"systems for the training dip (default {','.join(dip.DEFAULT)}; 'none' is the noise "
+                        f"control; all: {','.join(dip.SYSTEMS)}); empty string skips the dip")
+    p.add_argument("--no-zerostall", action="store_true", help="skip zerostall (e.g. before it is importable)")
+    p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.repeats = "256M", 1
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    for s in sizes:
+        parse_size(s)  # fail before measuring anything
+    peer_names = [s for s in a.peers.split(",") if s]
+    dip_names = [s for s in a.dip.split(",") if s]
+    bad = [n for n in peer_names if n not in peers.ALL] + [n for n in dip_names if n not in dip.SYSTEMS]
+    if bad:
+        print(f"unknown system(s): {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="zerostall-bench-", dir=a.dir or "/tmp"))
+    out = Path(a.out)
+    results: dict[str, Any] = {
+        "meta": {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
+                 "repeats": a.repeats, "scratch": str(scratch), "filesystem": fs_of(scratch), "machine": machine()},
+        "sizes": {},
+    }
+    try:
+        for size in sizes:
+            label = format_size(parse_size(size))
+            common = ["--size", size, "--repeats", str(a.repeats), "--dir", str(scratch)]
+            res: dict[str, Any] = {"floors": [], "systems": {}, "dip": {}}
+            results["sizes"][label] = res
+            log(f"== {label}: floors")
+            res["floors"].append(run_child("floors", common, a.timeout))
+            if not a.no_zerostall:
+                log(f"== {label}: zerostall")
+                res["systems"]["zerostall"] = run_child("zs", common, a.timeout)
+            for name in peer_names:
+                log(f"== {label}: {name}")
+                res["systems"][name] = run_child("peers", [*common, "--system", name], a.timeout)
+            for name in dip_names:
+                if name == "zerostall" and a.no_zerostall:
+                    continue
+                log(f"== {label}: dip {name}")
+                res["dip"][name] = run_child("dip", [*common, "--system", name], a.timeout)
+            log(f"== {label}: floors again")
+            res["floors"].append(run_child("floors", common, a.timeout))
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.partial.json").write_text(json.dumps(results, indent=1))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report.write(results, out)
+    (out / "results.partial.json").unlink(missing_ok=True)
+    log(f"results in {out}/results.json, table.txt, chart.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
