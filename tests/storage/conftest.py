@@ -57,9 +57,26 @@ class S3Server:
         os.kill(self.pid, signal.SIGKILL)
         _script("stop", self.datadir)
 
-    def restart(self) -> None:
-        """Start again on the same ports and data directory (the bucket and objects survive)."""
+    def restart(self, bucket: str, timeout: float = 60.0) -> None:
+        """Start again on the same ports and data directory (the bucket and objects survive).
+
+        Returns once ``bucket`` takes a write and serves reads: right after start-up SeaweedFS
+        answers ListBuckets but can fail object requests with 500 until its volume server has
+        registered with the master.
+        """
         _script("start", self.datadir, str(self.port))
+        c = self.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                c.put_object(Bucket=bucket, Key=".zs-ready", Body=b"1")
+                c.get_object(Bucket=bucket, Key=".zs-ready")["Body"].read()
+                c.delete_object(Bucket=bucket, Key=".zs-ready")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def stop(self) -> None:
         _script("stop", self.datadir)

@@ -110,14 +110,19 @@ class S3Options:
         return cls(**kw)
 
 
-# One client per (process, options): creating one costs ~50 ms and a connection pool; boto3
-# clients are thread-safe once created, sessions are not (hence the lock).
-_CLIENTS: dict[tuple[int, S3Options], Any] = {}
+# One client per (process, options, AWS environment): creating one costs ~50 ms and a connection
+# pool; boto3 clients are thread-safe once created, sessions are not (hence the lock). The AWS
+# variables boto3 reads at creation are part of the key, so a changed endpoint or credential in
+# the environment gets a new client instead of a stale one.
+_CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
+_AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+            "AWS_SHARED_CREDENTIALS_FILE")
 
 
 def _client(opts: S3Options) -> Any:
-    k = (os.getpid(), opts)
+    k = (os.getpid(), opts, tuple(os.environ.get(v) for v in _AWS_ENV))
     with _CLIENTS_LOCK:
         c = _CLIENTS.get(k)
         if c is None:
@@ -210,6 +215,9 @@ class S3Storage:
             return self.prefix
         return f"{self.prefix}/{key}" if self.prefix else key
 
+    def _url(self, k: str) -> str:
+        return f"s3://{self.bucket}/{k}"
+
     def _dir(self, key: str) -> str:
         """The S3 prefix of everything under ``key`` ("" or ending in "/")."""
         k = self._k(key)
@@ -227,7 +235,7 @@ class S3Storage:
         k = self._k(key)
         view = memoryview(buf).cast("B")[:length] if length else memoryview(b"")
         part = max(self.options.part_size, -(-length // _MAX_PARTS))
-        with _errors(k):
+        with _errors(self._url(k)):
             if length <= part:
                 self._put_conditional(k, view, verify=lambda: self._size_is(k, length))
             else:
@@ -293,12 +301,12 @@ class S3Storage:
                         exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0 and verify():
                     return  # an earlier attempt of this very call succeeded before the retry
                 raise
-        raise OSError(errno.EAGAIN, "conditional write kept conflicting with another writer", k)
+        raise OSError(errno.EAGAIN, "conditional write kept conflicting with another writer", self._url(k))
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         k = self._k(key)
         view = memoryview(data).cast("B")
-        with _errors(k):
+        with _errors(self._url(k)):
             if if_absent:
                 self._put_conditional(k, view, verify=lambda: self._same_bytes(k, view))
             else:
@@ -314,7 +322,7 @@ class S3Storage:
 
     def get(self, key: str) -> bytes:
         k = self._k(key)
-        with _errors(k):
+        with _errors(self._url(k)):
             return bytes(self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read())
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> None:
@@ -326,7 +334,7 @@ class S3Storage:
             return
         done = 0
         broken = 0
-        with _errors(k):
+        with _errors(self._url(k)):
             while done < n:
                 try:
                     resp = self.client.get_object(Bucket=self.bucket, Key=k,
@@ -334,14 +342,14 @@ class S3Storage:
                 except bex.ClientError as exc:
                     code, status = _code(exc)
                     if code == "InvalidRange" or status == 416:
-                        raise EOFError(f"{k}: object ends before byte {offset + n}") from None
+                        raise EOFError(f"{self._url(k)}: object ends before byte {offset + n}") from None
                     raise
                 body = resp["Body"]
                 try:
                     while done < n:
                         got = body.readinto(dest[done:])
                         if not got:
-                            raise EOFError(f"{k}: object ends before byte {offset + n}")
+                            raise EOFError(f"{self._url(k)}: object ends before byte {offset + n}")
                         done += got
                 except (bex.ResponseStreamingError, bex.ReadTimeoutError, bex.IncompleteReadError,
                         ConnectionError):
@@ -354,12 +362,12 @@ class S3Storage:
 
     def size(self, key: str) -> int:
         k = self._k(key)
-        with _errors(k):
+        with _errors(self._url(k)):
             return int(self.client.head_object(Bucket=self.bucket, Key=k)["ContentLength"])
 
     def exists(self, key: str) -> bool:
         k = self._k(key)
-        with _errors(k):
+        with _errors(self._url(k)):
             if k:
                 try:
                     self.client.head_object(Bucket=self.bucket, Key=k)
@@ -381,7 +389,7 @@ class S3Storage:
         """
         base = self._dir(prefix)
         names: set[str] = set()
-        with _errors(base):
+        with _errors(self._url(base)):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 for obj in page.get("Contents", ()):
                     names.add(obj["Key"][len(base):].split("/", 1)[0])
@@ -395,7 +403,7 @@ class S3Storage:
         abort multipart uploads left there by a writer that died mid-upload."""
         k = self._k(prefix)
         base = self._dir(prefix)
-        with _errors(k or base):
+        with _errors(self._url(k or base)):
             batch: list[dict[str, str]] = [{"Key": k}] if k else []
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
                 for obj in page.get("Contents", ()):
@@ -425,7 +433,7 @@ class S3Storage:
             pass  # a server without ListMultipartUploads: the uploads expire by lifecycle rules
 
     def rename(self, src: str, dst: str) -> None:
-        raise OSError(errno.ENOTSUP, "S3 has no atomic rename (atomic_rename is False)", self._k(src))
+        raise OSError(errno.ENOTSUP, "S3 has no atomic rename (atomic_rename is False)", self._url(self._k(src)))
 
     def sync(self, prefix: str) -> None:
         return None  # a completed PUT is durable
