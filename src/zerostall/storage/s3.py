@@ -33,7 +33,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import boto3
 from botocore import exceptions as bex
@@ -101,11 +101,11 @@ class S3Options:
             raw = env.get(f"ZEROSTALL_S3_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
-            typ = type(f.default) if f.default is not None else str
+            kind = type(f.default).__name__ if isinstance(f.default, (int, float)) else "str"
             try:
-                kw[f.name] = typ(raw) if typ is not int else int(float(raw))
+                kw[f.name] = int(float(raw)) if kind == "int" else float(raw) if kind == "float" else raw
             except ValueError:
-                raise ValueError(f"ZEROSTALL_S3_{f.name.upper()}={raw!r} is not a valid {typ.__name__}") from None
+                raise ValueError(f"ZEROSTALL_S3_{f.name.upper()}={raw!r} is not a valid {kind}") from None
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -173,7 +173,7 @@ class _ViewReader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
-    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+    def read(self, size: int | None = -1) -> memoryview:
         end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
         out = self._view[self._pos:end]
         self._pos = max(self._pos, end)
@@ -415,7 +415,7 @@ class S3Storage:
                 self._delete_batch(batch)
             self._abort_uploads(base)
 
-    def _delete_batch(self, batch: list[dict[str, str]]) -> None:
+    def _delete_batch(self, batch: Sequence[dict[str, str]]) -> None:
         resp = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
         errs = [e for e in resp.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
         if errs:
