@@ -144,3 +144,40 @@ def s3_url(s3_bucket: str, request: pytest.FixtureRequest) -> str:
     """A fresh ``s3://bucket/<test>-<id>`` root for this test."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
     return f"s3://{s3_bucket}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def own_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Server, str]]:
+    """A server of this test's own (to kill and restart), its bucket, and a writer environment
+    that gives up fast once the server is gone: two attempts, short timeouts, small sequential parts."""
+    if os.environ.get("ZEROSTALL_S3_TESTS") == "skip":
+        pytest.skip("ZEROSTALL_S3_TESTS=skip")
+    pytest.importorskip("boto3", reason="the S3 tests need boto3: pip install 'zerostall[s3]'")
+    server = start_server("zs-s3-fault-")
+    try:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("ZEROSTALL_S3_MAX_ATTEMPTS", "2")
+        monkeypatch.setenv("ZEROSTALL_S3_CONNECT_TIMEOUT", "2")
+        monkeypatch.setenv("ZEROSTALL_S3_READ_TIMEOUT", "10")
+        monkeypatch.setenv("ZEROSTALL_S3_PART_SIZE", str(5 * MiB))
+        monkeypatch.setenv("ZEROSTALL_S3_CONCURRENCY", "1")
+        bucket = "faults"
+        c = server.client()
+        c.create_bucket(Bucket=bucket)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                c.head_bucket(Bucket=bucket)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield server, bucket
+    finally:
+        server.stop()
+        shutil.rmtree(server.datadir, ignore_errors=True)

@@ -222,6 +222,7 @@ def test_error_mapping(s3_url: str, s3_server: Any) -> None:
 
 
 def test_options_from_env() -> None:
+    pytest.importorskip("boto3")
     from zerostall.storage.s3 import S3Options
 
     o = S3Options.from_env({"ZEROSTALL_S3_PART_SIZE": "8388608", "ZEROSTALL_S3_CONCURRENCY": "3",

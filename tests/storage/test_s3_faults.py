@@ -7,9 +7,8 @@ writer's environment before the Checkpointer starts its writer process, which in
 
 from __future__ import annotations
 
-import shutil
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -19,32 +18,7 @@ import zerostall  # noqa: E402
 from zerostall.errors import ZerostallError  # noqa: E402
 from zerostall.persist.faults import ENV as FAULTS_ENV  # noqa: E402
 
-from conftest import S3Server, start_server  # noqa: E402
-
 MiB = 1 << 20
-
-
-@pytest.fixture
-def own_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Server, str]]:
-    pytest.importorskip("boto3")
-    server = start_server("zs-s3-fault-")
-    try:
-        for k, v in server.env.items():
-            monkeypatch.setenv(k, v)
-        # fail fast once the server is gone: two attempts, short timeouts, small sequential parts
-        monkeypatch.setenv("ZEROSTALL_S3_MAX_ATTEMPTS", "2")
-        monkeypatch.setenv("ZEROSTALL_S3_CONNECT_TIMEOUT", "2")
-        monkeypatch.setenv("ZEROSTALL_S3_READ_TIMEOUT", "10")
-        monkeypatch.setenv("ZEROSTALL_S3_PART_SIZE", str(5 * MiB))
-        monkeypatch.setenv("ZEROSTALL_S3_CONCURRENCY", "1")
-        bucket = "faults"
-        c = server.client()
-        c.create_bucket(Bucket=bucket)
-        wait_for(lambda: c.head_bucket(Bucket=bucket))
-        yield server, bucket
-    finally:
-        server.stop()
-        shutil.rmtree(server.datadir, ignore_errors=True)
 
 
 def wait_for(fn: Any, timeout: float = 30.0, every: float = 0.02) -> Any:
@@ -77,7 +51,7 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["step"] == b["step"] and torch.equal(a["w"], b["w"])
 
 
-def test_server_killed_mid_upload(own_server: tuple[S3Server, str]) -> None:
+def test_server_killed_mid_upload(own_server: Any) -> None:
     server, bucket = own_server
     url = f"s3://{bucket}/run"
     client = server.client()
@@ -108,7 +82,7 @@ def test_server_killed_mid_upload(own_server: tuple[S3Server, str]) -> None:
         assert same(ckpt.load_pytree(2), small(22))
 
 
-def test_server_killed_before_the_manifest(own_server: tuple[S3Server, str],
+def test_server_killed_before_the_manifest(own_server: Any,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Data uploaded, server gone when the manifest is put: the step must not exist."""
     server, bucket = own_server
