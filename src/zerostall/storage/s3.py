@@ -233,6 +233,8 @@ class S3Storage:
         ``chunk_bytes`` and ``direct`` are for files; S3 uses ``S3Options.part_size``.
         """
         k = self._k(key)
+        if length > buf.nbytes:
+            raise ValueError(f"length {length} exceeds the buffer's {buf.nbytes} bytes")
         view = memoryview(buf).cast("B")[:length] if length else memoryview(b"")
         part = max(self.options.part_size, -(-length // _MAX_PARTS))
         with _errors(self._url(k)):
@@ -297,9 +299,11 @@ class S3Storage:
                     # another conditional write of this key is in flight: wait for its outcome
                     time.sleep(min(2.0, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
                     continue
-                if (code == "PreconditionFailed" or status == 412) and \
-                        exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0 and verify():
-                    return  # an earlier attempt of this very call succeeded before the retry
+                retried = exc.response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
+                if retried and (status == 412 or code in ("PreconditionFailed", "NoSuchUpload")) and verify():
+                    # an earlier attempt of this very call succeeded before the retry (a retried
+                    # CompleteMultipartUpload can also find its upload already gone: NoSuchUpload)
+                    return
                 raise
         raise OSError(errno.EAGAIN, "conditional write kept conflicting with another writer", self._url(k))
 
