@@ -246,3 +246,42 @@ def test_thread_writer_also_works(s3_url: str) -> None:
     st = state(3)
     zerostall.save_pytree(f"{s3_url}/t", st, options=SaveOptions(writer=WriterKind.THREAD))
     assert_state_equal(zerostall.load_pytree(f"{s3_url}/t"), st)
+
+
+class _Raw:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **kw: Any) -> Any:
+        yield self.body
+
+
+@pytest.mark.parametrize("max_attempts, fails, ok", [(4, 2, True), (2, 2, False)])
+def test_throttling_is_retried(s3_url: str, max_attempts: int, fails: int, ok: bool) -> None:
+    """SeaweedFS cannot be made to throttle on demand: the first ``fails`` PutObject requests are
+    answered 503 SlowDown by a hook in front of the real server."""
+    from botocore.awsrequest import AWSResponse
+
+    from zerostall.storage.s3 import S3Storage
+
+    s = S3Storage(s3_url, max_attempts=max_attempts, concurrency=11)  # its own client
+    calls = {"n": 0}
+    body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+
+    def throttle(request: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] <= fails:
+            return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Raw(body))
+        return None
+
+    s.client.meta.events.register_first("before-send.s3.PutObject", throttle)
+    try:
+        if ok:
+            s.put("k", b"v", if_absent=True)
+            assert s.get("k") == b"v" and calls["n"] == fails + 1
+        else:
+            with pytest.raises(OSError) as info:
+                s.put("k", b"v", if_absent=True)
+            assert info.value.errno == errno.EAGAIN and calls["n"] == max_attempts
+    finally:
+        s.client.meta.events.unregister("before-send.s3.PutObject", throttle)

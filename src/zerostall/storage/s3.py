@@ -127,7 +127,7 @@ def _client(opts: S3Options) -> Any:
         c = _CLIENTS.get(k)
         if c is None:
             cfg = Config(
-                retries={"max_attempts": opts.max_attempts, "mode": opts.retry_mode},
+                retries={"total_max_attempts": opts.max_attempts, "mode": opts.retry_mode},  # initial call included
                 connect_timeout=opts.connect_timeout,
                 read_timeout=opts.read_timeout,
                 max_pool_connections=max(16, opts.concurrency * 4),  # up to 4 files x concurrency
