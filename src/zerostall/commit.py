@@ -157,13 +157,40 @@ class ManifestLastCommit(CommitProtocol):
         return Attempt(name=name, staging=name, data_dir=data_dir)
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        key = f"{attempt.name}/{MANIFEST_NAME}"
         try:
-            self.storage.put(f"{attempt.name}/{MANIFEST_NAME}", manifest, if_absent=True)
+            self.storage.put(key, manifest, if_absent=True)
         except FileExistsError as exc:
+            if self._landed(key, manifest):  # our own put, retried after its reply was lost
+                return
             raise CheckpointExistsError("another writer committed this checkpoint first",
                                         path=_join(self.storage.url, attempt.name)) from exc
+        except OSError:
+            # The outcome of a put that timed out is unknown: it may have landed. If it did, the
+            # checkpoint is committed and abort() must not touch its data.
+            if self._landed(key, manifest):
+                return
+            raise
+
+    def _landed(self, key: str, manifest: bytes) -> bool:
+        try:
+            return self.storage.get(key) == manifest
+        except (OSError, EOFError):
+            return False
 
     def abort(self, attempt: Attempt) -> None:
+        # Never delete data that a committed manifest points at: after a commit whose outcome
+        # was unknown, the manifest may be there. The data directory's name is unique to this
+        # attempt, so finding it in the manifest means this attempt is the committed one. If the
+        # manifest cannot be read, leave the (invisible) data behind rather than guess.
+        try:
+            current = self.storage.get(f"{attempt.name}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            current = None
+        except (OSError, EOFError):
+            return
+        if current is not None and f'"{attempt.data_dir}/'.encode() in current:
+            return
         self.storage.delete(f"{attempt.name}/{attempt.data_dir}")
 
 

@@ -109,7 +109,7 @@ class LocalStorage:
     def list(self, prefix: str) -> list[str]:
         try:
             return sorted(os.listdir(self._p(prefix)))
-        except NotADirectoryError:
+        except (FileNotFoundError, NotADirectoryError):  # as on an object store: nothing there
             return []
 
     # -- metadata --------------------------------------------------------------------------
