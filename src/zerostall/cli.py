@@ -41,6 +41,9 @@ class _Failed(Exception):
 
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     storage = open_storage(_url(args.dir))
+    if storage.atomic_rename and not storage.exists(""):
+        # listing a missing prefix is empty on object stores; a missing local directory is an error
+        raise StorageError("no such directory", errno=2, path=args.dir)
     try:
         names = storage.list("")
     except FileNotFoundError:

@@ -144,8 +144,6 @@ def test_fault_matrix(run_dir: Path, monkeypatch: pytest.MonkeyPatch, writer: st
         ckpt.close()
 
 
-@pytest.mark.xfail(strict=False, reason="persist/client.py builds the WriterError of a dead writer without the "
-                                        "checkpoint path")
 def test_writer_crash_error_names_the_checkpoint(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, json.dumps({"write": "exit"}))
     with Checkpointer(run_dir) as ckpt:

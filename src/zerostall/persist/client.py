@@ -33,6 +33,7 @@ _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__
 class _Pending:
     on_released: Callable[[], None]
     on_done: Callable[[dict[str, Any] | None, BaseException | None], None]
+    path: str | None = None
     released: bool = False
 
 
@@ -163,7 +164,7 @@ class WriterClient:
             job = dict(job, op="save", id=jid)
             job["files"] = [dict(f, buffer=b.id) for f, b in zip(job["files"], buffers)]
             with self._lock:
-                self._pending[jid] = _Pending(on_released, on_done)
+                self._pending[jid] = _Pending(on_released, on_done, path=job.get("path"))
             try:
                 for b in buffers:
                     if b.id not in self._mapped:
@@ -222,4 +223,4 @@ class WriterClient:
                 p.released = True
                 p.on_released()
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
-                                        "nothing of this save was committed"))
+                                        "nothing of this save was committed", path=p.path))
