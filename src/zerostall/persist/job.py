@@ -32,9 +32,9 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def checksum(view: memoryview) -> int:
-    """CRC32C (hardware-accelerated; releases the GIL on large inputs)."""
-    return crc32c.crc32c(view)
+def checksum(view: memoryview, value: int = 0) -> int:
+    """CRC32C of ``view``, continuing from ``value`` (hardware-accelerated; releases the GIL)."""
+    return int(crc32c.crc32c(view, value))
 
 
 def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Callable[[], None]) -> dict[str, Any]:
