@@ -27,7 +27,7 @@ __all__ = ["Engine"]
 
 log = logging.getLogger("zerostall")
 _PLAN_CACHE = 8
-_STORAGE_ENV = ("AWS_",)
+_STORAGE_ENV = ("AWS_", "ZEROSTALL_S3_")
 
 
 def _cuda_present() -> bool:

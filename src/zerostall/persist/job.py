@@ -45,7 +45,7 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
     t0 = time.perf_counter()
     env = job.get("env")
     if env is not None:  # mirror the trainer's storage environment (credentials, endpoint)
-        for k in [k for k in os.environ if k.startswith("AWS_") and k not in env]:
+        for k in [k for k in os.environ if k.startswith(("AWS_", "ZEROSTALL_S3_")) and k not in env]:
             del os.environ[k]
         os.environ.update(env)
     storage = open_storage(job["root"])
