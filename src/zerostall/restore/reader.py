@@ -360,13 +360,21 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
         leaf = r.leaf
         fkey = f"{name}/{m.files[leaf.file].path}"
         got = 0
+
+        def add(piece: memoryview) -> None:
+            nonlocal got
+            got = checksum(piece, got)
+
         try:
-            for off in range(0, leaf.nbytes, chunk):
-                n = min(chunk, leaf.nbytes - off)
-                piece = r.dest[off:off + n]
-                storage.read_into(fkey, leaf.offset + off, piece)
-                if opts.verify:
-                    got = checksum(piece, got)
+            sequential = getattr(storage, "read_sequential", None)
+            if sequential is not None:  # one open file per leaf: readahead spans the leaf
+                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if opts.verify else None)
+            else:
+                for off in range(0, leaf.nbytes, chunk):
+                    piece = r.dest[off:off + chunk]
+                    storage.read_into(fkey, leaf.offset + off, piece)
+                    if opts.verify:
+                        add(piece)
         except EOFError as exc:
             raise CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key) from exc
         except FileNotFoundError as exc:
