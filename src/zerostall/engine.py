@@ -53,6 +53,10 @@ class Engine:
             self.writer.start()
 
     def _plan(self, flat: Any) -> tuple[Plan, list[dict[str, Any]]]:
+        with self._lock:
+            return self._plan_locked(flat)
+
+    def _plan_locked(self, flat: Any) -> tuple[Plan, list[dict[str, Any]]]:
         sig = flat.signature
         hit = self._plans.get(sig)
         if hit is not None:
