@@ -285,3 +285,19 @@ def test_throttling_is_retried(s3_url: str, max_attempts: int, fails: int, ok: b
             assert info.value.errno == errno.EAGAIN and calls["n"] == max_attempts
     finally:
         s.client.meta.events.unregister("before-send.s3.PutObject", throttle)
+
+
+def test_listing_and_delete_across_pages_and_batches(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pagination and DeleteObjects batching, with pages and batches of 7 instead of 1000."""
+    import zerostall.storage.s3 as s3mod
+
+    monkeypatch.setattr(s3mod, "_LIST_PAGE", 7)
+    monkeypatch.setattr(s3mod, "_DELETE_BATCH", 7)
+    s = s3mod.S3Storage(s3_url)
+    names = [f"step_{i:08d}" for i in range(12)]
+    for n in names:
+        for f in ("manifest.json", "data-x/a", "data-x/b"):
+            s.put(f"{n}/{f}", b"1")
+    assert s.list("") == names  # 36 keys over 6 pages
+    s.delete("")  # 36 keys in 6 batches
+    assert s.list("") == [] and not s.exists("")
