@@ -345,3 +345,28 @@ def test_read_resumes_a_broken_stream(s3_url: str) -> None:
         del s.client.get_object
     assert out == data[100:50_100]
     assert ranges == ["bytes=100-50099", "bytes=1100-50099"]
+
+
+def test_two_writer_processes_race_for_one_step(s3_url: str) -> None:
+    """Two Checkpointers (two writer processes) save the same step at once: exactly one commits,
+    the other gets CheckpointExistsError, and the step holds the winner's state."""
+    a, b = zerostall.Checkpointer(s3_url), zerostall.Checkpointer(s3_url)
+    try:
+        ra = a.save_pytree_async(5, state(1))
+        rb = b.save_pytree_async(5, state(2))
+        outcomes = []
+        for r in (ra, rb):
+            try:
+                r.result(timeout=120)
+                outcomes.append(None)
+            except CheckpointExistsError as exc:
+                outcomes.append(exc)
+        assert sorted(o is None for o in outcomes) == [False, True], outcomes
+        winner = state(1) if outcomes[0] is None else state(2)
+        assert_state_equal(a.load_pytree(5), winner)
+        # the loser removed its own data: only the winner's data directory is left
+        storage = open_storage(s3_url)
+        assert len([n for n in storage.list(step_name(5)) if n.startswith("data-")]) == 1
+    finally:
+        a.close()
+        b.close()
