@@ -2,7 +2,8 @@
 
 Phases: ``begin``, ``write``, ``checksum``, ``manifest``, ``commit``, ``retention``.
 Actions: ``sleep:<seconds>``, ``raise:<ERRNO NAME>`` (an ``OSError``), ``exit`` (the writer process
-dies at once, as if killed). Unset in production: the variable is read at each phase, costs one
+dies at once, as if killed), ``wait:<path>`` (block until the file ``path`` exists: lets a test
+order events without timing thresholds). Unset in production: the variable is read at each phase, costs one
 dictionary lookup, and does nothing when absent.
 """
 
@@ -33,3 +34,7 @@ def hit(phase: str, path: str = "") -> None:
         raise OSError(code, f"injected {arg} at {phase}", path or None)
     elif verb == "exit":
         os._exit(137)
+    elif verb == "wait":
+        deadline = time.monotonic() + 600
+        while not os.path.exists(arg) and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -1,0 +1,182 @@
+"""One rank of a multi-process test: ``_dist_worker.py SCENARIO RANK WORLD PORT DIR``.
+
+Writes ``DIR/result-RANK.json`` ({"ok": true, ...} or {"ok": false, "error": ...}).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import zerostall  # noqa: E402
+from zerostall import Checkpointer, LoadOptions, SaveOptions  # noqa: E402
+from zerostall.dist import DistributedOptions  # noqa: E402
+
+
+def ddp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # identical on every rank, as DDP makes it
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32),
+                                torch.nn.Linear(32, 48))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)  # the same batch everywhere: replicated gradients
+    x = torch.randn(8, 64, generator=g)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def per_rank(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {"rng": torch.randint(0, 1 << 30, (17,), generator=g) + step, "step": step,
+            "loader": {"position": rank * 100 + step, "name": f"shard-{rank}"}}
+
+
+def scenario_roundtrip(rank: int, world: int, d: str) -> dict:
+    model, opt = ddp_model()
+    train_step(model, opt, 1)
+    out: dict = {}
+    with Checkpointer(f"{d}/ck", keep_last=2) as ck:
+        ck.save_pytree(1, {"model": model, "optim": opt, "rank_state": per_rank(rank, 1)})
+        train_step(model, opt, 2)
+        expect_model = {k: v.clone() for k, v in model.state_dict().items()}
+        r = ck.save_pytree_async(2, {"model": model, "optim": opt, "rank_state": per_rank(rank, 2)})
+        train_step(model, opt, 3)  # mutate right after the async return
+        stats = r.result()
+        out["leaves_written"] = stats.nbytes
+        for mode in ("broadcast", "every_rank"):
+            fresh, fopt = ddp_model()
+            tmpl = {"model": fresh, "optim": fopt, "rank_state": per_rank(rank, 0)}
+            ck.load_options = LoadOptions(replicated=mode)
+            got = ck.load_pytree(template=tmpl)
+            for k, v in expect_model.items():
+                assert torch.equal(fresh.state_dict()[k], v), (mode, k)
+            assert torch.equal(got["rank_state"]["rng"], per_rank(rank, 2)["rng"]), mode
+            assert got["rank_state"]["step"] == 2
+            assert got["rank_state"]["loader"] == {"position": rank * 100 + 2, "name": f"shard-{rank}"}
+            st = fopt.state_dict()["state"]
+            assert int(st[0]["step"]) == 2 and len(st) == 6, mode
+        # Without a template: this rank's tree as saved.
+        raw = ck.load_pytree()
+        assert raw["rank_state"]["loader"]["position"] == rank * 100 + 2
+        out["latest"] = ck.latest_step()
+    return out
+
+
+def scenario_dtensor_save(rank: int, world: int, d: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _dtensor_globals()
+    tree = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+            "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+            "rep": distribute_tensor(full["rep"], mesh, [Replicate()]),
+            "rank": rank}
+    zerostall.save_pytree(f"{d}/dt", tree, options=SaveOptions(distributed=DistributedOptions(timeout_s=60)))
+    return {}
+
+
+def _dtensor_globals() -> dict:
+    return {"rows": torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6),
+            "cols": torch.arange(7 * 10, dtype=torch.int64).reshape(7, 10) * 3,
+            "rep": torch.linspace(0, 1, 33, dtype=torch.float64)}
+
+
+def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _dtensor_globals()
+    tmpl = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]),
+            # saved as Shard(1) on 4 ranks, loaded as Shard(0) on 2: boxes cross the saved shards
+            "cols": distribute_tensor(torch.zeros(7, 10, dtype=torch.int64), mesh, [Shard(0)]),
+            "rep": distribute_tensor(torch.zeros(33, dtype=torch.float64), mesh, [Replicate()])}
+    got = zerostall.load_pytree(f"{d}/dt", tmpl)
+    for k in tmpl:
+        assert got[k] is tmpl[k]
+        assert torch.equal(tmpl[k].full_tensor(), full[k]), k
+    # a Shard(1) template of the Shard(0)-saved tensor: covering row ranges
+    t2 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)])}
+    zerostall.load_pytree(f"{d}/dt", t2)
+    assert torch.equal(t2["rows"].full_tensor(), full["rows"])
+    return {}
+
+
+def scenario_kill(rank: int, world: int, d: str) -> dict:
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=20))
+    state = {"w": torch.arange(1000.0), "rank": per_rank(rank, 1)}
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        ck.save_pytree(1, state)
+    if rank == 1:  # this rank's next writer dies in its write phase
+        os.environ["ZEROSTALL_FAULTS"] = json.dumps({"write": "exit"})
+    t0 = time.monotonic()
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        os.environ.pop("ZEROSTALL_FAULTS", None)
+        state["w"].add_(1)
+        r = ck.save_pytree_async(2, state)
+        try:
+            r.result(timeout=60)
+        except Exception as exc:  # expected
+            err = {"type": type(exc).__name__, "msg": str(exc), "rank": getattr(exc, "rank", None)}
+        else:
+            err = None
+        elapsed = time.monotonic() - t0
+        steps = ck.steps()
+        back = ck.load_pytree(1)
+        assert torch.equal(back["w"], torch.arange(1000.0))
+    return {"error": err, "elapsed": elapsed, "steps": steps}
+
+
+def scenario_slow(rank: int, world: int, d: str) -> dict:
+    gate = f"{d}/gate"
+    if rank == world - 1:  # the slow rank: its writer waits for the gate file
+        os.environ["ZEROSTALL_FAULTS"] = json.dumps({"write": f"wait:{gate}"})
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=60))
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        state = {"w": torch.full((4096,), float(rank)), "shared": torch.arange(5000.0)}
+        r = ck.save_pytree_async(3, state)
+        # Returned while the slow writer is still held: an ordering, not a timing threshold.
+        slow_report_seen = any("rank-%05d.json" % (world - 1) in f for _, _, fs in os.walk(d) for f in fs)
+        done_at_return = r.done()
+        with open(f"{d}/returned-{rank}", "w"):
+            pass
+        if rank == world - 1:
+            while not all(os.path.exists(f"{d}/returned-{i}") for i in range(world)):
+                time.sleep(0.01)
+            with open(gate, "w"):
+                pass
+        r.result(timeout=60)
+        return {"done_at_return": done_at_return, "slow_report_seen": slow_report_seen, "steps": ck.steps()}
+
+
+def main() -> None:
+    scenario, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        res = {"ok": True, **globals()[f"scenario_{scenario}"](rank, world, d)}
+        dist.barrier()
+    except BaseException as exc:
+        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+    with open(f"{d}/result-{rank}.json", "w") as f:
+        json.dump(res, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+if __name__ == "__main__":
+    main()
