@@ -1,6 +1,9 @@
-"""One rank of a multi-process test: ``_dist_worker.py SCENARIO RANK WORLD PORT DIR``.
+"""One rank of a multi-process test: ``_dist_worker.py SCENARIO[,SCENARIO...] RANK WORLD PORT DIR``.
 
-Writes ``DIR/result-RANK.json`` ({"ok": true, ...} or {"ok": false, "error": ...}).
+Scenarios run in order in the same processes (torch's start-up is the expensive part on a small
+machine), each in ``DIR/<scenario>/``. Writes ``DIR/result-RANK.json``:
+``{scenario: {"ok": true, ...} or {"ok": false, "error": ..., "tb": ...}}``.
+The DTensor load reads the checkpoint named by ``ZS_DTENSOR_CKPT``.
 """
 
 from __future__ import annotations
@@ -104,13 +107,14 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
             # saved as Shard(1) on 4 ranks, loaded as Shard(0) on 2: boxes cross the saved shards
             "cols": distribute_tensor(torch.zeros(7, 10, dtype=torch.int64), mesh, [Shard(0)]),
             "rep": distribute_tensor(torch.zeros(33, dtype=torch.float64), mesh, [Replicate()])}
-    got = zerostall.load_pytree(f"{d}/dt", tmpl)
+    src = os.environ["ZS_DTENSOR_CKPT"]
+    got = zerostall.load_pytree(src, tmpl)
     for k in tmpl:
         assert got[k] is tmpl[k]
         assert torch.equal(tmpl[k].full_tensor(), full[k]), k
     # a Shard(1) template of the Shard(0)-saved tensor: covering row ranges
     t2 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)])}
-    zerostall.load_pytree(f"{d}/dt", t2)
+    zerostall.load_pytree(src, t2)
     assert torch.equal(t2["rows"].full_tensor(), full["rows"])
     return {}
 
@@ -163,15 +167,25 @@ def scenario_slow(rank: int, world: int, d: str) -> dict:
 
 
 def main() -> None:
-    scenario, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        res = {"ok": True, **globals()[f"scenario_{scenario}"](rank, world, d)}
+    import datetime
+
+    scenarios, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    results: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    for scenario in scenarios.split(","):
+        sd = os.path.join(d, scenario)
+        os.makedirs(sd, exist_ok=True)
+        t0 = time.monotonic()
+        try:
+            res = {"ok": True, **globals()[f"scenario_{scenario}"](rank, world, sd)}
+        except BaseException as exc:
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+        res["seconds"] = time.monotonic() - t0
+        results[scenario] = res
+        with open(f"{d}/result-{rank}.json", "w") as f:
+            json.dump(results, f)
         dist.barrier()
-    except BaseException as exc:
-        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
-    with open(f"{d}/result-{rank}.json", "w") as f:
-        json.dump(res, f)
     try:
         dist.destroy_process_group()
     except Exception:
