@@ -220,7 +220,8 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
         table = [[lf["key"], lf["kind"], lf["dtype"], lf["shape"], lf["nbytes"],
                   None if (i in unhashed or world == 1) else _hash(view[lf["offset"]:lf["offset"] + lf["nbytes"]])]
                  for i, lf in enumerate(leaves)]
-        storage.put(names.table(rank), json.dumps({"leaves": table}).encode())
+        # if_absent: written aside and linked into place, so a poller never reads half a file
+        storage.put(names.table(rank), json.dumps({"leaves": table}).encode(), if_absent=True)
         _poll_all(storage, names, f"{names.coord}/tables", world, timeout_s=timeout_s, poll_s=poll_s,
                   what="hash tables", path=path)
         tables = [json.loads(storage.get(names.table(r))) for r in range(world)]
@@ -274,7 +275,7 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
                    for lf, off, c in zip(mine, offsets, crcs)]
         report = {"rank": rank, "file_size": size, "written": written, "items": job["items"],
                   "refs": [[owner[(rank, lf["key"])], lf["key"]] for lf in leaves]}
-        storage.put(names.report(rank), json.dumps(report).encode())
+        storage.put(names.report(rank), json.dumps(report).encode(), if_absent=True)
 
         t_commit = time.perf_counter()
         if rank == 0:
@@ -292,7 +293,7 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
             try:
                 _commit(storage, names, manifest)
             except BaseException as exc:
-                storage.put(names.failed, json.dumps(abort_doc(exc, 0, path)["error"]).encode())
+                storage.put(names.failed, json.dumps(abort_doc(exc, 0, path)["error"]).encode(), if_absent=True)
                 raise
         else:
             wait_for_outcome(storage, names, timeout_s=timeout_s, poll_s=poll_s, rank=rank, path=path)
