@@ -122,12 +122,22 @@ def wait_for_outcome(storage: Storage, names: AttemptNames, *, timeout_s: float,
     """Return once the attempt is committed; raise the abort error (or a timeout) otherwise.
 
     On timeout without any decision, this rank decides "abort", naming rank 0 (the committer),
-    so that no rank waits forever and all raise the same error.
+    so that no rank waits forever and all raise the same error. The timeout counts from the
+    last sign of progress (another rank's report appearing), so a rank 0 that is still writing
+    a large share is not mistaken for a dead one.
     """
     deadline = time.monotonic() + timeout_s
+    reports = -1
     while True:
         if committed_attempt(storage, names) == names.attempt:
             return
+        try:
+            n = len(storage.list(f"{names.coord}/ranks"))
+        except FileNotFoundError:
+            n = reports
+        if n > reports:
+            reports = n
+            deadline = time.monotonic() + timeout_s
         dec = read_decision(storage, names)
         if dec is not None and dec.get("decision") == "abort":
             raise error_of(dec)
