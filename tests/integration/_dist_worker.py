@@ -144,6 +144,37 @@ def scenario_kill(rank: int, world: int, d: str) -> dict:
     return {"error": err, "elapsed": elapsed, "steps": steps}
 
 
+def scenario_sigkill0(rank: int, world: int, d: str) -> dict:
+    """Rank 0's writer (the committer) is SIGKILLed while it is held in its write phase."""
+    import glob
+    import signal
+
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=20))
+    state = {"w": torch.arange(1000.0), "rank": per_rank(rank, 1)}
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        ck.save_pytree(1, state)
+    if rank == 0:
+        os.environ["ZEROSTALL_FAULTS"] = json.dumps({"write": f"wait:{d}/never"})
+    t0 = time.monotonic()
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        os.environ.pop("ZEROSTALL_FAULTS", None)
+        state["w"].add_(1)
+        r = ck.save_pytree_async(2, state)
+        if rank == 0:  # its table is published only once its writer runs the save: kill it then
+            while not glob.glob(f"{d}/ck/.step_00000002.zs-tmp-*/zs-coord/tables/rank-00000.json"):
+                time.sleep(0.01)
+            os.kill(ck._engine.writer.pid, signal.SIGKILL)
+        try:
+            r.result(timeout=60)
+            err = None
+        except Exception as exc:
+            err = {"type": type(exc).__name__, "msg": str(exc), "rank": getattr(exc, "rank", None)}
+        elapsed = time.monotonic() - t0
+        steps = ck.steps()
+        assert torch.equal(ck.load_pytree(1)["w"], torch.arange(1000.0))
+    return {"error": err, "elapsed": elapsed, "steps": steps}
+
+
 def scenario_slow(rank: int, world: int, d: str) -> dict:
     gate = f"{d}/gate"
     if rank == world - 1:  # the slow rank: its writer waits for the gate file

@@ -61,7 +61,7 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, _launch(["roundtrip", "dtensor_load", "kill", "slow"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -150,6 +150,19 @@ def test_killed_writer_fails_every_rank_naming_it(two):
     assert all(r["elapsed"] < 20 for r in res)  # within the (20 s) timeout: nobody waited it out
     assert all(r["steps"] == [1] for r in res)  # nothing committed; the previous step loaded intact
     ck = os.path.join(d, "kill", "ck")
+    assert not [n for n in os.listdir(ck) if "zs-tmp" in n or n == "step_00000002"]
+
+
+def test_sigkilled_committer_fails_every_rank_naming_it(two):
+    d, results = two
+    res = _ok(results, "sigkill0")
+    errors = [r["error"] for r in res]
+    assert all(e is not None for e in errors), errors
+    assert len({e["msg"] for e in errors}) == 1
+    assert errors[0]["rank"] == 0 and "rank 0" in errors[0]["msg"] and "signal 9" in errors[0]["msg"]
+    assert all(r["elapsed"] < 20 for r in res)
+    assert all(r["steps"] == [1] for r in res)
+    ck = os.path.join(d, "sigkill0", "ck")
     assert not [n for n in os.listdir(ck) if "zs-tmp" in n or n == "step_00000002"]
 
 
