@@ -175,6 +175,36 @@ def scenario_sigkill0(rank: int, world: int, d: str) -> dict:
     return {"error": err, "elapsed": elapsed, "steps": steps}
 
 
+def scenario_objstore(rank: int, world: int, d: str) -> dict:
+    """A backend without rename (as object stores): data under <name>/data-<attempt>/, manifest last."""
+    from zerostall import WriterKind
+    from zerostall.storage import register_scheme
+    from zerostall.storage.local import LocalStorage
+
+    class NoRename(LocalStorage):
+        atomic_rename = False
+
+        def __init__(self, url: str) -> None:
+            super().__init__(url.split("://", 1)[1])
+            self.url = url
+
+    register_scheme("norename", NoRename)  # in this process: the writer runs as a thread here
+    opts = SaveOptions(writer=WriterKind.THREAD, distributed=DistributedOptions(timeout_s=30))
+    model, opt = ddp_model()
+    train_step(model, opt, 1)
+    with Checkpointer(f"norename://{d}/ck", save_options=opts, keep_last=1) as ck:
+        ck.save_pytree(1, {"model": model, "rank": per_rank(rank, 1)})
+        train_step(model, opt, 2)
+        ck.save_pytree(2, {"model": model, "rank": per_rank(rank, 2)})
+        fresh, _ = ddp_model()
+        got = ck.load_pytree(template={"model": fresh, "rank": per_rank(rank, 0)})
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+        assert torch.equal(got["rank"]["rng"], per_rank(rank, 2)["rng"])
+        steps = ck.steps()
+    return {"steps": steps, "files": sorted(os.listdir(f"{d}/ck/step_00000002"))}
+
+
 def scenario_slow(rank: int, world: int, d: str) -> dict:
     gate = f"{d}/gate"
     if rank == world - 1:  # the slow rank: its writer waits for the gate file

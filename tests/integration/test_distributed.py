@@ -61,7 +61,7 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -174,3 +174,12 @@ def test_slow_rank_does_not_stall_the_others(two):
     assert not any(r["done_at_return"] for r in res)
     assert not res[0]["slow_report_seen"]
     assert all(r["steps"] == [3] for r in res)
+
+
+def test_backend_without_rename_commits_manifest_last(two):
+    d, results = two
+    res = _ok(results, "objstore")
+    assert all(r["steps"] == [2] for r in res)  # keep_last=1: step 1 removed by rank 0 only after 2
+    files = res[0]["files"]
+    assert "manifest.json" in files and len([f for f in files if f.startswith("data-")]) == 1
+    assert not [f for f in files if f.startswith("zs-coord")]  # coordination files removed

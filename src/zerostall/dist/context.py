@@ -53,10 +53,11 @@ class DistContext:
             import torch.distributed as dist
 
             gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, (uuid.uuid4().hex[:12], root_url), group=self.group)
-            roots = {g[1] for g in gathered}
-            if len(roots) != 1:
-                raise ValueError(f"a collective save needs the same directory on every rank, got {sorted(roots)}")
+            dist.all_gather_object(gathered, (uuid.uuid4().hex[:12], f"{root_url.rstrip('/')}/{name}"),
+                                   group=self.group)
+            paths = {g[1] for g in gathered}
+            if len(paths) != 1:
+                raise ValueError(f"a collective save needs the same path on every rank, got {sorted(paths)}")
             self.run = str(gathered[0][0])
         self.counter += 1
         return {"rank": self.rank, "world": self.world, "run": self.run, "counter": self.counter,
