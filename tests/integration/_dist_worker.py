@@ -116,6 +116,38 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
     t2 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)])}
     zerostall.load_pytree(src, t2)
     assert torch.equal(t2["rows"].full_tensor(), full["rows"])
+    # Only the rows this rank needs are read: 5 of the 10 rows (saved as 3+3+3+1 on 4 ranks).
+    from zerostall.storage.local import LocalStorage
+
+    sizes: list[int] = []
+    orig = LocalStorage.read_into
+
+    def counting(self, key, offset, buf):  # type: ignore[no-untyped-def]
+        sizes.append(len(buf))
+        return orig(self, key, offset, buf)
+    LocalStorage.read_into = counting  # type: ignore[method-assign]
+    try:
+        t3 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])}
+        zerostall.load_pytree(src, t3)
+    finally:
+        LocalStorage.read_into = orig  # type: ignore[method-assign]
+    assert torch.equal(t3["rows"].full_tensor(), full["rows"])
+    return {"bytes_read": sum(sizes)}
+
+
+def scenario_grow(rank: int, world: int, d: str) -> dict:
+    """Saved by ranks 0-1 (a sub-group), loaded by all ranks: ranks >= 2 get rank 0's tree."""
+    sub = dist.new_group([0, 1])
+    if rank < 2:
+        with Checkpointer(f"{d}/ck", process_group=sub) as ck:
+            ck.save_pytree(1, {"w": torch.arange(8.0), "rank_state": per_rank(rank, 1)})
+    dist.barrier()
+    with Checkpointer(f"{d}/ck") as ck:
+        got = ck.load_pytree()
+    src = rank if rank < 2 else 0
+    assert torch.equal(got["w"], torch.arange(8.0))
+    assert got["rank_state"]["loader"]["position"] == src * 100 + 1
+    assert torch.equal(got["rank_state"]["rng"], per_rank(src, 1)["rng"])
     return {}
 
 

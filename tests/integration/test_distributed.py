@@ -54,7 +54,7 @@ def _launch(scenarios: list[str], world: int, d: str, env: dict | None = None, t
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("four"))
-    return d, _launch(["roundtrip", "dtensor_save"], 4, d)
+    return d, _launch(["roundtrip", "dtensor_save", "grow"], 4, d)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,8 @@ def test_roundtrip_2_ranks_replicated_written_once(two):
 
 def test_dtensor_saved_on_4_loads_on_2_and_on_1(four, two):
     _ok(four[1], "dtensor_save")
-    _ok(two[1], "dtensor_load")  # 2 ranks: values checked against the global tensors there
+    res = _ok(two[1], "dtensor_load")  # 2 ranks: values checked against the global tensors there
+    assert all(r["bytes_read"] == 5 * 6 * 4 for r in res)  # each rank read only its 5 rows
     # 1 rank, no process group, no template: the full global tensors.
     got = zerostall.load_pytree(os.path.join(four[0], "dtensor_save", "dt"))
     for k, v in worker._dtensor_globals().items():
@@ -183,3 +184,7 @@ def test_backend_without_rename_commits_manifest_last(two):
     files = res[0]["files"]
     assert "manifest.json" in files and len([f for f in files if f.startswith("data-")]) == 1
     assert not [f for f in files if f.startswith("zs-coord")]  # coordination files removed
+
+
+def test_saved_by_a_subgroup_loaded_by_more_ranks(four):
+    _ok(four[1], "grow")  # process_group= on save; ranks beyond the saving world get rank 0's tree
