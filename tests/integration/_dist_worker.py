@@ -237,6 +237,32 @@ def scenario_objstore(rank: int, world: int, d: str) -> dict:
     return {"steps": steps, "files": sorted(os.listdir(f"{d}/ck/step_00000002"))}
 
 
+FAULT_TABLE = [("begin", 1), ("write", 1), ("checksum", 0), ("manifest", 0), ("commit", 0)]
+
+
+def scenario_faults(rank: int, world: int, d: str) -> dict:
+    """An injected ENOSPC per (phase, rank): every rank raises the same StorageError, nothing commits."""
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=20))
+    state = {"w": torch.arange(100.0), "rank": per_rank(rank, 0)}
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        ck.save_pytree(0, state)
+    out = []
+    for step, (phase, bad) in enumerate(FAULT_TABLE, start=1):
+        if rank == bad:
+            os.environ["ZEROSTALL_FAULTS"] = json.dumps({phase: "raise:ENOSPC"})
+        with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+            os.environ.pop("ZEROSTALL_FAULTS", None)
+            try:
+                ck.save_pytree(step, state)
+                out.append(None)
+            except Exception as exc:
+                out.append({"type": type(exc).__name__, "errno": getattr(exc, "errno", None),
+                            "rank": getattr(exc, "rank", None), "msg": str(exc)})
+            steps = ck.steps()
+        assert steps == [0], (phase, steps)
+    return {"errors": out, "leftovers": sorted(n for n in os.listdir(f"{d}/ck") if "zs-tmp" in n)}
+
+
 def scenario_slow(rank: int, world: int, d: str) -> dict:
     gate = f"{d}/gate"
     if rank == world - 1:  # the slow rank: its writer waits for the gate file

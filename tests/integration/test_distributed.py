@@ -61,7 +61,7 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -188,3 +188,14 @@ def test_backend_without_rename_commits_manifest_last(two):
 
 def test_saved_by_a_subgroup_loaded_by_more_ranks(four):
     _ok(four[1], "grow")  # process_group= on save; ranks beyond the saving world get rank 0's tree
+
+
+@pytest.mark.parametrize("i", range(len(worker.FAULT_TABLE)))
+def test_injected_fault_per_phase_and_rank(two, i):
+    phase, bad = worker.FAULT_TABLE[i]
+    res = _ok(two[1], "faults")
+    errs = [r["errors"][i] for r in res]
+    assert all(e is not None for e in errs), (phase, errs)
+    assert len({json.dumps(e, sort_keys=True) for e in errs}) == 1, errs  # the same error everywhere
+    assert errs[0]["type"] == "StorageError" and errs[0]["errno"] == 28 and errs[0]["rank"] == bad
+    assert all(r["leftovers"] == [] for r in res)
