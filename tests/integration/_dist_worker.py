@@ -260,7 +260,18 @@ def scenario_faults(rank: int, world: int, d: str) -> dict:
                             "rank": getattr(exc, "rank", None), "msg": str(exc)})
             steps = ck.steps()
         assert steps == [0], (phase, steps)
-    return {"errors": out, "leftovers": sorted(n for n in os.listdir(f"{d}/ck") if "zs-tmp" in n)}
+    # A save refused on the training thread (the step exists) still counts on every rank: the
+    # next save's attempt names agree and it commits.
+    with Checkpointer(f"{d}/ck", save_options=opts) as ck:
+        try:
+            ck.save_pytree(0, state)
+            exists = None
+        except zerostall.CheckpointExistsError as exc:
+            exists = type(exc).__name__
+        ck.save_pytree(9, state)
+        steps = ck.steps()
+    return {"errors": out, "leftovers": sorted(n for n in os.listdir(f"{d}/ck") if "zs-tmp" in n),
+            "exists": exists, "after": steps}
 
 
 def scenario_slow(rank: int, world: int, d: str) -> dict:

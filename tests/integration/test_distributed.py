@@ -199,3 +199,8 @@ def test_injected_fault_per_phase_and_rank(two, i):
     assert len({json.dumps(e, sort_keys=True) for e in errs}) == 1, errs  # the same error everywhere
     assert errs[0]["type"] == "StorageError" and errs[0]["errno"] == 28 and errs[0]["rank"] == bad
     assert all(r["leftovers"] == [] for r in res)
+
+
+def test_refused_save_keeps_ranks_in_step(two):
+    res = _ok(two[1], "faults")
+    assert all(r["exists"] == "CheckpointExistsError" and r["after"] == [0, 9] for r in res)
