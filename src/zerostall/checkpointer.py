@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 from typing import Any
@@ -10,7 +11,7 @@ from zerostall.api import PYTREE
 from zerostall.commit import committed_steps, remove_stale_attempts, step_name
 from zerostall.engine import Engine
 from zerostall.errors import CheckpointNotFoundError
-from zerostall.options import LoadOptions, SaveOptions
+from zerostall.options import DistributedOptions, LoadOptions, SaveOptions
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items
 from zerostall.storage import open_storage
@@ -28,6 +29,10 @@ class Checkpointer:
         keep_every_n_steps: also keep every step divisible by this, whatever ``keep_last`` says.
         save_interval_steps: :meth:`should_save` is true every this many steps (default: every step).
         save_options / load_options: see :class:`SaveOptions` and :class:`LoadOptions`.
+        process_group: under ``torch.distributed``, the group whose ranks save and load together
+            (default: the world); shorthand for ``distributed=DistributedOptions(process_group=...)``
+            in both option sets. Saves and loads are collective whenever torch.distributed is
+            initialized: every rank calls them with the same step (docs/distributed.md).
 
     The writer process starts here, so the first save does not pay for it. Partial saves left by
     writers that died (on this host) are removed here. Saves are
@@ -55,6 +60,7 @@ class Checkpointer:
         save_interval_steps: int | None = None,
         save_options: SaveOptions | None = None,
         load_options: LoadOptions | None = None,
+        process_group: Any = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -70,6 +76,12 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
+        if process_group is not None:
+            so, lo = save_options or SaveOptions(), load_options or LoadOptions()
+            save_options = dataclasses.replace(so, distributed=dataclasses.replace(
+                so.distributed or DistributedOptions(), process_group=process_group))
+            load_options = dataclasses.replace(lo, distributed=dataclasses.replace(
+                lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         self._storage = open_storage(self.directory)
         if self._storage.atomic_rename:
@@ -139,6 +151,13 @@ class Checkpointer:
     def _resolve(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
+            dopts = self.load_options.distributed if self.load_options is not None else None
+            from zerostall.dist.context import active
+
+            if active(dopts):  # every rank loads the step rank 0 sees as latest
+                from zerostall.dist.load import agree_step
+
+                step = agree_step(step, dopts)
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step

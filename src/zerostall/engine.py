@@ -49,6 +49,7 @@ class Engine:
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._dist: Any = None  # a zerostall.dist.context.DistContext once a collective save ran
         if prewarm:
             self.writer.start()
 
@@ -62,7 +63,7 @@ class Engine:
         if hit is not None:
             self._plans.move_to_end(sig)
             return hit
-        plan = make_plan(flat)
+        plan = make_plan(flat, rank=self._dist.rank if self._dist is not None else 0)
         leaves = [
             {"key": leaf.key, "kind": leaf.kind, "dtype": leaf.dtype, "shape": list(leaf.shape),
              "file": fi, "offset": place.offset, "nbytes": leaf.nbytes}
@@ -106,6 +107,17 @@ class Engine:
         if self._closed:
             raise WriterError("this saver is closed")
         path = f"{root_url.rstrip('/')}/{name}"
+        dist_info = self._begin_collective(root_url, name)
+        try:
+            return self._save_async(root_url, name, path, items, t0, dist_info, metadata, retention)
+        except BaseException as exc:
+            if dist_info is not None:  # the other ranks' writers learn of it now, not at their timeout
+                self._dist.abort(root_url, name, dist_info, path, exc)
+            raise
+
+    def _save_async(self, root_url: str, name: str, path: str, items: dict[str, Any], t0: float,
+                    dist_info: dict[str, Any] | None, metadata: dict[str, Any] | None,
+                    retention: dict[str, Any] | None) -> Response:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one", path=path)
@@ -136,18 +148,36 @@ class Engine:
         }
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
+        on_done = response._finish
+        if dist_info is not None:
+            from zerostall.dist.dtensor import unhashed_leaves
+
+            job["dist"] = dict(dist_info, unhashed=unhashed_leaves(flat.items))
+            on_done = self._dist.on_done(root_url, name, dist_info, path, response._finish)
         with self._lock:
             self._inflight.add(response)
         response._before_done.append(self._on_done)
         try:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot),
-                               on_done=response._finish)
+                               on_done=on_done)
         except BaseException as exc:
             self.pool.release(slot)
-            response._finish(None, exc)
+            on_done(None, exc)
             raise
         response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
         return response
+
+    def _begin_collective(self, root_url: str, name: str) -> dict[str, Any] | None:
+        """Under torch.distributed: number this save (and, the first time, agree on a run id)."""
+        from zerostall.dist.context import DistContext, active
+
+        if not active(self.options.distributed):
+            return None
+        if self._dist is None:
+            self._dist = DistContext(self.options.distributed)
+            self._plans.clear()  # plans name the rank's file
+        info: dict[str, Any] = self._dist.begin_save(root_url, name)
+        return info
 
     def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:

@@ -32,7 +32,7 @@ MAX_DEPTH = 200
 MAX_SIZE = 2**63 - 1
 LEAF_KINDS = frozenset({"torch", "numpy", "numpy_scalar", "bytes", "custom"})
 NODE_TYPES = frozenset({"none", "bool", "int", "float", "str", "bytes", "array", "custom",
-                        "dict", "list", "tuple", "namedtuple"})
+                        "dict", "list", "tuple", "namedtuple", "sharded"})
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
@@ -63,13 +63,16 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     created_unix: float | None = None
     library_version: str | None = None
+    #: collective saves only: each saving rank's ``{item name: tree}`` (``items`` is rank 0's)
+    ranks: tuple[dict[str, Any], ...] = ()
 
 
 def encode_manifest(
     *, items: dict[str, Any], leaves: list[dict[str, Any]], files: list[dict[str, Any]],
     metadata: dict[str, Any] | None = None, library_version: str = "",
+    ranks: list[dict[str, Any]] | None = None, attempt: str | None = None,
 ) -> bytes:
-    doc = {
+    doc: dict[str, Any] = {
         "format": "zerostall",
         "format_version": FORMAT_VERSION,
         "library_version": library_version,
@@ -79,6 +82,9 @@ def encode_manifest(
         "items": items,
         "metadata": metadata or {},
     }
+    if ranks is not None:
+        doc["ranks"] = [{"items": r} for r in ranks]
+        doc["attempt"] = attempt
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -156,6 +162,7 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
     used = bytearray(len(leaves))
     for name, node in items.items():
         _check_node(node, name, used, path, 0)
+    ranks = _ranks(doc, len(leaves), path)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _bad("'metadata' must be an object", path)
@@ -169,6 +176,7 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
         metadata=metadata,
         created_unix=_finite(created),
         library_version=lib if isinstance(lib, str) else None,
+        ranks=ranks,
     )
 
 
@@ -180,6 +188,24 @@ def _finite(v: Any) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
+
+
+def _ranks(doc: dict[str, Any], n_leaves: int, path: str) -> tuple[dict[str, Any], ...]:
+    """The optional per-rank trees of a collective save (see docs/distributed.md)."""
+    raw = doc.get("ranks")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'ranks' must be a non-empty list", path)
+    out = []
+    for r, entry in enumerate(raw):
+        rank_items = entry.get("items") if isinstance(entry, dict) else None
+        if not isinstance(rank_items, dict):
+            raise _bad(f"ranks[{r}].items must be an object", path)
+        for name, node in rank_items.items():
+            _check_node(node, name, bytearray(n_leaves), path, 0)  # a leaf backs one node per rank tree
+        out.append(rank_items)
+    return tuple(out)
 
 
 def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
@@ -242,6 +268,8 @@ def _check_node(node: Any, key: str, used: bytearray, path: str, depth: int) -> 
         if used[li]:
             raise _bad(f"leaf {li} is referenced by more than one tree node", path, key)
         used[li] = 1
+    if t == "sharded":
+        _check_sharded(node, key, used, path)
     if t == "custom" and not isinstance(node.get("handler"), str):
         raise _bad("custom node needs a handler name", path, key)
     if t in ("int", "bool", "str", "float"):
@@ -274,3 +302,29 @@ def _check_node(node: Any, key: str, used: bytearray, path: str, depth: int) -> 
             labels = list(range(len(values)))
         for label, child in zip(labels, values):
             _check_node(child, f"{key}/{label}", used, path, depth + 1)
+
+
+def _check_sharded(node: dict[str, Any], key: str, used: bytearray, path: str) -> None:
+    """A tensor saved as boxes: ``shape`` (global), ``dtype``, ``shards`` of ``offset``/``shape``/``leaf``."""
+    if node.get("dtype") not in ITEMSIZE:
+        raise UnsupportedFormatError(f"unknown dtype {node.get('dtype')!r}"[:200], path=path, key=key)
+    shape = node.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
+        raise _bad("sharded node needs a 'shape' list of sizes", path, key)
+    shards = node.get("shards")
+    if not isinstance(shards, list):
+        raise _bad("sharded node needs a 'shards' list", path, key)
+    for sh in shards:
+        if not isinstance(sh, dict):
+            raise _bad("shard must be an object", path, key)
+        off, ext, li = sh.get("offset"), sh.get("shape"), sh.get("leaf")
+        if (not isinstance(off, list) or not isinstance(ext, list) or len(off) != len(shape)
+                or len(ext) != len(shape)
+                or any(type(v) is not int or v < 0 for v in off + ext)
+                or any(o + e > s for o, e, s in zip(off, ext, shape))):
+            raise _bad("shard box must lie inside the global shape", path, key)
+        if type(li) is not int or not 0 <= li < len(used):
+            raise _bad(f"leaf index {_short(li)} out of range", path, key)
+        if used[li]:
+            raise _bad(f"leaf {li} is referenced by more than one tree node", path, key)
+        used[li] = 1

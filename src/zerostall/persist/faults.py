@@ -7,7 +7,9 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
   ``ZEROSTALL_FAULTS_MARK`` names a directory, the writer first creates ``<phase>-<pid>`` in it,
   so a test knows the writer has reached the phase;
 * ``raise:<ERRNO NAME>``: raise ``OSError(errno, ...)`` as a failing system call would;
-* ``exit``: the writer process dies at once, as if killed (``os._exit(137)``).
+* ``exit``: the writer process dies at once, as if killed (``os._exit(137)``);
+* ``wait:<path>``: block until the file ``path`` exists (lets a test order events without
+  timing thresholds).
 
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with
@@ -74,6 +76,10 @@ def hit(phase: str, path: str = "") -> None:
         raise _error(arg, phase)
     elif verb == "exit":
         os._exit(137)
+    elif verb == "wait":
+        deadline = time.monotonic() + 600
+        while not os.path.exists(arg) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _patch_syscalls() -> None:

@@ -42,6 +42,10 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
 
     Returns statistics. Raises on failure after removing this attempt's partial files.
     """
+    if job.get("dist") is not None:  # one rank's part of a torch.distributed save
+        from zerostall.dist.job import run_dist_job
+
+        return run_dist_job(job, buffers, released)
     t0 = time.perf_counter()
     env = job.get("env")
     if env is not None:  # mirror the trainer's storage environment (credentials, endpoint)

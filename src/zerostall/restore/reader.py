@@ -92,6 +92,7 @@ def _bytes_of(a: Any) -> memoryview:
 class _Read:
     leaf: LeafEntry
     dest: memoryview  # uint8, exactly leaf.nbytes
+    verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
 
 
 def _missing(storage: Storage, name: str, rel: str, path: str, key: str) -> ZerostallError:
@@ -273,6 +274,10 @@ class _Planner:
             return self.raw_bytes(node)
         if t == "custom":
             return self._custom(node, key)
+        if t == "sharded":
+            from zerostall.dist.dtensor import plan_sharded
+
+            return plan_sharded(self, node, tmpl, key)
         if t == "dict":
             return self._dict(node, tmpl, key, follow_checkpoint)
         return self._sequence(node, tmpl, key, follow_checkpoint)
@@ -381,7 +386,7 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
             raise _missing(storage, name, m.files[leaf.file].path, path, leaf.key) from exc
         except OSError as exc:
             raise StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key) from exc
-        if opts.verify:
+        if opts.verify and r.verify:
             if leaf.crc32c is None:
                 raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
                                              path=path, key=leaf.key)
@@ -407,6 +412,13 @@ def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: 
     """Load ``{item name: template or None}`` (``None``: every item, as saved) from a checkpoint."""
     opts = options or LoadOptions()
     path = f"{root_url.rstrip('/')}/{name}"
+    if "torch" in sys.modules:
+        from zerostall.dist.context import active
+
+        if active(opts.distributed):  # every rank loads its own tree; replicated leaves read once
+            from zerostall.dist.load import load_collective
+
+            return load_collective(root_url, name, items, opts, path)
     storage = open_storage(root_url)
     m = read_manifest(storage, name, path=path)
     planner = _Planner(m, path, _Files(storage, name, m, path))
