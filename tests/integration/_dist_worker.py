@@ -121,16 +121,23 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
 
     sizes: list[int] = []
     orig = LocalStorage.read_into
+    orig_seq = LocalStorage.read_sequential
 
     def counting(self, key, offset, buf):  # type: ignore[no-untyped-def]
         sizes.append(len(buf))
         return orig(self, key, offset, buf)
+
+    def counting_seq(self, key, offset, buf, **kw):  # type: ignore[no-untyped-def]
+        sizes.append(len(buf))
+        return orig_seq(self, key, offset, buf, **kw)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
+    LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     try:
         t3 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])}
         zerostall.load_pytree(src, t3)
     finally:
         LocalStorage.read_into = orig  # type: ignore[method-assign]
+        LocalStorage.read_sequential = orig_seq  # type: ignore[method-assign]
     assert torch.equal(t3["rows"].full_tensor(), full["rows"])
     return {"bytes_read": sum(sizes)}
 

@@ -74,7 +74,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
     import torch
     import torch.distributed as dist
 
-    from zerostall.restore.reader import _execute, _Planner, _Read, read_manifest
+    from zerostall.restore.reader import _execute, _Files, _Planner, _Read, read_manifest
     from zerostall.storage import open_storage
 
     group, rank, world = group_rank_world(opts.distributed or DistributedOptions())
@@ -90,7 +90,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         m = read_manifest(storage, name, path=path)
         trees = m.ranks or (m.items,)
         tree = trees[rank] if rank < len(trees) else trees[0]
-        planner = _Planner(m, path)
+        planner = _Planner(m, path, _Files(storage, name, m, path))
         wanted = {k: None for k in tree} if items is None else items
         for item, tmpl in wanted.items():
             if item not in tree:
