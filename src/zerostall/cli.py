@@ -40,13 +40,16 @@ class _Failed(Exception):
 
 
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
-    storage = open_storage(_url(args.dir))
-    try:
-        names = storage.list("")
-    except FileNotFoundError:
-        raise StorageError("no such directory", errno=2, path=args.dir) from None
-    except NotADirectoryError:
-        raise StorageError("not a directory", errno=20, path=args.dir) from None
+    url = _url(args.dir)
+    if "://" not in url or url.startswith("file://"):
+        # Storage lists a missing prefix as empty (as object stores do); a local path that does
+        # not exist is a typo worth an error.
+        local = url.removeprefix("file://")
+        if not os.path.isdir(local):
+            what = "not a directory" if os.path.exists(local) else "no such directory"
+            raise StorageError(what, errno=20 if os.path.exists(local) else 2, path=args.dir)
+    storage = open_storage(url)
+    names = storage.list("")
     steps = set(committed_steps(storage))
     rows = []
     unfinished = []

@@ -213,9 +213,35 @@ def test_kill_writer_at_phase(run_dir: Path, tmp_path: Path, phase: str) -> None
             t.kill()
     assert t.proc.returncode == 0, t.stderr()
     assert t.committed() == [4]
+    leftovers = [n for n in os.listdir(run_dir) if n.startswith(".")]
+    if phase in ("checksum", "manifest", "commit"):  # (at "write" no file exists yet)
+        assert any(n.startswith(".step_00000003.zs-tmp-") for n in leftovers), leftovers
     steps = check_directory(run_dir, newest_at_least=4)
     # Before the rename nothing of step 3 exists; at retention it was already committed.
     assert steps == ([3, 4] if phase == "retention" else [2, 4])
+    # The Checkpointer opened by check_directory removed the dead writer's partial directory.
+    assert not [n for n in os.listdir(run_dir) if n.startswith(".")]
+
+
+def test_live_writers_partial_directory_is_not_removed(run_dir: Path, tmp_path: Path) -> None:
+    """Opening a Checkpointer removes partial saves of dead writers only: a save in progress in
+    another process survives it and commits."""
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    t = Trainer(run_dir, 3, 3, env={ENV: json.dumps({"manifest": "sleep:1.5"}), MARK_ENV: str(mark)})
+    try:
+        t.read_until("WRITER")
+        wait_for_mark(mark, "manifest")
+        partial = [n for n in os.listdir(run_dir) if ".zs-tmp-" in n]
+        assert len(partial) == 1
+        with Checkpointer(run_dir, save_options=SaveOptions(writer=WriterKind.THREAD)):
+            assert (run_dir / partial[0]).is_dir()
+        t.read_until("COMMITTED 3")
+        t.finish()
+    finally:
+        if t.proc.poll() is None:
+            t.kill()
+    check_directory(run_dir, newest_at_least=3)
 
 
 @pytest.mark.parametrize("phase", PHASES)
