@@ -313,3 +313,42 @@ def test_kill_at_random_moments(tmp_path: Path, seed: int) -> None:
     steps = check_directory(d, newest_at_least=max(committed), big=big)
     assert len(steps) <= KEEP_LAST + 1  # retention ran after every commit but maybe the last
     assert pid in t.writer_pids
+
+
+def test_commit_order_survives_power_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage calls of a save come in the order that makes a power loss at any point safe:
+    every data file durable, its directory synced, then the manifest durable, the temp directory
+    synced, one rename, the parent synced; retention only after that, invisible-first."""
+    from zerostall.storage.local import LocalStorage
+
+    calls: list[tuple[str, str]] = []
+    for op in ("write_from_buffer", "put", "sync", "rename", "delete"):
+        real = getattr(LocalStorage, op)
+
+        def spy(self: Any, key: str, *a: Any, _real: Any = real, _op: str = op, **k: Any) -> Any:
+            calls.append((_op, key if _op != "rename" else f"{key} -> {a[0]}"))
+            return _real(self, key, *a, **k)
+        monkeypatch.setattr(LocalStorage, op, spy)
+
+    d = tmp_path / "run"
+    with Checkpointer(d, keep_last=1, save_options=SaveOptions(writer=WriterKind.THREAD)) as c:
+        c.save_pytree(1, state(1))
+        calls.clear()
+        c.save_pytree(2, state(2))
+    ops = [op for op, _ in calls]
+    keys = [k for _, k in calls]
+    tmp = keys[0].split("/")[0]
+    assert tmp.startswith(".step_00000002.zs-tmp-")
+    assert calls[:6] == [
+        ("write_from_buffer", f"{tmp}/data/rank-00000.safetensors"),  # written and fsynced
+        ("sync", f"{tmp}/data"),
+        ("put", f"{tmp}/manifest.json"),                             # written and fsynced
+        ("sync", tmp),
+        ("rename", f"{tmp} -> step_00000002"),                        # the commit
+        ("sync", ""),                                                 # the rename is durable
+    ], calls
+    # retention after the commit: step 1 renamed away (invisible), synced, then deleted
+    rest = calls[6:]
+    assert [op for op, _ in rest] == ["rename", "sync", "delete"], rest
+    assert rest[0][1].startswith("step_00000001 -> .step_00000001.zs-del-")
+    assert ops.count("rename") == 2
