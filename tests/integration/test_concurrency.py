@@ -229,9 +229,10 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _partial(d: Path, tag: str, files: int = 1) -> Path:
-    """A partial save directory as a writer with ``tag`` (host-pid) would leave it."""
-    p = d / f".step_00000009.zs-tmp-{tag}-{os.urandom(6).hex()}"
+def _partial(d: Path, tag: str, files: int = 1, mark: str = "tmp") -> Path:
+    """A partial save (``tmp``) or deletion (``del``) directory as a writer with ``tag``
+    (host-pid) would leave it."""
+    p = d / f".step_00000009.zs-{mark}-{tag}-{os.urandom(6).hex()}"
     (p / "data").mkdir(parents=True)
     for i in range(files):
         (p / "data" / f"f{i}").write_bytes(b"x")
@@ -250,9 +251,10 @@ def test_stale_attempts_only_of_dead_writers_in_this_pid_namespace(tmp_path: Pat
     # mean nothing here, so its partial save must be left alone
     other_ns = _partial(d, f"{_host_id().split('~')[0]}~1-{dead}")
     other_host = _partial(d, f"some-other-host-{dead}")
+    interrupted_delete = _partial(d, f"{_host_id()}-{dead}", mark="del")
     with Checkpointer(d, save_options=SaveOptions(writer=WriterKind.THREAD)):
         pass
-    assert not mine_dead.exists()
+    assert not mine_dead.exists() and not interrupted_delete.exists()
     assert mine_alive.exists() and other_ns.exists() and other_host.exists()
 
 
