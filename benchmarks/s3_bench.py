@@ -78,6 +78,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--part-mib", type=int, default=32, help="part size for both contenders (default 32)")
     ap.add_argument("--concurrency", type=int, default=8, help="parallel parts for both (default 8)")
+    ap.add_argument("--writer-nice", type=int, default=None,
+                    help="niceness of the writer process (default: SaveOptions' 10, which yields CPU to "
+                         "training and, on a loaded machine, to everything else)")
     ap.add_argument("--use-env", action="store_true", help="use the S3 server of the AWS_* environment")
     ap.add_argument("--bucket", default=None)
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from botocore.config import Config
 
     import zerostall
-    from zerostall.options import LoadOptions
+    from zerostall.options import LoadOptions, SaveOptions
 
     bucket = args.bucket or f"zs-bench-{uuid.uuid4().hex[:6]}"
     client = boto3.session.Session().client("s3", config=Config(max_pool_connections=32))
@@ -130,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         "zs_restore_verify", "zs_restore_noverify", "raw_download_fileobj", "raw_get_object")}
     nbytes = 0
     url = f"s3://{bucket}/run-{uuid.uuid4().hex[:6]}"
-    with zerostall.Checkpointer(url, keep_last=1) as ckpt:
+    save_options = SaveOptions() if args.writer_nice is None else SaveOptions(writer_nice=args.writer_nice)
+    with zerostall.Checkpointer(url, keep_last=1, save_options=save_options) as ckpt:
         ckpt.save_pytree(0, {"w": torch.zeros(1 << 20, dtype=torch.uint8)})  # warm up writer + client
         for rep in range(1, args.reps + 1):
             key = f"raw/{rep}"
@@ -164,19 +168,29 @@ def run(args: argparse.Namespace) -> int:
             client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key + "-a"}, {"Key": key + "-b"}]})
 
     med = {k: statistics.median(v) / MiB for k, v in res.items()}
-    best_up = max(med["raw_upload_fileobj"], med["raw_put_object"])
-    best_down = max(med["raw_download_fileobj"], med["raw_get_object"])
+    # Ratios are taken per repetition (contenders ran back to back) and then the median: on a
+    # shared machine the load drifts between repetitions more than between neighbours.
+    up_ratio = [z / max(a, b) for z, a, b in zip(res["zs_persist"], res["raw_upload_fileobj"], res["raw_put_object"])]
+    wall_ratio = [z / max(a, b) for z, a, b in zip(res["zs_save_wall"], res["raw_upload_fileobj"],
+                                                     res["raw_put_object"])]
+    down_ratio = [z / max(a, b) for z, a, b in zip(res["zs_restore_verify"], res["raw_download_fileobj"],
+                                                     res["raw_get_object"])]
+    down_nv_ratio = [z / max(a, b) for z, a, b in zip(res["zs_restore_noverify"], res["raw_download_fileobj"],
+                                                        res["raw_get_object"])]
     print(f"S3 benchmark: {args.mib} MiB state ({nbytes / MiB:.1f} MiB written), {args.reps} reps, "
-          f"part {args.part_mib} MiB, concurrency {args.concurrency}, endpoint {os.environ.get('AWS_ENDPOINT_URL')}")
+          f"part {args.part_mib} MiB, concurrency {args.concurrency}, writer nice {save_options.writer_nice}, "
+          f"load average {os.getloadavg()[0]:.1f}, endpoint {os.environ.get('AWS_ENDPOINT_URL')}")
     print(f"{'contender':28s} {'median MiB/s':>12s}  {'all reps':s}")
     for k, v in res.items():
         print(f"{k:28s} {med[k]:12.0f}  {' '.join(f'{x / MiB:.0f}' for x in v)}")
-    print(f"persist / best raw upload:   {med['zs_persist'] / best_up:.2f}x "
-          f"(save wall {med['zs_save_wall'] / best_up:.2f}x)")
-    print(f"restore / best raw download: {med['zs_restore_verify'] / best_down:.2f}x verified, "
-          f"{med['zs_restore_noverify'] / best_down:.2f}x unverified")
+    r = statistics.median
+    print(f"persist / best raw upload, median of per-rep ratios:   {r(up_ratio):.2f}x "
+          f"(save wall {r(wall_ratio):.2f}x; reps {' '.join(f'{x:.2f}' for x in up_ratio)})")
+    print(f"restore / best raw download, median of per-rep ratios: {r(down_ratio):.2f}x verified, "
+          f"{r(down_nv_ratio):.2f}x unverified (reps {' '.join(f'{x:.2f}' for x in down_ratio)})")
     if args.json:
-        print(json.dumps({"mib": args.mib, "reps": args.reps, "median_mib_s": med}))
+        print(json.dumps({"mib": args.mib, "reps": args.reps, "median_mib_s": med, "persist_ratio": r(up_ratio),
+                          "restore_ratio": r(down_ratio), "restore_unverified_ratio": r(down_nv_ratio)}))
     return 0
 
 

@@ -105,7 +105,7 @@ class Checkpointer:
             retention = {"step": step, "keep_last": self.keep_last, "keep_every_n_steps": self.keep_every_n_steps}
         meta = dict(metadata or {}, step=step)
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, retention=retention)
-        r.add_done_callback(self._record)
+        r._before_done.append(self._record)
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -117,8 +117,8 @@ class Checkpointer:
     def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
         self.save_pytree_async(step, tree, metadata=metadata).result()
 
-    def _record(self, r: Response) -> None:
-        if r.exception() is None:
+    def _record(self, r: Response, exc: BaseException | None) -> None:
+        if exc is None:
             self._stats.append(r.stats)
 
     def stats(self) -> list[SaveStats]:

@@ -7,6 +7,7 @@ the hand-off (I/O, checksums, manifest, commit, retention) runs in the writer.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ __all__ = ["Engine"]
 
 log = logging.getLogger("zerostall")
 _PLAN_CACHE = 8
+_STORAGE_ENV = ("AWS_", "ZEROSTALL_S3_")
 
 
 def _cuda_present() -> bool:
@@ -51,6 +53,10 @@ class Engine:
             self.writer.start()
 
     def _plan(self, flat: Any) -> tuple[Plan, list[dict[str, Any]]]:
+        with self._lock:
+            return self._plan_locked(flat)
+
+    def _plan_locked(self, flat: Any) -> tuple[Plan, list[dict[str, Any]]]:
         sig = flat.signature
         hit = self._plans.get(sig)
         if hit is not None:
@@ -123,6 +129,8 @@ class Engine:
             "items": flat.items,
             "metadata": metadata or {},
             "retention": retention,
+            # The writer may have started before the caller set its storage credentials.
+            "env": {k: v for k, v in os.environ.items() if k.startswith(_STORAGE_ENV)},
             "options": {"direct_io": self.options.direct_io, "io_threads": self.options.io_threads,
                         "chunk_bytes": self.options.chunk_bytes},
         }
@@ -130,7 +138,7 @@ class Engine:
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
         with self._lock:
             self._inflight.add(response)
-        response.add_done_callback(self._on_done)
+        response._before_done.append(self._on_done)
         try:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot),
                                on_done=response._finish)
@@ -141,10 +149,9 @@ class Engine:
         response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
         return response
 
-    def _on_done(self, response: Response) -> None:
+    def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:
             self._inflight.discard(response)
-        exc = response.exception()
         if exc is None:
             log.info("zerostall: saved %s", response.stats.summary())
         else:

@@ -144,8 +144,6 @@ def test_fault_matrix(run_dir: Path, monkeypatch: pytest.MonkeyPatch, writer: st
         ckpt.close()
 
 
-@pytest.mark.xfail(strict=False, reason="persist/client.py builds the WriterError of a dead writer without the "
-                                        "checkpoint path")
 def test_writer_crash_error_names_the_checkpoint(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, json.dumps({"write": "exit"}))
     with Checkpointer(run_dir) as ckpt:
@@ -251,7 +249,11 @@ def test_restore_read_error_keeps_errno(run_dir: Path, monkeypatch: pytest.Monke
     def failing_read(self: Any, key: str, offset: int, buf: memoryview) -> None:
         raise OSError(errno.EIO, "injected read error")
 
+    def failing_sequential(self: Any, key: str, offset: int, buf: memoryview, **kw: Any) -> None:
+        raise OSError(errno.EIO, "injected read error")
+
     monkeypatch.setattr(LocalStorage, "read_into", failing_read)
+    monkeypatch.setattr(LocalStorage, "read_sequential", failing_sequential)
     with pytest.raises(StorageError) as info:
         zerostall.load_pytree(run_dir / step_name(2))
     assert info.value.errno == errno.EIO

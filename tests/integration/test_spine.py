@@ -157,3 +157,33 @@ def test_in_flight_limit_two_slots(ckdir):
             r.result()
         assert ck.steps() == [1, 2, 3, 4, 5]
         assert len(ck._engine.pool._all) == 2
+
+
+def test_forked_child_does_not_hold_the_writer_socket(ckdir):
+    """A fork of the trainer (a DataLoader worker, say) closes its copy of the writer socket, so
+    when the trainer is SIGKILLed the writer still sees EOF and exits while the child lives on."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {os.path.join(HERE, "..", "..", "src")!r})
+import torch, zerostall
+ck = zerostall.Checkpointer({str(ckdir)!r})
+ck.save_pytree(1, {{"w": torch.ones(4)}})
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(ck._engine.writer.pid, child, flush=True)
+time.sleep(60)
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    writer_pid, child_pid = map(int, p.stdout.readline().split())
+    try:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        _wait_gone(writer_pid, timeout=30)
+        assert psutil.pid_exists(child_pid)  # the child was alive all along
+    finally:
+        try:
+            os.kill(child_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

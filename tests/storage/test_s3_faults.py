@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 import zerostall  # noqa: E402
 from zerostall.errors import ZerostallError  # noqa: E402

@@ -26,6 +26,7 @@ from zerostall.tree import handler_by_name, is_stateful, key_join
 __all__ = ["load_items", "read_manifest"]
 
 Thunk = Callable[[], Any]
+_VERIFY_CHUNK = 4 << 20
 
 
 def check_local_file(storage: Storage, name: str, rel: str, *, path: str, what: str) -> None:
@@ -349,17 +350,31 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
     # Every file read here was checked by _Files when its leaves were planned.
     if not reads:
         return
-    chunk = opts.chunk_bytes
+    # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
+    # is still in cache: one pass over memory instead of two.
+    chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
     # Largest first, so one big leaf does not finish last on its own.
     order = sorted(reads, key=lambda r: -r.leaf.nbytes)
 
     def read_one(r: _Read) -> None:
         leaf = r.leaf
         fkey = f"{name}/{m.files[leaf.file].path}"
+        got = 0
+
+        def add(piece: memoryview) -> None:
+            nonlocal got
+            got = checksum(piece, got)
+
         try:
-            for off in range(0, leaf.nbytes, chunk):
-                n = min(chunk, leaf.nbytes - off)
-                storage.read_into(fkey, leaf.offset + off, r.dest[off:off + n])
+            sequential = getattr(storage, "read_sequential", None)
+            if sequential is not None:  # one open file per leaf: readahead spans the leaf
+                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if opts.verify else None)
+            else:
+                for off in range(0, leaf.nbytes, chunk):
+                    piece = r.dest[off:off + chunk]
+                    storage.read_into(fkey, leaf.offset + off, piece)
+                    if opts.verify:
+                        add(piece)
         except EOFError as exc:
             raise CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key) from exc
         except FileNotFoundError as exc:
@@ -370,7 +385,6 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
             if leaf.crc32c is None:
                 raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
                                              path=path, key=leaf.key)
-            got = checksum(r.dest)
             if got != leaf.crc32c:
                 raise ChecksumMismatchError(
                     f"checksum mismatch: crc32c {got:#010x}, manifest says {leaf.crc32c:#010x}; the data file "

@@ -45,6 +45,7 @@ MiB = 1 << 20
 _MIN_PART = 5 * MiB  # S3's minimum part size (all parts but the last)
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+_LIST_PAGE = 1000  # ListObjectsV2 returns at most 1000 keys a page
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,7 +395,8 @@ class S3Storage:
         base = self._dir(prefix)
         names: set[str] = set()
         with _errors(self._url(base)):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base, PaginationConfig={"PageSize": _LIST_PAGE}):
                 for obj in page.get("Contents", ()):
                     names.add(obj["Key"][len(base):].split("/", 1)[0])
         names.discard("")
@@ -409,7 +411,8 @@ class S3Storage:
         base = self._dir(prefix)
         with _errors(self._url(k or base)):
             batch: list[dict[str, str]] = [{"Key": k}] if k else []
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base, PaginationConfig={"PageSize": _LIST_PAGE}):
                 for obj in page.get("Contents", ()):
                     batch.append({"Key": obj["Key"]})
                     if len(batch) == _DELETE_BATCH:
