@@ -232,3 +232,11 @@ def test_text_output_escapes_control_characters(tmp_path: Path) -> None:
     assert len(p.stdout.splitlines()) == 2  # one BAD line, one FAILED line: no injected newlines
     rc, doc = zs_json("verify", path)
     assert doc["bad_keys"] == [f"pytree/{evil}"]  # JSON keeps the key exact
+
+
+def test_run_directory_instead_of_a_step_gets_a_hint(run_dir: Path) -> None:
+    for cmd in ("inspect", "verify"):
+        p = zs(cmd, run_dir)
+        assert p.returncode == 1
+        no_traceback(p)
+        assert "2 committed step(s)" in p.stderr and "step_00000020" in p.stderr, p.stderr

@@ -23,8 +23,8 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
-from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step
-from zerostall.errors import StorageError, ZerostallError
+from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, step_name
+from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
 from zerostall.manifest import MANIFEST_NAME, Manifest
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import open_storage, split_url
@@ -40,16 +40,16 @@ class _Failed(Exception):
 
 
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
-    storage = open_storage(_url(args.dir))
-    if storage.atomic_rename and not storage.exists(""):
-        # listing a missing prefix is empty on object stores; a missing local directory is an error
-        raise StorageError("no such directory", errno=2, path=args.dir)
-    try:
-        names = storage.list("")
-    except FileNotFoundError:
-        raise StorageError("no such directory", errno=2, path=args.dir) from None
-    except NotADirectoryError:
-        raise StorageError("not a directory", errno=20, path=args.dir) from None
+    url = _url(args.dir)
+    if "://" not in url or url.startswith("file://"):
+        # Storage lists a missing prefix as empty (as object stores do); a local path that does
+        # not exist is a typo worth an error.
+        local = url.removeprefix("file://")
+        if not os.path.isdir(local):
+            what = "not a directory" if os.path.exists(local) else "no such directory"
+            raise StorageError(what, errno=20 if os.path.exists(local) else 2, path=args.dir)
+    storage = open_storage(url)
+    names = storage.list("")
     steps = set(committed_steps(storage))
     rows = []
     unfinished = []
@@ -72,11 +72,27 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
             "unfinished": unfinished}
 
 
+def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """Given a Checkpointer's directory instead of one step, say which steps it holds."""
+    try:
+        steps = committed_steps(open_storage(url))
+    except Exception:
+        return exc
+    if not steps:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; this is a directory of {len(steps)} committed step(s): pass one, e.g. "
+        f"{url.rstrip('/')}/{step_name(steps[-1])} (zerostall list shows them all)", path=exc.path)
+
+
 def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
     root, name = split_url(_url(args.path))
     storage = open_storage(root)
     path = f"{root.rstrip('/')}/{name}"
-    m = read_manifest(storage, name, path=path)
+    try:
+        m = read_manifest(storage, name, path=path)
+    except CheckpointNotFoundError as exc:
+        raise _hint_run_directory(_url(args.path), exc) from exc
     leaves = [{"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "nbytes": lf.nbytes,
                "file": m.files[lf.file].path, "offset": lf.offset, "crc32c": lf.crc32c} for lf in m.leaves]
     by_dtype: Counter[str] = Counter()
@@ -97,7 +113,10 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    report = verify_checkpoint(_url(args.path))
+    try:
+        report = verify_checkpoint(_url(args.path))
+    except CheckpointNotFoundError as exc:
+        raise _hint_run_directory(_url(args.path), exc) from exc
     return {
         "path": report.path,
         "ok": report.ok,

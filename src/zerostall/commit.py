@@ -40,8 +40,18 @@ DEL_MARK = ".zs-del-"
 _ATTEMPT_RE = re.compile(r"^\..+\.zs-(?:tmp|del)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
 
 
+def _host_id() -> str:
+    """This host, qualified by the PID namespace: containers that share a hostname (host
+    networking) but not their process table must not judge each other's writers dead."""
+    host = socket.gethostname()
+    try:
+        return f"{host}~{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
+
+
 def _attempt_tag() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return f"{_host_id()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def remove_stale_attempts(storage: Storage) -> list[str]:
@@ -49,7 +59,7 @@ def remove_stale_attempts(storage: Storage) -> list[str]:
 
     Returns the names removed. Directories of live writers and of other hosts are left alone.
     """
-    host = socket.gethostname()
+    host = _host_id()
     removed = []
     try:
         names = storage.list("")
@@ -59,7 +69,12 @@ def remove_stale_attempts(storage: Storage) -> list[str]:
         m = _ATTEMPT_RE.match(n)
         if m is None or m.group("host") != host or _pid_alive(int(m.group("pid"))):
             continue
-        storage.delete(n)
+        try:
+            storage.delete(n)
+        except OSError:
+            # Best effort: another process opening a Checkpointer may be deleting it too
+            # (rmtree then finds files gone); a failure here must not stop training.
+            continue
         removed.append(n)
     return removed
 

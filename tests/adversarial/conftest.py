@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,9 @@ def opened_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     real_os_open = os.open
 
     def spy_os_open(path: Any, *a: Any, **k: Any) -> int:
-        if isinstance(path, (str, bytes, os.PathLike)):
+        # os.open is patched process-wide: record only zerostall's calls (not Hypothesis's, ...)
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("zerostall") and isinstance(path, (str, bytes, os.PathLike)):
             seen.append(os.path.realpath(os.fsdecode(path)))
         return real_os_open(path, *a, **k)
 

@@ -66,8 +66,9 @@ def _load_or_zerostall_error(c: Ckpt) -> None:
 
 @FAST
 @given(data=st.data())
-def test_value_replaced_anywhere(ckpt: Ckpt, data: st.DataObject) -> None:
-    """Replace any one value (or key's value) of a real manifest with arbitrary JSON, then load."""
+def test_value_replaced_anywhere(ckpt: Ckpt, data: st.DataObject, opened_paths: list[str]) -> None:
+    """Replace any one value (or key's value) of a real manifest with arbitrary JSON, then load;
+    nothing outside the checkpoint is opened."""
     if not hasattr(ckpt, "_original"):
         ckpt._original = ckpt.manifest_path.read_bytes()  # type: ignore[attr-defined]
     doc = json.loads(ckpt._original)  # type: ignore[attr-defined]
@@ -76,6 +77,8 @@ def test_value_replaced_anywhere(ckpt: Ckpt, data: st.DataObject) -> None:
     value = data.draw(json_values, label="value")
     ckpt.write_manifest(json.dumps(_replace(doc, where, value)).encode())
     _load_or_zerostall_error(ckpt)
+    root = os.path.realpath(ckpt.path)
+    assert all(p == root or p.startswith(root + os.sep) for p in opened_paths), opened_paths
 
 
 @FAST

@@ -213,9 +213,35 @@ def test_kill_writer_at_phase(run_dir: Path, tmp_path: Path, phase: str) -> None
             t.kill()
     assert t.proc.returncode == 0, t.stderr()
     assert t.committed() == [4]
+    leftovers = [n for n in os.listdir(run_dir) if n.startswith(".")]
+    if phase in ("checksum", "manifest", "commit"):  # (at "write" no file exists yet)
+        assert any(n.startswith(".step_00000003.zs-tmp-") for n in leftovers), leftovers
     steps = check_directory(run_dir, newest_at_least=4)
     # Before the rename nothing of step 3 exists; at retention it was already committed.
     assert steps == ([3, 4] if phase == "retention" else [2, 4])
+    # The Checkpointer opened by check_directory removed the dead writer's partial directory.
+    assert not [n for n in os.listdir(run_dir) if n.startswith(".")]
+
+
+def test_live_writers_partial_directory_is_not_removed(run_dir: Path, tmp_path: Path) -> None:
+    """Opening a Checkpointer removes partial saves of dead writers only: a save in progress in
+    another process survives it and commits."""
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    t = Trainer(run_dir, 3, 3, env={ENV: json.dumps({"manifest": "sleep:1.5"}), MARK_ENV: str(mark)})
+    try:
+        t.read_until("WRITER")
+        wait_for_mark(mark, "manifest")
+        partial = [n for n in os.listdir(run_dir) if ".zs-tmp-" in n]
+        assert len(partial) == 1
+        with Checkpointer(run_dir, save_options=SaveOptions(writer=WriterKind.THREAD)):
+            assert (run_dir / partial[0]).is_dir()
+        t.read_until("COMMITTED 3")
+        t.finish()
+    finally:
+        if t.proc.poll() is None:
+            t.kill()
+    check_directory(run_dir, newest_at_least=3)
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -287,3 +313,42 @@ def test_kill_at_random_moments(tmp_path: Path, seed: int) -> None:
     steps = check_directory(d, newest_at_least=max(committed), big=big)
     assert len(steps) <= KEEP_LAST + 1  # retention ran after every commit but maybe the last
     assert pid in t.writer_pids
+
+
+def test_commit_order_survives_power_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage calls of a save come in the order that makes a power loss at any point safe:
+    every data file durable, its directory synced, then the manifest durable, the temp directory
+    synced, one rename, the parent synced; retention only after that, invisible-first."""
+    from zerostall.storage.local import LocalStorage
+
+    calls: list[tuple[str, str]] = []
+    for op in ("write_from_buffer", "put", "sync", "rename", "delete"):
+        real = getattr(LocalStorage, op)
+
+        def spy(self: Any, key: str, *a: Any, _real: Any = real, _op: str = op, **k: Any) -> Any:
+            calls.append((_op, key if _op != "rename" else f"{key} -> {a[0]}"))
+            return _real(self, key, *a, **k)
+        monkeypatch.setattr(LocalStorage, op, spy)
+
+    d = tmp_path / "run"
+    with Checkpointer(d, keep_last=1, save_options=SaveOptions(writer=WriterKind.THREAD)) as c:
+        c.save_pytree(1, state(1))
+        calls.clear()
+        c.save_pytree(2, state(2))
+    ops = [op for op, _ in calls]
+    keys = [k for _, k in calls]
+    tmp = keys[0].split("/")[0]
+    assert tmp.startswith(".step_00000002.zs-tmp-")
+    assert calls[:6] == [
+        ("write_from_buffer", f"{tmp}/data/rank-00000.safetensors"),  # written and fsynced
+        ("sync", f"{tmp}/data"),
+        ("put", f"{tmp}/manifest.json"),                             # written and fsynced
+        ("sync", tmp),
+        ("rename", f"{tmp} -> step_00000002"),                        # the commit
+        ("sync", ""),                                                 # the rename is durable
+    ], calls
+    # retention after the commit: step 1 renamed away (invisible), synced, then deleted
+    rest = calls[6:]
+    assert [op for op, _ in rest] == ["rename", "sync", "delete"], rest
+    assert rest[0][1].startswith("step_00000001 -> .step_00000001.zs-del-")
+    assert ops.count("rename") == 2
