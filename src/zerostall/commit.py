@@ -29,7 +29,7 @@ from zerostall.storage import Storage
 
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
-    "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+    "exists_error", "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
 ]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -140,8 +140,7 @@ class RenameCommit(CommitProtocol):
 
     def begin(self, name: str) -> Attempt:
         if self.storage.exists(name):
-            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
-                                        path=_join(self.storage.url, name))
+            raise exists_error(self.storage, name, _join(self.storage.url, name))
         return Attempt(name=name, staging=f".{name}{TMP_MARK}{_attempt_tag()}", data_dir="data")
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
@@ -207,6 +206,14 @@ class ManifestLastCommit(CommitProtocol):
         if current is not None and f'"{attempt.data_dir}/'.encode() in current:
             return
         self.storage.delete(f"{attempt.name}/{attempt.data_dir}")
+
+
+def exists_error(storage: Storage, name: str, path: str) -> CheckpointExistsError:
+    """The error for saving onto an existing ``name``: a committed checkpoint, or something else."""
+    if is_committed(storage, name):
+        return CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one", path=path)
+    return CheckpointExistsError("something that is not a committed checkpoint (no manifest) is in the way; "
+                                 "zerostall will not write over it: remove it or save elsewhere", path=path)
 
 
 def protocol_for(storage: Storage) -> CommitProtocol:

@@ -14,7 +14,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from zerostall.errors import CheckpointExistsError, WriterError
+from zerostall.commit import exists_error
+from zerostall.errors import WriterError
 from zerostall.options import SaveOptions
 from zerostall.persist.client import WriterClient
 from zerostall.response import Response
@@ -120,7 +121,7 @@ class Engine:
                     retention: dict[str, Any] | None) -> Response:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
-            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one", path=path)
+            raise exists_error(storage, name, path)
         flat = flatten(items)
         plan, leaves = self._plan(flat)
         slot = self.pool.acquire()
@@ -184,6 +185,10 @@ class Engine:
             self._inflight.discard(response)
         if exc is None:
             log.info("zerostall: saved %s", response.stats.summary())
+            problem = (response._writer or {}).get("retention_error")
+            if problem:
+                log.warning("zerostall: %s committed, but deleting old steps failed (retried after the next "
+                            "save): %s", response.stats.path, problem)
         else:
             log.warning("zerostall: save of %s failed: %s", response.stats.path, exc)
 

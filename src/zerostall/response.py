@@ -67,7 +67,7 @@ class Response:
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
                              staging_gbps=self._staging_gbps)
-        write_s = w.get("write_s") or 0.0
+        write_s = w.get("write_s") or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
             nbytes=w["nbytes"],

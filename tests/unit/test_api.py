@@ -335,3 +335,12 @@ def test_background_error_keeps_its_type(ckdir, monkeypatch):
     assert not [n for n in os.listdir(ckdir) if "zs-tmp" in n]  # the attempt was cleaned up
     monkeypatch.delenv("ZEROSTALL_FAULTS")
     zerostall.save_pytree(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
+
+
+def test_uncommitted_directory_in_the_way_is_named_as_such(ckdir):
+    (ckdir / "c").mkdir()
+    with pytest.raises(CheckpointExistsError, match="not a committed checkpoint"):
+        zerostall.save_pytree(ckdir / "c", {"a": 1})
+    zerostall.save_pytree(ckdir / "d", {"a": 1})
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        zerostall.save_pytree(ckdir / "d", {"a": 1})

@@ -48,7 +48,23 @@ class _Pending:
     on_released: Callable[[], None]
     on_done: Callable[[dict[str, Any] | None, BaseException | None], None]
     path: str | None = None
+    root: str | None = None
+    name: str | None = None
+    nbytes: int = 0
     released: bool = False
+
+
+def _committed_anyway(p: _Pending) -> bool:
+    """Whether a save whose writer died is committed all the same (single-process saves only)."""
+    if p.root is None or p.name is None:
+        return False
+    try:
+        from zerostall.commit import is_committed
+        from zerostall.storage import open_storage
+
+        return is_committed(open_storage(p.root), p.name)
+    except Exception:
+        return False
 
 
 class WriterClient:
@@ -194,7 +210,9 @@ class WriterClient:
             job = dict(job, op="save", id=jid)
             job["files"] = [dict(f, buffer=b.id) for f, b in zip(job["files"], buffers)]
             with self._lock:
-                self._pending[jid] = _Pending(on_released, on_done, path=job.get("path"))
+                self._pending[jid] = _Pending(on_released, on_done, path=job.get("path"), root=job.get("root"),
+                                              name=job.get("name"),
+                                              nbytes=sum(int(f.get("length", 0)) for f in job["files"]))
             try:
                 for b in buffers:
                     if b.id not in self._mapped:
@@ -252,5 +270,10 @@ class WriterClient:
             if not p.released:
                 p.released = True
                 p.on_released()
+            if _committed_anyway(p):
+                # It died after the rename (during retention, say): the checkpoint is complete.
+                p.on_done({"nbytes": p.nbytes, "write_s": None, "persist_s": None, "commit_s": None,
+                           "writer_peak_rss": None, "retention_error": f"the writer process {how}"}, None)
+                continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
                                         "nothing of this save was committed", path=p.path))

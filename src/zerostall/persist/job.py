@@ -122,15 +122,21 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
 
     retention = job.get("retention")
     deleted: list[int] = []
+    retention_error: str | None = None
     if retention:
-        faults.hit("retention")
-        newest = retention["step"]
-        doomed = steps_to_delete(committed_steps(storage), newest=newest,
-                                 keep_last=retention.get("keep_last"),
-                                 keep_every_n_steps=retention.get("keep_every_n_steps"))
-        for s in doomed:
-            delete_checkpoint(storage, step_name(s))
-            deleted.append(s)
+        # The save is committed: a failure here only leaves old steps behind (the next save's
+        # retention retries them). It is reported in the stats and logged, not raised.
+        try:
+            faults.hit("retention")
+            newest = retention["step"]
+            doomed = steps_to_delete(committed_steps(storage), newest=newest,
+                                     keep_last=retention.get("keep_last"),
+                                     keep_every_n_steps=retention.get("keep_every_n_steps"))
+            for s in doomed:
+                delete_checkpoint(storage, step_name(s))
+                deleted.append(s)
+        except Exception as exc:
+            retention_error = f"{type(exc).__name__}: {exc}"
 
     nbytes = sum(f["length"] for f in files)
     return {
@@ -140,4 +146,5 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
         "persist_s": time.perf_counter() - t0,
         "writer_peak_rss": peak_rss(),
         "deleted_steps": deleted,
+        "retention_error": retention_error,
     }
