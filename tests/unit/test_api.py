@@ -296,7 +296,7 @@ def test_public_api_is_frozen():
     assert sorted(zerostall.__all__) == sorted([
         "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
         "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
-        "LoadOptions", "WriterKind", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+        "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError"])
