@@ -22,12 +22,14 @@ import crc32c
 import xxhash
 
 from zerostall import __version__
-from zerostall.commit import committed_steps, delete_checkpoint, step_name, steps_to_delete
+from zerostall.commit import (
+    Attempt, RenameCommit, committed_steps, delete_checkpoint, protocol_for, step_name, steps_to_delete,
+)
 from zerostall.dist.protocol import (
     DEC_MARK, AttemptNames, abort_doc, attempt_names, decide, error_of, read_decision, rank_file, wait_for_outcome,
 )
 from zerostall.errors import CheckpointExistsError, WriterError, from_wire
-from zerostall.manifest import MANIFEST_NAME, encode_manifest
+from zerostall.manifest import encode_manifest
 from zerostall.persist import faults
 from zerostall.stage.plan import make_plan
 from zerostall.storage import Storage, open_storage
@@ -337,23 +339,14 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
 
 
 def _commit(storage: Storage, names: AttemptNames, manifest: bytes) -> None:
+    """Commit through the one commit protocol every save uses (commit.py), coordination files first."""
     if names.rename:
-        storage.delete(names.coord)
-        storage.sync(f"{names.staging}/{names.data_dir}")
-        storage.put(f"{names.staging}/{MANIFEST_NAME}", manifest)
-        storage.sync(names.staging)
-        try:
-            storage.rename(names.staging, names.name)
-        except FileExistsError as exc:
-            raise CheckpointExistsError("another writer committed this checkpoint first",
-                                        path=names.name) from exc
-        storage.sync("")
-    else:
-        try:
-            storage.put(f"{names.name}/{MANIFEST_NAME}", manifest, if_absent=True)
-        except FileExistsError as exc:
-            raise CheckpointExistsError("another writer committed this checkpoint first", path=names.name) from exc
-        storage.delete(names.coord)
+        storage.delete(names.coord)  # it lives inside the staging directory: not part of the checkpoint
+    protocol = protocol_for(storage)
+    assert isinstance(protocol, RenameCommit) == names.rename
+    protocol.commit(Attempt(name=names.name, staging=names.staging, data_dir=names.data_dir), manifest)
+    if not names.rename:
+        storage.delete(names.coord)  # beside the committed checkpoint on an object store
 
 
 def _remove_attempt(storage: Storage, names: AttemptNames, rank: int) -> None:

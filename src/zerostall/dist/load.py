@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.dist.context import group_rank_world
-from zerostall.errors import MissingKeyError, MismatchError, ZerostallError, from_wire, to_wire
+from zerostall.errors import MissingKeyError, from_wire, to_wire
 from zerostall.manifest import Manifest
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
 
@@ -74,7 +74,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
     import torch
     import torch.distributed as dist
 
-    from zerostall.restore.reader import _execute, _Files, _Planner, _Read, read_manifest
+    from zerostall.restore.reader import _execute, _Files, _Planner, _Read, assemble, read_manifest
     from zerostall.storage import open_storage
 
     group, rank, world = group_rank_world(opts.distributed or DistributedOptions())
@@ -155,12 +155,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         for li, off in members:
             for r in by_leaf.get(li, ()):
                 torch.frombuffer(r.dest, dtype=torch.uint8).copy_(buf[off:off + sizes[li]])
-    try:
-        return {k: th() for k, th in thunks.items()}
-    except ZerostallError:
-        raise
-    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        raise MismatchError(f"restoring into the template failed: {type(exc).__name__}: {exc}", path=path) from exc
+    return assemble(thunks, path)
 
 
 def agree_step(local_latest: Any, opts: DistributedOptions | None) -> Any:

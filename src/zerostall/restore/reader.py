@@ -430,6 +430,11 @@ def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: 
                                   path=path, key=item)
         thunks[item] = planner.build(m.items[item], tmpl, item)
     _execute(storage, name, m, planner.reads, opts, path)
+    return assemble(thunks, path)
+
+
+def assemble(thunks: dict[str, Thunk], path: str) -> dict[str, Any]:
+    """Run the planned thunks once every byte is in: copies, decoders, ``load_state_dict``."""
     try:
         return {k: th() for k, th in thunks.items()}
     except ZerostallError:
