@@ -25,7 +25,10 @@ STEPS, SAVE_EVERY, KILL_AFTER_SAVE = 150, 25, 3
 
 def train(args: list[str], kill_after_saves: int | None = None, on_kill=None) -> int:
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    # Bit-exact comparison across processes needs the same reduction order in every run: fix the
+    # thread counts and stop MKL/OpenMP from shrinking them when the machine is busy.
+    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
     saves = 0
     assert p.stdout is not None
     for line in p.stdout:

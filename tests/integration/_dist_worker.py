@@ -33,9 +33,14 @@ def ddp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)  # the same batch everywhere: replicated gradients
+    g = torch.Generator().manual_seed(step)  # the same batch everywhere
     x = torch.randn(8, 64, generator=g)
     model(x).square().mean().backward()
+    if dist.is_initialized():
+        # Identical gradients on every rank, bit for bit, as DDP's all-reduce makes them. Two
+        # processes computing the same backward need not agree to the last bit.
+        for p in model.parameters():
+            dist.broadcast(p.grad, src=0)
     opt.step()
     opt.zero_grad()
 
