@@ -75,7 +75,9 @@ class SaveOptions:
             the page-cache copy (less CPU stolen from training); falls back to buffered writes.
         io_threads: parallel write streams per save.
         chunk_bytes: size of one write call.
-        writer_nice: niceness added to the writer process, so training keeps CPU priority.
+        writer_nice: niceness added to the writer process, so training keeps CPU priority; when
+            non-zero the writer also runs under ``SCHED_BATCH`` (it never preempts the trainer
+            when it wakes up). 0 leaves the writer's priority alone.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
     """

@@ -187,3 +187,11 @@ time.sleep(60)
             os.kill(child_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_writer_runs_niced_and_batch_scheduled(ckdir):
+    with Checkpointer(ckdir) as ck:
+        ck.save_pytree(1, {"w": torch.ones(4)})
+        pid = ck._engine.writer.pid
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH
+        assert psutil.Process(pid).nice() >= psutil.Process().nice() + 10

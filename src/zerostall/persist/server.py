@@ -101,6 +101,13 @@ def main(argv: list[str]) -> int:
             os.nice(nice)
         except OSError:
             pass
+        # SCHED_BATCH: a woken writer thread (an I/O completed) does not preempt the trainer's
+        # threads; with OpenMP spin-waiting, preempting one trainer thread stalls all of them.
+        if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+            try:
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            except OSError:
+                pass
     serve(Connection(fd))
     return 0
 
