@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

@@ -25,7 +25,10 @@ STEPS, SAVE_EVERY, KILL_AFTER_SAVE = 150, 25, 3
 
 def train(args: list[str], kill_after_saves: int | None = None, on_kill=None) -> int:
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    # Bit-exact comparison across processes needs the same reduction order in every run: fix the
+    # thread counts and stop MKL/OpenMP from shrinking them when the machine is busy.
+    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
     saves = 0
     assert p.stdout is not None
     for line in p.stdout:
@@ -40,6 +43,44 @@ def train(args: list[str], kill_after_saves: int | None = None, on_kill=None) ->
                       flush=True)
                 break
     return p.wait()
+
+
+REPO = os.path.dirname(HERE)
+
+
+def draw_timeline(src: str, dst: str) -> str | None:
+    """Step durations over wall time, each save's stall and background persist window marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import json
+
+    with open(src) as f:
+        tl = json.load(f)
+    t0 = tl["steps"][0][1]
+    commits = {s: t for s, t in tl["commits"]}
+    fig, ax = plt.subplots(figsize=(11, 4))
+    ax.plot([t - t0 for _, t, _ in tl["steps"]], [d * 1e3 for _, _, d in tl["steps"]], ".-", lw=0.8, ms=3,
+            label="training step time")
+    for i, (step, ts, blocked) in enumerate(tl["saves"]):
+        end = commits.get(step, ts + blocked)
+        ax.axvspan(ts - t0, end - t0, color="tab:orange", alpha=0.25,
+                   label="save: staged -> committed (background)" if i == 0 else None)
+        ax.axvspan(ts - t0, ts + blocked - t0, color="tab:red", alpha=0.8,
+                   label="save: training blocked (stage)" if i == 0 else None)
+    ax.set_xlabel("seconds since the first step of the resumed run")
+    ax.set_ylabel("ms")
+    ax.set_title("zerostall: training step times with checkpoint windows")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    return dst
 
 
 def main() -> int:
@@ -65,7 +106,11 @@ def main() -> int:
               f"{sorted(d for d in os.listdir(ckdir) if d.startswith('step_'))}", flush=True)
 
         print("== 3. resume from the latest committed step", flush=True)
-        assert train(["--dir", ckdir, "--out", os.path.join(work, "resumed.pt")]) == 0
+        timeline = os.path.join(work, "timeline.json")
+        assert train(["--dir", ckdir, "--out", os.path.join(work, "resumed.pt"), "--timeline", timeline]) == 0
+        png = draw_timeline(timeline, os.path.join(REPO, "out", "demo-timeline.png"))
+        if png:
+            print(f"    timeline of the resumed run (step times, save windows): {png}", flush=True)
 
         print("== 4. compare with the reference", flush=True)
         ref = torch.load(os.path.join(work, "reference.pt"), weights_only=True)

@@ -77,7 +77,7 @@ def main() -> int:
 
     nparams = sum(p.numel() for p in model.parameters())
     baseline = None
-    timeline: dict = {"steps": [], "saves": []}
+    timeline: dict = {"steps": [], "saves": [], "commits": []}
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         model.train()
@@ -88,6 +88,9 @@ def main() -> int:
         optim.step()
         sched.step()
         timeline["steps"].append([step, t0, time.perf_counter() - t0])
+        if ckpt is not None and step == start + 1:
+            # The optimizer has its state now: allocate the staging buffers before the first save.
+            ckpt.prepare(tree={**state, "step": step})
         if step % 25 == 0:
             print(f"step {step:4d}  loss {loss.item():.3f}", flush=True)
         if ckpt is not None and ckpt.should_save(step):
@@ -97,6 +100,7 @@ def main() -> int:
             r = ckpt.save_pytree_async(step, {**state, "step": step})
             blocked = time.perf_counter() - ts
             timeline["saves"].append([step, ts, blocked])
+            r.add_done_callback(lambda _r, s=step: timeline["commits"].append([s, time.perf_counter()]))
             mib = r.stats.nbytes / 2**20
             print(f"SAVED step {step}: training blocked {blocked * 1e3:.1f} ms for {mib:.1f} MiB "
                   f"({nparams / 1e6:.1f}M params + AdamW); a blocking torch.save takes {baseline * 1e3:.0f} ms",

@@ -29,7 +29,7 @@ from zerostall.errors import (
     WriterError,
     ZerostallError,
 )
-from zerostall.options import LoadOptions, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, Replicated, SaveOptions, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -40,7 +40,7 @@ __all__ = [
     "load_pytree", "load_checkpointables",
     "Checkpointer", "Response", "SaveStats",
     # configuration and extension
-    "SaveOptions", "LoadOptions", "WriterKind", "Stateful", "LeafHandler", "register_handler",
+    "SaveOptions", "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler",
     "unregister_handler",
     # errors
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",

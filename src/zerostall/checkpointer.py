@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 from typing import Any
 
 from zerostall.api import PYTREE
-from zerostall.commit import committed_steps, step_name
+from zerostall.commit import committed_steps, remove_stale_attempts, step_name
 from zerostall.engine import Engine
 from zerostall.errors import CheckpointNotFoundError
-from zerostall.options import LoadOptions, SaveOptions
+from zerostall.options import DistributedOptions, LoadOptions, SaveOptions
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items
 from zerostall.storage import open_storage
@@ -28,8 +29,13 @@ class Checkpointer:
         keep_every_n_steps: also keep every step divisible by this, whatever ``keep_last`` says.
         save_interval_steps: :meth:`should_save` is true every this many steps (default: every step).
         save_options / load_options: see :class:`SaveOptions` and :class:`LoadOptions`.
+        process_group: under ``torch.distributed``, the group whose ranks save and load together
+            (default: the world); shorthand for ``distributed=DistributedOptions(process_group=...)``
+            in both option sets. Saves and loads are collective whenever torch.distributed is
+            initialized: every rank calls them with the same step (docs/distributed.md).
 
-    The writer process starts here, so the first save does not pay for it. Saves are
+    The writer process starts here, so the first save does not pay for it. Partial saves left by
+    writers that died (on this host) are removed here. Saves are
     unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
     leaving it waits for in-flight saves.
 
@@ -54,6 +60,7 @@ class Checkpointer:
         save_interval_steps: int | None = None,
         save_options: SaveOptions | None = None,
         load_options: LoadOptions | None = None,
+        process_group: Any = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
@@ -69,8 +76,16 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
+        if process_group is not None:
+            so, lo = save_options or SaveOptions(), load_options or LoadOptions()
+            save_options = dataclasses.replace(so, distributed=dataclasses.replace(
+                so.distributed or DistributedOptions(), process_group=process_group))
+            load_options = dataclasses.replace(lo, distributed=dataclasses.replace(
+                lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         self._storage = open_storage(self.directory)
+        if self._storage.atomic_rename:
+            remove_stale_attempts(self._storage)  # partial saves of writers that died
         self._engine = Engine(save_options, prewarm=True)
         self._stats: deque[SaveStats] = deque(maxlen=100)
 
@@ -79,6 +94,18 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether ``step`` falls on the save interval."""
         return self.save_interval_steps is None or step % self.save_interval_steps == 0
+
+    def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
+        """Allocate the staging buffers for this state's layout now, so the first save only copies.
+
+        Pass the same ``items`` (or ``tree=`` for ``save_pytree``) you will save, once it has its
+        final layout (optimizers create their state at their first step). Returns the bytes
+        allocated per in-flight slot times ``max_in_flight``. Optional: without it the first
+        save allocates.
+        """
+        if (items is None) == (tree is None):
+            raise ValueError("pass exactly one of items or tree=")
+        return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
                                    metadata: dict[str, Any] | None = None) -> Response:
@@ -90,7 +117,7 @@ class Checkpointer:
             retention = {"step": step, "keep_last": self.keep_last, "keep_every_n_steps": self.keep_every_n_steps}
         meta = dict(metadata or {}, step=step)
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, retention=retention)
-        r.add_done_callback(self._record)
+        r._before_done.append(self._record)
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -102,8 +129,8 @@ class Checkpointer:
     def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
         self.save_pytree_async(step, tree, metadata=metadata).result()
 
-    def _record(self, r: Response) -> None:
-        if r.exception() is None:
+    def _record(self, r: Response, exc: BaseException | None) -> None:
+        if exc is None:
             self._stats.append(r.stats)
 
     def stats(self) -> list[SaveStats]:
@@ -124,6 +151,13 @@ class Checkpointer:
     def _resolve(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
+            dopts = self.load_options.distributed if self.load_options is not None else None
+            from zerostall.dist.context import active
+
+            if active(dopts):  # every rank loads the step rank 0 sees as latest
+                from zerostall.dist.load import agree_step
+
+                step = agree_step(step, dopts)
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step

@@ -17,7 +17,9 @@ Runs in the writer, never on the training thread.
 from __future__ import annotations
 
 import errno
+import os
 import re
+import socket
 import uuid
 from dataclasses import dataclass
 
@@ -27,12 +29,64 @@ from zerostall.storage import Storage
 
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
-    "is_committed", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+    "exists_error", "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
 ]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".zs-tmp-"
 DEL_MARK = ".zs-del-"
+# .<name>.zs-tmp-<host>-<pid>-<id>: who made a partial directory, so leftovers of dead writers
+# on this host can be told apart from the attempts of live ones.
+_ATTEMPT_RE = re.compile(r"^\..+\.zs-(?:tmp|del)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
+
+
+def _host_id() -> str:
+    """This host, qualified by the PID namespace: containers that share a hostname (host
+    networking) but not their process table must not judge each other's writers dead."""
+    host = socket.gethostname()
+    try:
+        return f"{host}~{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return host
+
+
+def _attempt_tag() -> str:
+    return f"{_host_id()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def remove_stale_attempts(storage: Storage) -> list[str]:
+    """Delete partial save and deletion directories whose writer (on this host) is dead.
+
+    Returns the names removed. Directories of live writers and of other hosts are left alone.
+    """
+    host = _host_id()
+    removed = []
+    try:
+        names = storage.list("")
+    except FileNotFoundError:
+        return []
+    for n in names:
+        m = _ATTEMPT_RE.match(n)
+        if m is None or m.group("host") != host or _pid_alive(int(m.group("pid"))):
+            continue
+        try:
+            storage.delete(n)
+        except OSError:
+            # Best effort: another process opening a Checkpointer may be deleting it too
+            # (rmtree then finds files gone); a failure here must not stop training.
+            continue
+        removed.append(n)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def step_name(step: int) -> str:
@@ -86,9 +140,8 @@ class RenameCommit(CommitProtocol):
 
     def begin(self, name: str) -> Attempt:
         if self.storage.exists(name):
-            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
-                                        path=_join(self.storage.url, name))
-        return Attempt(name=name, staging=f".{name}{TMP_MARK}{uuid.uuid4().hex[:12]}", data_dir="data")
+            raise exists_error(self.storage, name, _join(self.storage.url, name))
+        return Attempt(name=name, staging=f".{name}{TMP_MARK}{_attempt_tag()}", data_dir="data")
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
         s = self.storage
@@ -118,14 +171,49 @@ class ManifestLastCommit(CommitProtocol):
         return Attempt(name=name, staging=name, data_dir=data_dir)
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        key = f"{attempt.name}/{MANIFEST_NAME}"
         try:
-            self.storage.put(f"{attempt.name}/{MANIFEST_NAME}", manifest, if_absent=True)
+            self.storage.put(key, manifest, if_absent=True)
         except FileExistsError as exc:
+            if self._landed(key, manifest):  # our own put, retried after its reply was lost
+                return
             raise CheckpointExistsError("another writer committed this checkpoint first",
                                         path=_join(self.storage.url, attempt.name)) from exc
+        except OSError:
+            # The outcome of a put that timed out is unknown: it may have landed. If it did, the
+            # checkpoint is committed and abort() must not touch its data.
+            if self._landed(key, manifest):
+                return
+            raise
+
+    def _landed(self, key: str, manifest: bytes) -> bool:
+        try:
+            return self.storage.get(key) == manifest
+        except (OSError, EOFError):
+            return False
 
     def abort(self, attempt: Attempt) -> None:
+        # Never delete data that a committed manifest points at: after a commit whose outcome
+        # was unknown, the manifest may be there. The data directory's name is unique to this
+        # attempt, so finding it in the manifest means this attempt is the committed one. If the
+        # manifest cannot be read, leave the (invisible) data behind rather than guess.
+        try:
+            current = self.storage.get(f"{attempt.name}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            current = None
+        except (OSError, EOFError):
+            return
+        if current is not None and f'"{attempt.data_dir}/'.encode() in current:
+            return
         self.storage.delete(f"{attempt.name}/{attempt.data_dir}")
+
+
+def exists_error(storage: Storage, name: str, path: str) -> CheckpointExistsError:
+    """The error for saving onto an existing ``name``: a committed checkpoint, or something else."""
+    if is_committed(storage, name):
+        return CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one", path=path)
+    return CheckpointExistsError("something that is not a committed checkpoint (no manifest) is in the way; "
+                                 "zerostall will not write over it: remove it or save elsewhere", path=path)
 
 
 def protocol_for(storage: Storage) -> CommitProtocol:
@@ -135,7 +223,7 @@ def protocol_for(storage: Storage) -> CommitProtocol:
 def delete_checkpoint(storage: Storage, name: str) -> None:
     """Make ``name`` invisible first (rename away, or drop its manifest), then delete its data."""
     if storage.atomic_rename:
-        doomed = f".{name}{DEL_MARK}{uuid.uuid4().hex[:12]}"
+        doomed = f".{name}{DEL_MARK}{_attempt_tag()}"
         try:
             storage.rename(name, doomed)
         except FileNotFoundError:

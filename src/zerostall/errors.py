@@ -65,11 +65,11 @@ class ZerostallError(Exception):
             where.append(f"rank {self.rank}")
         return f"{self.message} ({', '.join(where)})" if where else self.message
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (type(self), self.message, self.path, self.key, self.rank))
 
 
-def _rebuild(cls, message, path, key, rank):  # type: ignore[no-untyped-def]
+def _rebuild(cls: type, message: str, path: str | None, key: str | None, rank: int | None) -> ZerostallError:
     return cls(message, path=path, key=key, rank=rank)
 
 
@@ -131,11 +131,12 @@ class StorageError(ZerostallError, OSError):
             return f"[{_errno.errorcode.get(self.errno, self.errno)}] {base}"
         return base
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_storage, (type(self), self.message, self.errno, self.path, self.key, self.rank))
 
 
-def _rebuild_storage(cls, message, errno, path, key, rank):  # type: ignore[no-untyped-def]
+def _rebuild_storage(cls: type, message: str, errno: int | None, path: str | None, key: str | None,
+                     rank: int | None) -> ZerostallError:
     return cls(message, errno=errno, path=path, key=key, rank=rank)
 
 
@@ -175,11 +176,14 @@ def to_wire(exc: BaseException, *, path: str | None = None) -> dict[str, object]
     if isinstance(exc, FileExistsError):
         return {"class": "CheckpointExistsError", "message": str(exc), "path": path}
     if isinstance(exc, OSError):
+        message = exc.strerror or str(exc)
+        if isinstance(exc.filename, str) and exc.filename != path:
+            message = f"{message}: {exc.filename}"
         return {
             "class": "StorageError",
-            "message": exc.strerror or str(exc),
+            "message": message,
             "errno": exc.errno,
-            "path": exc.filename if isinstance(exc.filename, str) else path,
+            "path": path if path is not None else exc.filename,
         }
     return {"class": "WriterError", "message": f"{type(exc).__name__}: {exc}", "path": path}
 
@@ -191,12 +195,10 @@ def from_wire(data: dict[str, object]) -> ZerostallError:
     path = data.get("path")
     key = data.get("key")
     rank = data.get("rank")
-    kw = {
-        "path": None if path is None else str(path),
-        "key": None if key is None else str(key),
-        "rank": rank if isinstance(rank, int) else None,
-    }
+    p = None if path is None else str(path)
+    k = None if key is None else str(key)
+    r = rank if isinstance(rank, int) else None
     if issubclass(cls, StorageError):
         err = data.get("errno")
-        return cls(message, errno=err if isinstance(err, int) else None, **kw)
-    return cls(message, **kw)
+        return cls(message, errno=err if isinstance(err, int) else None, path=p, key=k, rank=r)
+    return cls(message, path=p, key=k, rank=r)

@@ -28,9 +28,11 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 MAX_DEPTH = 200
+#: no size, offset or element count may reach this (what int64 sizes in torch / numpy hold)
+MAX_SIZE = 2**63 - 1
 LEAF_KINDS = frozenset({"torch", "numpy", "numpy_scalar", "bytes", "custom"})
 NODE_TYPES = frozenset({"none", "bool", "int", "float", "str", "bytes", "array", "custom",
-                        "dict", "list", "tuple", "namedtuple"})
+                        "dict", "list", "tuple", "namedtuple", "sharded"})
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
@@ -61,13 +63,16 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     created_unix: float | None = None
     library_version: str | None = None
+    #: collective saves only: each saving rank's ``{item name: tree}`` (``items`` is rank 0's)
+    ranks: tuple[dict[str, Any], ...] = ()
 
 
 def encode_manifest(
     *, items: dict[str, Any], leaves: list[dict[str, Any]], files: list[dict[str, Any]],
     metadata: dict[str, Any] | None = None, library_version: str = "",
+    ranks: list[dict[str, Any]] | None = None, attempt: str | None = None,
 ) -> bytes:
-    doc = {
+    doc: dict[str, Any] = {
         "format": "zerostall",
         "format_version": FORMAT_VERSION,
         "library_version": library_version,
@@ -77,6 +82,9 @@ def encode_manifest(
         "items": items,
         "metadata": metadata or {},
     }
+    if ranks is not None:
+        doc["ranks"] = [{"items": r} for r in ranks]
+        doc["attempt"] = attempt
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -85,9 +93,18 @@ def _bad(msg: str, path: str, key: str | None = None) -> CorruptCheckpointError:
 
 
 def _int(v: Any, what: str, path: str, key: str | None = None, *, lo: int = 0) -> int:
-    if type(v) is not int or v < lo:
-        raise _bad(f"{what} must be an integer >= {lo}, got {v!r}"[:300], path, key)
+    if type(v) is not int or not lo <= v <= MAX_SIZE:
+        raise _bad(f"{what} must be an integer in [{lo}, 2**63), got {_short(v)}", path, key)
     return v
+
+
+def _short(v: Any) -> str:
+    """``repr(v)`` cut short: a hostile value may be huge (and ``repr`` of a 5000-digit int raises)."""
+    try:
+        r = repr(v)
+    except ValueError:
+        return f"<{type(v).__name__} too large to print>"
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def parse_manifest(data: bytes, *, path: str) -> Manifest:
@@ -102,14 +119,19 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
         raise _bad(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})", path) from exc
     except RecursionError as exc:
         raise _bad("JSON nested too deeply", path) from exc
+    except ValueError as exc:  # e.g. an integer literal longer than Python converts (4300 digits)
+        raise _bad(f"not JSON ({exc})"[:300], path) from exc
     if not isinstance(doc, dict):
         raise _bad("top level must be an object", path)
+    if doc.get("format") != "zerostall":
+        raise _bad(f"'format' must be \"zerostall\", got {_short(doc.get('format'))}; not a zerostall manifest",
+                   path)
     version = doc.get("format_version")
     if type(version) is not int:
-        raise _bad(f"format_version must be an integer, got {version!r}"[:200], path)
+        raise _bad(f"format_version must be an integer, got {_short(version)}", path)
     if version != FORMAT_VERSION:
         raise UnsupportedFormatError(
-            f"format_version {version} is not supported by this zerostall (reads {FORMAT_VERSION}); "
+            f"format_version {_short(version)} is not supported by this zerostall (reads {FORMAT_VERSION}); "
             "upgrade zerostall to read it", path=path)
 
     raw_files = doc.get("files")
@@ -121,7 +143,7 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
             raise _bad(f"files[{i}] must be an object with a string 'path'", path)
         fp = f["path"]
         if not _SAFE_PATH.match(fp) or any(part in ("..", ".") for part in fp.split("/")):
-            raise _bad(f"files[{i}].path {fp!r} is not a plain relative path inside the checkpoint", path)
+            raise _bad(f"files[{i}].path {_short(fp)} is not a plain relative path inside the checkpoint", path)
         files.append(FileEntry(fp, _int(f.get("size"), f"files[{i}].size", path)))
 
     raw_leaves = doc.get("leaves")
@@ -135,8 +157,12 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
     items = doc.get("items")
     if not isinstance(items, dict):
         raise _bad("'items' must be an object", path)
+    # Each leaf may back one node only: a leaf referenced a million times would make a
+    # template-less load allocate it a million times.
+    used = bytearray(len(leaves))
     for name, node in items.items():
-        _check_node(node, name, len(leaves), path, 0)
+        _check_node(node, name, used, path, 0)
+    ranks = _ranks(doc, len(leaves), path)
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _bad("'metadata' must be an object", path)
@@ -148,9 +174,38 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
         leaves=tuple(leaves),
         items=items,
         metadata=metadata,
-        created_unix=float(created) if isinstance(created, (int, float)) else None,
+        created_unix=_finite(created),
         library_version=lib if isinstance(lib, str) else None,
+        ranks=ranks,
     )
+
+
+def _finite(v: Any) -> float | None:
+    if type(v) not in (int, float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _ranks(doc: dict[str, Any], n_leaves: int, path: str) -> tuple[dict[str, Any], ...]:
+    """The optional per-rank trees of a collective save (see docs/distributed.md)."""
+    raw = doc.get("ranks")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise _bad("'ranks' must be a non-empty list", path)
+    out = []
+    for r, entry in enumerate(raw):
+        rank_items = entry.get("items") if isinstance(entry, dict) else None
+        if not isinstance(rank_items, dict):
+            raise _bad(f"ranks[{r}].items must be an object", path)
+        for name, node in rank_items.items():
+            _check_node(node, name, bytearray(n_leaves), path, 0)  # a leaf backs one node per rank tree
+        out.append(rank_items)
+    return tuple(out)
 
 
 def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
@@ -160,11 +215,11 @@ def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
     if not isinstance(key, str):
         raise _bad(f"leaves[{i}].key must be a string", path)
     kind = lf.get("kind")
-    if kind not in LEAF_KINDS:
-        raise UnsupportedFormatError(f"unknown leaf kind {kind!r}"[:200], path=path, key=key)
+    if not isinstance(kind, str) or kind not in LEAF_KINDS:  # (a list is not even hashable)
+        raise UnsupportedFormatError(f"unknown leaf kind {_short(kind)}", path=path, key=key)
     dtype = lf.get("dtype")
-    if dtype not in ITEMSIZE:
-        raise UnsupportedFormatError(f"unknown dtype {dtype!r}"[:200], path=path, key=key)
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise UnsupportedFormatError(f"unknown dtype {_short(dtype)}", path=path, key=key)
     shape = lf.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise _bad(f"shape must be a list of at most {MAX_NDIM} sizes", path, key)
@@ -172,7 +227,12 @@ def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
     nbytes = _int(lf.get("nbytes"), "nbytes", path, key)
     expect = math.prod(dims) * ITEMSIZE[dtype]
     if nbytes != expect:
-        raise _bad(f"nbytes {nbytes} does not match shape {list(dims)} of {dtype} ({expect} bytes)", path, key)
+        raise _bad(f"nbytes {nbytes} does not match shape {_short(list(dims))} of {dtype} ({expect} bytes)",
+                   path, key)
+    # Bound the element count with zero sizes taken as one: torch and numpy reject (or overflow
+    # on) such shapes even when a zero makes the array empty.
+    if math.prod(max(d, 1) for d in dims) * ITEMSIZE[dtype] > MAX_SIZE:
+        raise _bad(f"shape {_short(list(dims))} is too large for any array", path, key)
     fi = _int(lf.get("file"), "file", path, key)
     if fi >= len(files):
         raise _bad(f"file index {fi} is out of range ({len(files)} files)", path, key)
@@ -190,33 +250,38 @@ def _check_overlaps(leaves: list[LeafEntry], path: str) -> None:
     spans = sorted((lf.file, lf.offset, lf.offset + lf.nbytes, lf.key) for lf in leaves if lf.nbytes)
     for a, b in zip(spans, spans[1:]):
         if a[0] == b[0] and b[1] < a[2]:
-            raise _bad(f"byte ranges of {a[3]!r} and {b[3]!r} overlap", path, b[3])
+            raise _bad(f"byte ranges of {_short(a[3])} and {_short(b[3])} overlap", path, b[3])
 
 
-def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> None:
+def _check_node(node: Any, key: str, used: bytearray, path: str, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise _bad(f"tree nested deeper than {MAX_DEPTH}", path, key)
     if not isinstance(node, dict):
         raise _bad("tree node must be an object", path, key)
     t = node.get("type")
-    if t not in NODE_TYPES:
-        raise UnsupportedFormatError(f"unknown tree node type {t!r}"[:200], path=path, key=key)
+    if not isinstance(t, str) or t not in NODE_TYPES:
+        raise UnsupportedFormatError(f"unknown tree node type {_short(t)}", path=path, key=key)
     if t in ("array", "bytes") or (t == "custom" and "leaf" in node):
         li = node.get("leaf")
-        if type(li) is not int or not 0 <= li < n_leaves:
-            raise _bad(f"leaf index {li!r} out of range"[:200], path, key)
+        if type(li) is not int or not 0 <= li < len(used):
+            raise _bad(f"leaf index {_short(li)} out of range", path, key)
+        if used[li]:
+            raise _bad(f"leaf {li} is referenced by more than one tree node", path, key)
+        used[li] = 1
+    if t == "sharded":
+        _check_sharded(node, key, used, path)
     if t == "custom" and not isinstance(node.get("handler"), str):
         raise _bad("custom node needs a handler name", path, key)
     if t in ("int", "bool", "str", "float"):
         v = node.get("value")
         ok = {"int": type(v) is int, "bool": type(v) is bool, "str": isinstance(v, str), "float": isinstance(v, str)}[t]
         if not ok:
-            raise _bad(f"{t} node has value {v!r}"[:200], path, key)
+            raise _bad(f"{t} node has value {_short(v)}", path, key)
         if t == "float":
             try:
-                float.fromhex(v)
+                float.fromhex(str(v))
             except ValueError as exc:
-                raise _bad(f"float value {v!r} is not a hex float"[:200], path, key) from exc
+                raise _bad(f"float value {_short(v)} is not a hex float", path, key) from exc
     if t in ("dict", "list", "tuple", "namedtuple"):
         values = node.get("values")
         if not isinstance(values, list):
@@ -236,4 +301,30 @@ def _check_node(node: Any, key: str, n_leaves: int, path: str, depth: int) -> No
         else:
             labels = list(range(len(values)))
         for label, child in zip(labels, values):
-            _check_node(child, f"{key}/{label}", n_leaves, path, depth + 1)
+            _check_node(child, f"{key}/{label}", used, path, depth + 1)
+
+
+def _check_sharded(node: dict[str, Any], key: str, used: bytearray, path: str) -> None:
+    """A tensor saved as boxes: ``shape`` (global), ``dtype``, ``shards`` of ``offset``/``shape``/``leaf``."""
+    if node.get("dtype") not in ITEMSIZE:
+        raise UnsupportedFormatError(f"unknown dtype {node.get('dtype')!r}"[:200], path=path, key=key)
+    shape = node.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
+        raise _bad("sharded node needs a 'shape' list of sizes", path, key)
+    shards = node.get("shards")
+    if not isinstance(shards, list):
+        raise _bad("sharded node needs a 'shards' list", path, key)
+    for sh in shards:
+        if not isinstance(sh, dict):
+            raise _bad("shard must be an object", path, key)
+        off, ext, li = sh.get("offset"), sh.get("shape"), sh.get("leaf")
+        if (not isinstance(off, list) or not isinstance(ext, list) or len(off) != len(shape)
+                or len(ext) != len(shape)
+                or any(type(v) is not int or v < 0 for v in off + ext)
+                or any(o + e > s for o, e, s in zip(off, ext, shape))):
+            raise _bad("shard box must lie inside the global shape", path, key)
+        if type(li) is not int or not 0 <= li < len(used):
+            raise _bad(f"leaf index {_short(li)} out of range", path, key)
+        if used[li]:
+            raise _bad(f"leaf {li} is referenced by more than one tree node", path, key)
+        used[li] = 1

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["WriterKind", "SaveOptions", "LoadOptions"]
+__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated"]
 
 MiB = 1 << 20
 
@@ -23,6 +24,44 @@ class WriterKind(enum.Enum):
     THREAD = "thread"
 
 
+class Replicated(enum.Enum):
+    """How a collective load reads leaves that every saving rank had identical (DDP state).
+
+    ``BROADCAST`` (default): each such leaf is read by one rank (the reads are spread over the
+    ranks) and sent to the others with ``torch.distributed.broadcast``. ``EVERY_RANK``: every
+    rank reads what it needs from storage itself (no collective traffic; more storage reads).
+    """
+
+    BROADCAST = "broadcast"
+    EVERY_RANK = "every_rank"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedOptions:
+    """How saves and loads behave under ``torch.distributed`` (see docs/distributed.md).
+
+    Attributes:
+        enabled: act collectively when ``torch.distributed`` is initialized (default). ``False``
+            makes every rank save and load on its own, as a single process would.
+        process_group: the group whose ranks save together (default: the world). It is used on
+            the training thread only: once at the first save (run id) and during loads.
+        timeout_s: how long a rank's writer waits for the other ranks (their hash tables, their
+            reports, rank 0's commit) before the save is aborted on every rank.
+        poll_s: how often writers look at the shared storage while they wait.
+    """
+
+    enabled: bool = True
+    process_group: Any = None
+    timeout_s: float = 300.0
+    poll_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.poll_s > 0:
+            raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How saves are staged and persisted.
@@ -36,7 +75,11 @@ class SaveOptions:
             the page-cache copy (less CPU stolen from training); falls back to buffered writes.
         io_threads: parallel write streams per save.
         chunk_bytes: size of one write call.
-        writer_nice: niceness added to the writer process, so training keeps CPU priority.
+        writer_nice: niceness added to the writer process, so training keeps CPU priority; when
+            non-zero the writer also runs under ``SCHED_BATCH`` (it never preempts the trainer
+            when it wakes up). 0 leaves the writer's priority alone.
+        distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
+            :class:`DistributedOptions`, i.e. collective whenever it is initialized).
     """
 
     writer: WriterKind = WriterKind.PROCESS
@@ -45,6 +88,7 @@ class SaveOptions:
     io_threads: int = 2
     chunk_bytes: int = 32 * MiB
     writer_nice: int = 10
+    distributed: DistributedOptions | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.writer, WriterKind):
@@ -65,13 +109,22 @@ class LoadOptions:
         verify: check every leaf's checksum after reading it (default on).
         io_threads: parallel read streams.
         chunk_bytes: size of one read call.
+        replicated: collective loads only; see :class:`Replicated` (a string value is accepted).
+        distributed: collective behaviour under ``torch.distributed``; see :class:`DistributedOptions`.
     """
 
     verify: bool = True
     io_threads: int = 4
     chunk_bytes: int = 32 * MiB
+    replicated: Replicated = Replicated.BROADCAST
+    distributed: DistributedOptions | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replicated, Replicated):
+            try:
+                object.__setattr__(self, "replicated", Replicated(self.replicated))
+            except ValueError:
+                raise ValueError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:

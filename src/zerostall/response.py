@@ -57,6 +57,8 @@ class Response:
         self._staging_gbps = staging_gbps
         self._stall_s = 0.0
         self._writer: dict[str, Any] | None = None
+        # run before result() can return, so that what they record is visible to its caller
+        self._before_done: list[Callable[["Response", BaseException | None], None]] = []
 
     @property
     def stats(self) -> SaveStats:
@@ -65,7 +67,7 @@ class Response:
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
                              staging_gbps=self._staging_gbps)
-        write_s = w.get("write_s") or 0.0
+        write_s = w.get("write_s") or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
             nbytes=w["nbytes"],
@@ -95,8 +97,14 @@ class Response:
     def _finish(self, writer_stats: dict[str, Any] | None, error: BaseException | None) -> None:
         if self._future.done():
             return
+        if error is None:
+            self._writer = writer_stats
+        for hook in self._before_done:
+            try:
+                hook(self, error)
+            except Exception:  # a bookkeeping hook must not lose the save's outcome
+                pass
         if error is not None:
             self._future.set_exception(error)
-            return
-        self._writer = writer_stats
-        self._future.set_result(None)
+        else:
+            self._future.set_result(None)

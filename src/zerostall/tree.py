@@ -194,6 +194,10 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         return {"type": "str", "value": obj}
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        if t.__name__ == "DTensor":  # its local shard, with its place in the global tensor
+            from zerostall.dist.dtensor import flatten_dtensor
+
+            return flatten_dtensor(obj, key, leaves)
         return _torch_leaf(obj, key, leaves)
     if isinstance(obj, np.ndarray):
         return _numpy_leaf(obj, key, leaves, "numpy")

@@ -93,6 +93,11 @@ def test_writer_sigkill_mid_save(ckdir, monkeypatch):
         assert_equal_state(ck.load_pytree(3), make_state(8, seed=3))
     finally:
         ck.close()
+    # the dead writer's partial directory is hidden, and removed by the next Checkpointer
+    assert glob.glob(str(ckdir / ".step_00000002.zs-tmp-*"))
+    with Checkpointer(ckdir) as ck2:
+        assert not glob.glob(str(ckdir / ".step_00000002.zs-tmp-*"))
+        assert ck2.steps() == [1, 3]
 
 
 def test_flipped_byte_fails_naming_key_and_safetensors_reads_data(ckdir):
@@ -152,3 +157,41 @@ def test_in_flight_limit_two_slots(ckdir):
             r.result()
         assert ck.steps() == [1, 2, 3, 4, 5]
         assert len(ck._engine.pool._all) == 2
+
+
+def test_forked_child_does_not_hold_the_writer_socket(ckdir):
+    """A fork of the trainer (a DataLoader worker, say) closes its copy of the writer socket, so
+    when the trainer is SIGKILLed the writer still sees EOF and exits while the child lives on."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {os.path.join(HERE, "..", "..", "src")!r})
+import torch, zerostall
+ck = zerostall.Checkpointer({str(ckdir)!r})
+ck.save_pytree(1, {{"w": torch.ones(4)}})
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(ck._engine.writer.pid, child, flush=True)
+time.sleep(60)
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    writer_pid, child_pid = map(int, p.stdout.readline().split())
+    try:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        _wait_gone(writer_pid, timeout=30)
+        assert psutil.pid_exists(child_pid)  # the child was alive all along
+    finally:
+        try:
+            os.kill(child_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_writer_runs_niced_and_batch_scheduled(ckdir):
+    with Checkpointer(ckdir) as ck:
+        ck.save_pytree(1, {"w": torch.ones(4)})
+        pid = ck._engine.writer.pid
+        assert os.sched_getscheduler(pid) == os.SCHED_BATCH
+        assert psutil.Process(pid).nice() >= psutil.Process().nice() + 10

@@ -246,6 +246,19 @@ class TestCheckpointer:
             assert ck.load_pytree(4)["step"] == 4
             assert len(ck.stats()) == 8 and all(s.persist_s is not None for s in ck.stats())
 
+    def test_prepare_allocates_before_the_first_save(self, ckdir):
+        state = {"w": torch.randn(1000), "step": 0}
+        with Checkpointer(ckdir) as ck:
+            nbytes = ck.prepare(tree=state)
+            assert nbytes >= 4000
+            slot = ck._engine.pool._all[0]
+            buffers = list(slot.buffers)
+            ck.save_pytree(1, state)
+            assert slot.buffers == buffers  # the first save reused them
+            assert torch.equal(ck.load_pytree(1)["w"], state["w"])
+            with pytest.raises(ValueError):
+                ck.prepare()
+
     def test_should_save(self, ckdir):
         with Checkpointer(ckdir, save_interval_steps=5) as ck:
             assert [s for s in range(12) if ck.should_save(s)] == [0, 5, 10]
@@ -283,7 +296,51 @@ def test_public_api_is_frozen():
     assert sorted(zerostall.__all__) == sorted([
         "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
         "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
-        "LoadOptions", "WriterKind", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+        "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError"])
+
+
+def test_response_telemetry_and_info_log(ckdir, caplog):
+    import logging
+
+    state = {"w": torch.randn(256, 1024)}
+    with caplog.at_level(logging.INFO, logger="zerostall"):
+        r = zerostall.save_pytree_async(ckdir / "c", state)
+        before = r.stats
+        assert before.stall_s > 0 and before.nbytes >= 1 << 20 and before.staging_gbps > 0
+        stats = r.result()
+    assert r.done()
+    assert stats.persist_s is not None and stats.persist_s > 0
+    assert stats.persist_gbps is not None and stats.persist_gbps > 0
+    assert stats.commit_s is not None and stats.commit_s >= 0
+    assert stats.writer_peak_rss is not None and stats.writer_peak_rss > 0
+    assert stats.stall_s == before.stall_s and stats.path.endswith("/c")
+    assert any("saved" in rec.getMessage() and "stall" in rec.getMessage() for rec in caplog.records)
+
+
+def test_background_error_keeps_its_type(ckdir, monkeypatch):
+    """A failure in the writer comes back from result() with the same class and errno."""
+    import errno
+    import json
+
+    monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"write": "raise:ENOSPC"}))
+    r = zerostall.save_pytree_async(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
+    with pytest.raises(zerostall.StorageError) as ei:
+        r.result()
+    assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC
+    assert str(ckdir / "c") in str(ei.value)
+    assert not os.path.exists(ckdir / "c")
+    assert not [n for n in os.listdir(ckdir) if "zs-tmp" in n]  # the attempt was cleaned up
+    monkeypatch.delenv("ZEROSTALL_FAULTS")
+    zerostall.save_pytree(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
+
+
+def test_uncommitted_directory_in_the_way_is_named_as_such(ckdir):
+    (ckdir / "c").mkdir()
+    with pytest.raises(CheckpointExistsError, match="not a committed checkpoint"):
+        zerostall.save_pytree(ckdir / "c", {"a": 1})
+    zerostall.save_pytree(ckdir / "d", {"a": 1})
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        zerostall.save_pytree(ckdir / "d", {"a": 1})

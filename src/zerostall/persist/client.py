@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -27,13 +28,43 @@ from zerostall.stage.buffers import HostBuffer
 __all__ = ["WriterClient"]
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_CLIENTS: "weakref.WeakSet[WriterClient]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker, say) must not keep the trainer's end of the writer
+    # socket open: the writer exits on EOF once the trainer dies, and a copy held by a child
+    # would delay that. The writer belongs to the parent; the child starts its own if it saves.
+    for client in list(_CLIENTS):
+        client._detach_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
 class _Pending:
     on_released: Callable[[], None]
     on_done: Callable[[dict[str, Any] | None, BaseException | None], None]
+    path: str | None = None
+    root: str | None = None
+    name: str | None = None
+    nbytes: int = 0
     released: bool = False
+
+
+def _committed_anyway(p: _Pending) -> bool:
+    """Whether a save whose writer died is committed all the same (single-process saves only)."""
+    if p.root is None or p.name is None:
+        return False
+    try:
+        from zerostall.commit import is_committed
+        from zerostall.storage import open_storage
+
+        return is_committed(open_storage(p.root), p.name)
+    except Exception:
+        return False
 
 
 class WriterClient:
@@ -52,6 +83,22 @@ class WriterClient:
         self._thread: threading.Thread | None = None
         self._listener: threading.Thread | None = None
         self._closing = False
+        _CLIENTS.add(self)
+
+    def _detach_after_fork(self) -> None:
+        if self._conn is not None:
+            try:
+                os.close(self._conn.fileno())
+            except OSError:
+                pass
+        self._conn = None
+        self._proc = None
+        self._thread = None
+        self._listener = None
+        self._pending = {}
+        self._mapped = set()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -163,7 +210,9 @@ class WriterClient:
             job = dict(job, op="save", id=jid)
             job["files"] = [dict(f, buffer=b.id) for f, b in zip(job["files"], buffers)]
             with self._lock:
-                self._pending[jid] = _Pending(on_released, on_done)
+                self._pending[jid] = _Pending(on_released, on_done, path=job.get("path"), root=job.get("root"),
+                                              name=job.get("name"),
+                                              nbytes=sum(int(f.get("length", 0)) for f in job["files"]))
             try:
                 for b in buffers:
                     if b.id not in self._mapped:
@@ -221,5 +270,10 @@ class WriterClient:
             if not p.released:
                 p.released = True
                 p.on_released()
+            if _committed_anyway(p):
+                # It died after the rename (during retention, say): the checkpoint is complete.
+                p.on_done({"nbytes": p.nbytes, "write_s": None, "persist_s": None, "commit_s": None,
+                           "writer_peak_rss": None, "retention_error": f"the writer process {how}"}, None)
+                continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
-                                        "nothing of this save was committed"))
+                                        "nothing of this save was committed", path=p.path))

@@ -1,9 +1,27 @@
 """Fault injection for tests: ``ZEROSTALL_FAULTS='{"phase": "action"}'`` in the writer's environment.
 
-Phases: ``begin``, ``write``, ``checksum``, ``manifest``, ``commit``, ``retention``.
-Actions: ``sleep:<seconds>``, ``raise:<ERRNO NAME>`` (an ``OSError``), ``exit`` (the writer process
-dies at once, as if killed). Unset in production: the variable is read at each phase, costs one
-dictionary lookup, and does nothing when absent.
+Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin``, ``write``,
+``checksum``, ``manifest``, ``commit``, ``retention``. Actions:
+
+* ``sleep:<seconds>``: hold the writer there (crash tests kill it meanwhile); if
+  ``ZEROSTALL_FAULTS_MARK`` names a directory, the writer first creates ``<phase>-<pid>`` in it,
+  so a test knows the writer has reached the phase;
+* ``raise:<ERRNO NAME>``: raise ``OSError(errno, ...)`` as a failing system call would;
+* ``exit``: the writer process dies at once, as if killed (``os._exit(137)``);
+* ``wait:<path>``: block until the file ``path`` exists (lets a test order events without
+  timing thresholds).
+
+Two more keys fail the real system calls underneath the storage backend, for every call made
+while the variable is set (they patch the ``os`` module of the writer process, so use them with
+the default process writer; with a thread writer they affect the whole test process):
+
+* ``"pwrite": "raise:<ERRNO NAME>"`` fails data writes (ENOSPC as a full disk reports it);
+  ``"pwrite": "short"`` makes every write transfer at most half of what it was asked (the
+  writer must loop until done);
+* ``"fsync": "raise:<ERRNO NAME>"`` fails every fsync (EIO as a dying disk reports it).
+
+Unset in production: the variable is read at each phase, costs one dictionary lookup, and does
+nothing when absent. The error carries no file name: the caller's error names the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,25 +29,87 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
+from typing import Any
 
-__all__ = ["hit", "ENV"]
+__all__ = ["hit", "ENV", "MARK_ENV"]
 
 ENV = "ZEROSTALL_FAULTS"
+MARK_ENV = "ZEROSTALL_FAULTS_MARK"
+_SYSCALLS = ("pwrite", "fsync")
+_patched = False
+_patch_lock = threading.Lock()
+
+
+def _spec() -> dict[str, Any]:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return {}
+    spec = json.loads(raw)
+    return spec if isinstance(spec, dict) else {}
+
+
+def _error(arg: str, where: str) -> OSError:
+    code = getattr(errno, arg, errno.EIO)
+    return OSError(code, f"injected {arg} at {where}")
 
 
 def hit(phase: str, path: str = "") -> None:
-    spec = os.environ.get(ENV)
+    """Run the action configured for ``phase``, if any. ``path`` is accepted for compatibility."""
+    spec = _spec()
     if not spec:
         return
-    action = json.loads(spec).get(phase)
+    if any(k in spec for k in _SYSCALLS):
+        _patch_syscalls()
+    action = spec.get(phase)
     if not action:
         return
     verb, _, arg = str(action).partition(":")
     if verb == "sleep":
+        mark = os.environ.get(MARK_ENV)
+        if mark:
+            with open(os.path.join(mark, f"{phase}-{os.getpid()}"), "w"):
+                pass
         time.sleep(float(arg))
     elif verb == "raise":
-        code = getattr(errno, arg, errno.EIO)
-        raise OSError(code, f"injected {arg} at {phase}", path or None)
+        raise _error(arg, phase)
     elif verb == "exit":
         os._exit(137)
+    elif verb == "wait":
+        deadline = time.monotonic() + 600
+        while not os.path.exists(arg) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _patch_syscalls() -> None:
+    """Wrap ``os.pwrite`` and ``os.fsync`` once; the wrappers consult the variable at each call."""
+    global _patched
+    with _patch_lock:
+        if _patched:
+            return
+        _patched = True
+        real_pwrite, real_fsync = os.pwrite, os.fsync
+
+        def pwrite(fd: int, data: Any, offset: int) -> int:
+            action = str(_spec().get("pwrite", ""))
+            verb, _, arg = action.partition(":")
+            if verb == "raise":
+                raise _error(arg, "pwrite")
+            if verb == "short":
+                view = memoryview(data)
+                if len(view) > 1:
+                    # Keep direct I/O's block alignment where the request had it.
+                    half = len(view) // 2
+                    half = half - half % 4096 if half >= 4096 and len(view) % 4096 == 0 else half
+                    data = view[:half]
+            return real_pwrite(fd, data, offset)
+
+        def fsync(fd: Any) -> None:
+            verb, _, arg = str(_spec().get("fsync", "")).partition(":")
+            if verb == "raise":
+                raise _error(arg, "fsync")
+            real_fsync(fd)
+
+        os.pwrite = pwrite
+        os.fsync = fsync

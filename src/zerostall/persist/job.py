@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import threading
 import time
@@ -31,9 +32,9 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def checksum(view: memoryview) -> int:
-    """CRC32C (hardware-accelerated; releases the GIL on large inputs)."""
-    return crc32c.crc32c(view)
+def checksum(view: memoryview, value: int = 0) -> int:
+    """CRC32C of ``view``, continuing from ``value`` (hardware-accelerated; releases the GIL)."""
+    return int(crc32c.crc32c(view, value))
 
 
 def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Callable[[], None]) -> dict[str, Any]:
@@ -41,7 +42,16 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
 
     Returns statistics. Raises on failure after removing this attempt's partial files.
     """
+    if job.get("dist") is not None:  # one rank's part of a torch.distributed save
+        from zerostall.dist.job import run_dist_job
+
+        return run_dist_job(job, buffers, released)
     t0 = time.perf_counter()
+    env = job.get("env")
+    if env is not None:  # mirror the trainer's storage environment (credentials, endpoint)
+        for k in [k for k in os.environ if k.startswith(("AWS_", "ZEROSTALL_S3_")) and k not in env]:
+            del os.environ[k]
+        os.environ.update(env)
     storage = open_storage(job["root"])
     protocol = protocol_for(storage)
     opts = job["options"]
@@ -112,15 +122,21 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
 
     retention = job.get("retention")
     deleted: list[int] = []
+    retention_error: str | None = None
     if retention:
-        faults.hit("retention")
-        newest = retention["step"]
-        doomed = steps_to_delete(committed_steps(storage), newest=newest,
-                                 keep_last=retention.get("keep_last"),
-                                 keep_every_n_steps=retention.get("keep_every_n_steps"))
-        for s in doomed:
-            delete_checkpoint(storage, step_name(s))
-            deleted.append(s)
+        # The save is committed: a failure here only leaves old steps behind (the next save's
+        # retention retries them). It is reported in the stats and logged, not raised.
+        try:
+            faults.hit("retention")
+            newest = retention["step"]
+            doomed = steps_to_delete(committed_steps(storage), newest=newest,
+                                     keep_last=retention.get("keep_last"),
+                                     keep_every_n_steps=retention.get("keep_every_n_steps"))
+            for s in doomed:
+                delete_checkpoint(storage, step_name(s))
+                deleted.append(s)
+        except Exception as exc:
+            retention_error = f"{type(exc).__name__}: {exc}"
 
     nbytes = sum(f["length"] for f in files)
     return {
@@ -130,4 +146,5 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
         "persist_s": time.perf_counter() - t0,
         "writer_peak_rss": peak_rss(),
         "deleted_steps": deleted,
+        "retention_error": retention_error,
     }

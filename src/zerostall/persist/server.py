@@ -8,6 +8,7 @@ the trainer is killed), after finishing every job it had already received, so a 
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import os
@@ -28,6 +29,20 @@ def _send(conn: Connection, msg: dict[str, Any]) -> None:
         conn.send_bytes(json.dumps(msg).encode())
     except (BrokenPipeError, ConnectionResetError, OSError):
         pass  # the trainer is gone; the job still completes
+
+
+def _close(m: mmap.mmap) -> None:
+    """Unmap a buffer. The traceback of a failed job can keep a slice of its view alive in a
+    reference cycle (frame -> future -> exception -> traceback -> frame) until the cycle
+    collector runs; collect first rather than die on BufferError."""
+    try:
+        m.close()
+    except BufferError:
+        gc.collect()
+        try:
+            m.close()
+        except BufferError:
+            pass  # still referenced: unmapped when the last reference goes, or at exit
 
 
 def serve(conn: Connection) -> None:
@@ -53,7 +68,7 @@ def serve(conn: Connection) -> None:
                     v.release()
                 m = maps.pop(msg["buffer"], None)
                 if m is not None:
-                    m.close()
+                    _close(m)
             elif op == "save":
                 sid = msg["id"]
                 try:
@@ -74,7 +89,7 @@ def serve(conn: Connection) -> None:
         for v in views.values():
             v.release()
         for m in maps.values():
-            m.close()
+            _close(m)
         conn.close()
 
 
@@ -86,6 +101,13 @@ def main(argv: list[str]) -> int:
             os.nice(nice)
         except OSError:
             pass
+        # SCHED_BATCH: a woken writer thread (an I/O completed) does not preempt the trainer's
+        # threads; with OpenMP spin-waiting, preempting one trainer thread stalls all of them.
+        if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+            try:
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            except OSError:
+                pass
     serve(Connection(fd))
     return 0
 

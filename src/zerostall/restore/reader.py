@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,10 +26,43 @@ from zerostall.tree import handler_by_name, is_stateful, key_join
 __all__ = ["load_items", "read_manifest"]
 
 Thunk = Callable[[], Any]
+_VERIFY_CHUNK = 4 << 20
+
+
+def check_local_file(storage: Storage, name: str, rel: str, *, path: str, what: str) -> None:
+    """Refuse a file of a local checkpoint that is not a plain file inside it.
+
+    A symlink (to anything), a file whose real path leaves the checkpoint directory (through a
+    symlinked directory), a FIFO or a device is corrupt input: reading it could read outside the
+    checkpoint or block forever. A missing file is left for the caller to report. The checkpoint
+    directory itself may be reached through a symlink.
+    """
+    from zerostall.storage.local import LocalStorage
+
+    if not isinstance(storage, LocalStorage):
+        return  # not a local filesystem: no symlinks or FIFOs to fear
+    ckpt = os.path.join(storage.root, name)
+    full = os.path.join(ckpt, rel)
+    try:
+        st = os.lstat(full)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise StorageError(f"cannot stat {what} {rel}: {exc.strerror}", errno=exc.errno, path=path) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise CorruptCheckpointError(f"{what} {rel} is a symbolic link; zerostall reads only plain files "
+                                     "inside the checkpoint", path=path)
+    real_ckpt = os.path.realpath(ckpt)
+    if os.path.commonpath([real_ckpt, os.path.realpath(full)]) != real_ckpt:
+        raise CorruptCheckpointError(f"{what} {rel} resolves outside the checkpoint directory (a symlinked "
+                                     "directory?)", path=path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(f"{what} {rel} is not a regular file", path=path)
 
 
 def read_manifest(storage: Storage, name: str, *, path: str) -> Manifest:
     key = f"{name}/{MANIFEST_NAME}"
+    check_local_file(storage, name, MANIFEST_NAME, path=path, what="the manifest")
     try:
         size = storage.size(key)
     except FileNotFoundError:
@@ -48,17 +83,79 @@ def read_manifest(storage: Storage, name: str, *, path: str) -> Manifest:
     return parse_manifest(data, path=path)
 
 
+def _bytes_of(a: Any) -> memoryview:
+    """A flat uint8 view of a C-contiguous numpy array's memory."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
 @dataclass
 class _Read:
     leaf: LeafEntry
     dest: memoryview  # uint8, exactly leaf.nbytes
+    verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
+
+
+def _missing(storage: Storage, name: str, rel: str, path: str, key: str) -> ZerostallError:
+    """The error for a data file that is not there: deleted with its checkpoint, or lost from it.
+
+    Retention (or a user) may delete a checkpoint while it is being loaded; deletion removes the
+    manifest first (rename away, or manifest-first on object stores), so a missing manifest
+    means the checkpoint is gone, not corrupt.
+    """
+    try:
+        gone = not storage.exists(f"{name}/{MANIFEST_NAME}")
+    except OSError:
+        gone = False
+    if gone:
+        return CheckpointNotFoundError("the checkpoint was deleted while it was being loaded (retention?)",
+                                       path=path, key=key)
+    return CorruptCheckpointError(f"data file {rel} is missing", path=path, key=key)
+
+
+class _Files:
+    """Checks each data file once, before anything is allocated for the leaves it holds.
+
+    The manifest's sizes are untrusted: a leaf declaring a terabyte must fail on the data file's
+    real size, not after a terabyte buffer was allocated.
+    """
+
+    def __init__(self, storage: Storage, name: str, m: Manifest, path: str) -> None:
+        self.storage, self.name, self.m, self.path = storage, name, m, path
+        self.checked: set[int] = set()
+
+    def check(self, leaf: LeafEntry) -> None:
+        fi = leaf.file
+        if fi in self.checked:
+            return
+        entry = self.m.files[fi]
+        check_local_file(self.storage, self.name, entry.path, path=self.path, what="data file")
+        try:
+            size = self.storage.size(f"{self.name}/{entry.path}")
+        except FileNotFoundError:
+            raise _missing(self.storage, self.name, entry.path, self.path, leaf.key) from None
+        except OSError as exc:
+            raise StorageError(f"cannot stat data file {entry.path}: {exc}", errno=exc.errno, path=self.path,
+                               key=leaf.key) from exc
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"data file {entry.path} has {size} bytes, the manifest says {entry.size} (truncated?)",
+                path=self.path, key=leaf.key)
+        self.checked.add(fi)
 
 
 class _Planner:
-    def __init__(self, manifest: Manifest, path: str) -> None:
+    def __init__(self, manifest: Manifest, path: str, files: _Files) -> None:
         self.m = manifest
         self.path = path
+        self.files = files
         self.reads: list[_Read] = []
+
+    def _leaf(self, index: int) -> LeafEntry:
+        """The leaf at ``index``, once its data file has been checked (before any allocation)."""
+        leaf = self.m.leaves[index]
+        if leaf.nbytes:
+            self.files.check(leaf)
+        return leaf
 
     # -- leaves ------------------------------------------------------------------------------
 
@@ -66,7 +163,7 @@ class _Planner:
         return MismatchError(f"{what} differs: checkpoint has {saved}, template has {want}", path=self.path, key=key)
 
     def array(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
-        leaf = self.m.leaves[node["leaf"]]
+        leaf = self._leaf(node["leaf"])
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(tmpl, torch.Tensor):
             return self._into_torch(leaf, tmpl, key, torch)
@@ -110,10 +207,10 @@ class _Planner:
         if leaf.nbytes == 0:
             return lambda: a
         if a.flags.c_contiguous and a.flags.writeable:
-            self.reads.append(_Read(leaf, memoryview(a.reshape(-1).view(np.uint8))))
+            self.reads.append(_Read(leaf, _bytes_of(a)))
             return lambda: a
         tmp = np.empty(leaf.shape, dtype=want)
-        self.reads.append(_Read(leaf, memoryview(tmp.reshape(-1).view(np.uint8))))
+        self.reads.append(_Read(leaf, _bytes_of(tmp)))
 
         def copy_back() -> Any:
             if not a.flags.writeable:
@@ -124,24 +221,26 @@ class _Planner:
 
     def _fresh(self, leaf: LeafEntry, key: str) -> Thunk:
         if leaf.kind == "torch":
+            torch_mod: Any
             try:
-                import torch
+                import torch as torch_mod
             except ImportError:
-                torch = None
-            if torch is not None:
+                torch_mod = None
+            if torch_mod is not None:
+                torch = torch_mod
                 t = torch.empty(leaf.shape, dtype=to_torch_dtype(leaf.dtype))
                 if leaf.nbytes:
                     self.reads.append(_Read(leaf, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
                 return lambda: t
         a = np.empty(leaf.shape, dtype=to_numpy_dtype(leaf.dtype))
         if leaf.nbytes:
-            self.reads.append(_Read(leaf, memoryview(a.reshape(-1).view(np.uint8))))
+            self.reads.append(_Read(leaf, _bytes_of(a)))
         if leaf.kind == "numpy_scalar":
             return lambda: a[()]
         return lambda: a
 
     def raw_bytes(self, node: dict[str, Any]) -> Callable[[], bytes]:
-        leaf = self.m.leaves[node["leaf"]]
+        leaf = self._leaf(node["leaf"])
         buf = bytearray(leaf.nbytes)
         if leaf.nbytes:
             self.reads.append(_Read(leaf, memoryview(buf)))
@@ -175,6 +274,10 @@ class _Planner:
             return self.raw_bytes(node)
         if t == "custom":
             return self._custom(node, key)
+        if t == "sharded":
+            from zerostall.dist.dtensor import plan_sharded
+
+            return plan_sharded(self, node, tmpl, key)
         if t == "dict":
             return self._dict(node, tmpl, key, follow_checkpoint)
         return self._sequence(node, tmpl, key, follow_checkpoint)
@@ -249,44 +352,44 @@ class _Planner:
 
 
 def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts: LoadOptions, path: str) -> None:
+    # Every file read here was checked by _Files when its leaves were planned.
     if not reads:
         return
-    sizes: dict[int, int] = {}
-    for fi in sorted({r.leaf.file for r in reads}):
-        entry = m.files[fi]
-        try:
-            sizes[fi] = storage.size(f"{name}/{entry.path}")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {entry.path} is missing", path=path) from None
-        if sizes[fi] != entry.size:
-            bad = next(r.leaf.key for r in reads if r.leaf.file == fi)
-            raise CorruptCheckpointError(
-                f"data file {entry.path} has {sizes[fi]} bytes, the manifest says {entry.size} (truncated?)",
-                path=path, key=bad)
-
-    chunk = opts.chunk_bytes
+    # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
+    # is still in cache: one pass over memory instead of two.
+    chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
     # Largest first, so one big leaf does not finish last on its own.
     order = sorted(reads, key=lambda r: -r.leaf.nbytes)
 
     def read_one(r: _Read) -> None:
         leaf = r.leaf
         fkey = f"{name}/{m.files[leaf.file].path}"
+        got = 0
+
+        def add(piece: memoryview) -> None:
+            nonlocal got
+            got = checksum(piece, got)
+
         try:
-            for off in range(0, leaf.nbytes, chunk):
-                n = min(chunk, leaf.nbytes - off)
-                storage.read_into(fkey, leaf.offset + off, r.dest[off:off + n])
+            sequential = getattr(storage, "read_sequential", None)
+            if sequential is not None:  # one open file per leaf: readahead spans the leaf
+                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if opts.verify else None)
+            else:
+                for off in range(0, leaf.nbytes, chunk):
+                    piece = r.dest[off:off + chunk]
+                    storage.read_into(fkey, leaf.offset + off, piece)
+                    if opts.verify:
+                        add(piece)
         except EOFError as exc:
             raise CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key) from exc
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"data file {m.files[leaf.file].path} is missing", path=path,
-                                         key=leaf.key) from exc
+            raise _missing(storage, name, m.files[leaf.file].path, path, leaf.key) from exc
         except OSError as exc:
             raise StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key) from exc
-        if opts.verify:
+        if opts.verify and r.verify:
             if leaf.crc32c is None:
                 raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
                                              path=path, key=leaf.key)
-            got = checksum(r.dest)
             if got != leaf.crc32c:
                 raise ChecksumMismatchError(
                     f"checksum mismatch: crc32c {got:#010x}, manifest says {leaf.crc32c:#010x}; the data file "
@@ -309,9 +412,16 @@ def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: 
     """Load ``{item name: template or None}`` (``None``: every item, as saved) from a checkpoint."""
     opts = options or LoadOptions()
     path = f"{root_url.rstrip('/')}/{name}"
+    if "torch" in sys.modules:
+        from zerostall.dist.context import active
+
+        if active(opts.distributed):  # every rank loads its own tree; replicated leaves read once
+            from zerostall.dist.load import load_collective
+
+            return load_collective(root_url, name, items, opts, path)
     storage = open_storage(root_url)
     m = read_manifest(storage, name, path=path)
-    planner = _Planner(m, path)
+    planner = _Planner(m, path, _Files(storage, name, m, path))
     wanted = {k: None for k in m.items} if items is None else items
     thunks: dict[str, Thunk] = {}
     for item, tmpl in wanted.items():
@@ -320,6 +430,11 @@ def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: 
                                   path=path, key=item)
         thunks[item] = planner.build(m.items[item], tmpl, item)
     _execute(storage, name, m, planner.reads, opts, path)
+    return assemble(thunks, path)
+
+
+def assemble(thunks: dict[str, Thunk], path: str) -> dict[str, Any]:
+    """Run the planned thunks once every byte is in: copies, decoders, ``load_state_dict``."""
     try:
         return {k: th() for k, th in thunks.items()}
     except ZerostallError:

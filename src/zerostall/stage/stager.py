@@ -17,7 +17,7 @@ from zerostall.stage.buffers import Slot
 from zerostall.stage.plan import Plan
 from zerostall.tree import ArrayLeaf, FlatState
 
-__all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage", "prepare_slot"]
 
 
 class CopyEngine(Protocol):
@@ -109,11 +109,16 @@ def write_headers(slot: Slot, plan: Plan) -> None:
         buf.mmap[: len(fplan.header)] = fplan.header
 
 
-def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None) -> None:
-    """Copy every leaf of ``flat`` into ``slot``; returns when the copies are complete."""
+def prepare_slot(flat: FlatState, plan: Plan, slot: Slot) -> list[Any]:
+    """Write ``plan``'s headers into ``slot`` and build its typed views (once per layout)."""
     if slot.signature != plan.signature:
         write_headers(slot, plan)
-    views = _views(slot, plan, flat)
+    return _views(slot, plan, flat)
+
+
+def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None) -> None:
+    """Copy every leaf of ``flat`` into ``slot``; returns when the copies are complete."""
+    views = prepare_slot(flat, plan, slot)
     if engine is None:
         engine = select_engine(flat.leaves)
     torch = sys.modules.get("torch")

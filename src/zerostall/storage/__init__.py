@@ -2,7 +2,8 @@
 
 ``/path`` or ``file:///path``: :class:`~zerostall.storage.local.LocalStorage`;
 ``memory://name``: :class:`~zerostall.storage.memory.MemoryStorage` (one process, for tests and
-the RAM tier); further schemes register with :func:`register_scheme`.
+the RAM tier); ``s3://bucket/prefix``: :class:`~zerostall.storage.s3.S3Storage` (needs the
+``s3`` extra: ``pip install 'zerostall[s3]'``); further schemes register with :func:`register_scheme`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _SCHEMES: dict[str, tuple[str, str, str]] = {
     # scheme: (module, factory attribute, extra to install)
     "file": ("zerostall.storage.local", "LocalStorage", ""),
     "memory": ("zerostall.storage.memory", "MemoryStorage", ""),
+    "s3": ("zerostall.storage.s3", "S3Storage", "s3"),
 }
 _REGISTERED: dict[str, _Factory] = {}
 

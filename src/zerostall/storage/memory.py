@@ -27,6 +27,9 @@ class MemoryStorage:
             self._objects = _STORES.setdefault(bucket, {})
 
     def _k(self, key: str) -> str:
+        # Same key rules as every backend, though there is no filesystem to escape here.
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"storage key {key!r} leaves the root {self.url!r}")
         return self._prefix + key
 
     def write_from_buffer(

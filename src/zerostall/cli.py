@@ -1,0 +1,288 @@
+"""``zerostall``: list, inspect and verify checkpoints from the shell.
+
+    zerostall list DIR          committed steps / checkpoints under DIR
+    zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes
+    zerostall verify PATH       read every leaf, check every checksum, name every bad key
+
+Each takes ``--json`` (one JSON document on stdout, errors included). Exit status: 0 when all is
+well, 1 on any failure (a bad checksum, a missing file, a malformed manifest, an I/O error), 2
+on a usage error. Failures print one line, never a traceback (``ZEROSTALL_DEBUG=1`` shows it).
+
+The CLI only reads: it starts no writer and imports no torch. It uses the read side of the
+library (manifest parsing, storage, :func:`~zerostall.restore.verify_checkpoint`) rather than
+``load_pytree``, because it must report on checkpoints it cannot or need not materialize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, step_name
+from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
+from zerostall.manifest import MANIFEST_NAME, Manifest
+from zerostall.restore import read_manifest, verify_checkpoint
+from zerostall.storage import open_storage, split_url
+
+__all__ = ["main"]
+
+
+class _Failed(Exception):
+    """A command found problems: exit 1 after printing them."""
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
+    url = _url(args.dir)
+    if "://" not in url or url.startswith("file://"):
+        # Storage lists a missing prefix as empty (as object stores do); a local path that does
+        # not exist is a typo worth an error.
+        local = url.removeprefix("file://")
+        if not os.path.isdir(local):
+            what = "not a directory" if os.path.exists(local) else "no such directory"
+            raise StorageError(what, errno=20 if os.path.exists(local) else 2, path=args.dir)
+    storage = open_storage(url)
+    names = storage.list("")
+    steps = set(committed_steps(storage))
+    rows = []
+    unfinished = []
+    for n in names:
+        if TMP_MARK in n or DEL_MARK in n:
+            unfinished.append(n)
+            continue
+        if not storage.exists(f"{n}/{MANIFEST_NAME}"):
+            continue
+        step = parse_step(n)
+        row: dict[str, Any] = {"name": n, "step": step if step in steps else None}
+        try:
+            m = read_manifest(storage, n, path=f"{storage.url}/{n}")
+            row.update(nbytes=sum(f.size for f in m.files), leaves=len(m.leaves),
+                       created=_iso(m.created_unix), ok=True)
+        except ZerostallError as exc:
+            row.update(ok=False, error=str(exc))
+        rows.append(row)
+    return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
+            "unfinished": unfinished}
+
+
+def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """Given a Checkpointer's directory instead of one step, say which steps it holds."""
+    try:
+        steps = committed_steps(open_storage(url))
+    except Exception:
+        return exc
+    if not steps:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; this is a directory of {len(steps)} committed step(s): pass one, e.g. "
+        f"{url.rstrip('/')}/{step_name(steps[-1])} (zerostall list shows them all)", path=exc.path)
+
+
+def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
+    root, name = split_url(_url(args.path))
+    storage = open_storage(root)
+    path = f"{root.rstrip('/')}/{name}"
+    try:
+        m = read_manifest(storage, name, path=path)
+    except CheckpointNotFoundError as exc:
+        raise _hint_run_directory(_url(args.path), exc) from exc
+    leaves = [{"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "nbytes": lf.nbytes,
+               "file": m.files[lf.file].path, "offset": lf.offset, "crc32c": lf.crc32c} for lf in m.leaves]
+    by_dtype: Counter[str] = Counter()
+    for lf in m.leaves:
+        by_dtype[lf.dtype] += lf.nbytes
+    return {
+        "path": path,
+        "format_version": m.format_version,
+        "library_version": m.library_version,
+        "created": _iso(m.created_unix),
+        "metadata": m.metadata,
+        "items": {k: _summarize(v) for k, v in m.items.items()},
+        "files": [{"path": f.path, "size": f.size} for f in m.files],
+        "leaves": leaves,
+        "totals": {"leaves": len(m.leaves), "nbytes": sum(lf.nbytes for lf in m.leaves),
+                   "file_bytes": sum(f.size for f in m.files), "by_dtype": dict(sorted(by_dtype.items()))},
+    }
+
+
+def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        report = verify_checkpoint(_url(args.path))
+    except CheckpointNotFoundError as exc:
+        raise _hint_run_directory(_url(args.path), exc) from exc
+    return {
+        "path": report.path,
+        "ok": report.ok,
+        "leaves": report.leaves,
+        "nbytes_checked": report.nbytes,
+        "bad_keys": report.bad_keys,
+        "problems": [{"kind": p.kind, "key": p.key, "file": p.file, "message": p.message} for p in report.problems],
+    }
+
+
+# -- text output -----------------------------------------------------------------------------
+
+
+def _print_list(r: dict[str, Any]) -> None:
+    if not r["checkpoints"]:
+        _out(f"no committed checkpoints in {r['dir']}")
+    for row in r["checkpoints"]:
+        if row["ok"]:
+            _out(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
+        else:
+            _out(f"{row['name']:<24} UNREADABLE: {row['error']}")
+    if r["unfinished"]:
+        _out(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
+              f"{', '.join(r['unfinished'])})")
+
+
+def _print_inspect(r: dict[str, Any]) -> None:
+    t = r["totals"]
+    _out(f"checkpoint     {r['path']}")
+    _out(f"format         zerostall v{r['format_version']} (written by zerostall {r['library_version'] or '?'})")
+    _out(f"created        {r['created'] or '?'}")
+    _out(f"size           {_size(t['file_bytes'])} in {len(r['files'])} file(s); "
+          f"{t['leaves']} leaves, {_size(t['nbytes'])} of array data")
+    _out("by dtype       " + ", ".join(f"{d} {_size(n)}" for d, n in t["by_dtype"].items()))
+    if r["metadata"]:
+        _out(f"metadata       {json.dumps(r['metadata'])[:200]}")
+    for name, summary in r["items"].items():
+        _out(f"item {name!r}: {summary}")
+    if r["leaves"]:
+        width = min(60, max(len(lf["key"]) for lf in r["leaves"]))
+        _out(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}")
+        for lf in r["leaves"]:
+            shape = "x".join(map(str, lf["shape"])) or "()"
+            _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}")
+
+
+def _print_verify(r: dict[str, Any]) -> None:
+    if r["ok"]:
+        _out(f"OK {r['path']}: {r['leaves']} leaves, {_size(r['nbytes_checked'])} checked")
+        return
+    for p in r["problems"]:
+        where = p["key"] or p["file"] or ""
+        _out(f"BAD {where}: {p['message']}")
+    _out(f"FAILED {r['path']}: {len(r['problems'])} problem(s), {len(r['bad_keys'])} bad key(s)"
+          + (f": {', '.join(r['bad_keys'])}" if r["bad_keys"] else ""))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _out(line: str, file: Any = None) -> None:
+    """Print one line of text output with control characters escaped: keys, names and messages
+    come from the checkpoint, and a hostile one could otherwise drive the terminal (ANSI escapes)."""
+    print(_printable(line), file=file)
+
+
+def _printable(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+
+def _url(p: str) -> str:
+    return p if "://" in p else os.path.abspath(p)
+
+
+def _iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    try:
+        return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _size(n: int) -> str:
+    f = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if f < 1024 or unit == "TiB":
+            return f"{int(f)} {unit}" if unit == "B" else f"{f:.1f} {unit}"
+        f /= 1024
+    return str(n)  # pragma: no cover
+
+
+def _summarize(node: dict[str, Any]) -> str:
+    """A one-line description of an item's tree (containers and scalar counts)."""
+    counts: Counter[str] = Counter()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        t = n.get("type")
+        counts[str(t)] += 1
+        if t in ("dict", "list", "tuple", "namedtuple"):
+            stack.extend(v for v in n.get("values", []) if isinstance(v, dict))
+    top = node.get("type")
+    parts = [f"{c} {t}" for t, c in sorted(counts.items())]
+    return f"{top}; nodes: {', '.join(parts)}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerostall", description="List, inspect and verify zerostall checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, helptext, arg in (
+        ("list", "list the committed checkpoints in a directory", "dir"),
+        ("inspect", "summarize a checkpoint's manifest", "path"),
+        ("verify", "read every leaf and check every checksum", "path"),
+    ):
+        sp = sub.add_parser(name, help=helptext)
+        sp.add_argument(arg)
+        sp.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+_COMMANDS = {"list": (cmd_list, _print_list), "inspect": (cmd_inspect, _print_inspect),
+             "verify": (cmd_verify, _print_verify)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run, show = _COMMANDS[args.command]
+    try:
+        result = run(args)
+    except Exception as exc:  # every failure is one line (or one JSON document), never a traceback
+        if os.environ.get("ZEROSTALL_DEBUG"):
+            raise
+        if args.json:
+            print(json.dumps({"ok": False, "error": _error_doc(exc)}))
+        else:
+            _out(f"zerostall {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    try:
+        if args.json:
+            print(json.dumps(result, indent=1, default=str))
+        else:
+            show(result)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `zerostall inspect ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0 if result.get("ok", True) else 1
+
+
+def _error_doc(exc: BaseException) -> dict[str, Any]:
+    doc: dict[str, Any] = {"class": type(exc).__name__, "message": _one_line(exc)}
+    if isinstance(exc, ZerostallError):
+        doc.update(path=exc.path, key=exc.key)
+        if isinstance(exc, StorageError):
+            doc["errno"] = exc.errno
+    return doc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:1000]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

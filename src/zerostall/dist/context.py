@@ -1,0 +1,100 @@
+"""The training-thread side of collective saves: who we are, the run id, the save counter.
+
+Runs on the training thread. The only collective here is one ``all_gather_object`` at an
+engine's first collective save (the run id from rank 0, and a check that every rank saves the
+same path); every later save derives its attempt's names locally from ``(run id, counter)``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import uuid
+from typing import Any, Callable
+
+from zerostall.dist.protocol import abort_doc, attempt_names, decide, error_of, wait_for_outcome
+from zerostall.errors import WriterError
+from zerostall.options import DistributedOptions
+from zerostall.storage import open_storage
+
+__all__ = ["DistContext", "active", "group_rank_world"]
+
+
+def active(opts: DistributedOptions | None) -> bool:
+    """Whether saves and loads with ``opts`` act collectively right now."""
+    if opts is not None and not opts.enabled:
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def group_rank_world(opts: DistributedOptions | None) -> tuple[Any, int, int]:
+    import torch.distributed as dist
+
+    group = opts.process_group if opts is not None else None
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+class DistContext:
+    """Per-engine state of collective saves."""
+
+    def __init__(self, opts: DistributedOptions | None) -> None:
+        self.opts = opts or DistributedOptions()
+        self.group, self.rank, self.world = group_rank_world(self.opts)
+        self.run: str | None = None
+        self.counter = 0
+
+    def begin_save(self, root_url: str, name: str) -> dict[str, Any]:
+        """Number this save; at the first one, agree on the run id (the only collective)."""
+        if self.run is None:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, (uuid.uuid4().hex[:12], f"{root_url.rstrip('/')}/{name}"),
+                                   group=self.group)
+            paths = {g[1] for g in gathered}
+            if len(paths) != 1:
+                raise ValueError(f"a collective save needs the same path on every rank, got {sorted(paths)}")
+            self.run = str(gathered[0][0])
+        self.counter += 1
+        return {"rank": self.rank, "world": self.world, "run": self.run, "counter": self.counter,
+                "timeout_s": self.opts.timeout_s, "poll_s": self.opts.poll_s}
+
+    def abort(self, root_url: str, name: str, info: dict[str, Any], path: str, exc: BaseException) -> None:
+        """Decide "abort" for a save that failed on this rank's training thread."""
+        try:
+            storage = open_storage(root_url)
+            decide(storage, attempt_names(storage, name, info["run"], info["counter"]), abort_doc(exc, self.rank, path))
+        except Exception:
+            pass  # the other ranks time out instead
+
+    def on_done(self, root_url: str, name: str, info: dict[str, Any], path: str,
+                finish: Callable[[dict[str, Any] | None, BaseException | None], None],
+                ) -> Callable[[dict[str, Any] | None, BaseException | None], None]:
+        """Wrap a response's ``finish``: on any local failure (the writer died, say) follow the
+        attempt's decision, deciding "abort" first if no rank has, so every rank ends the same."""
+
+        def done(stats: dict[str, Any] | None, err: BaseException | None) -> None:
+            if err is None:
+                finish(stats, None)
+                return
+            threading.Thread(target=resolve, args=(err,), name="zerostall-dist-resolve", daemon=True).start()
+
+        def resolve(err: BaseException) -> None:
+            try:
+                storage = open_storage(root_url)
+                names = attempt_names(storage, name, info["run"], info["counter"])
+                dec = decide(storage, names, abort_doc(err, self.rank, path))
+                if dec.get("decision") == "abort":
+                    finish(None, error_of(dec))
+                    return
+                wait_for_outcome(storage, names, timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s,
+                                 rank=self.rank, path=path)
+                finish({"nbytes": 0, "write_s": None, "persist_s": None, "commit_s": None}, None)
+            except BaseException as exc:  # every path ends the response
+                finish(None, exc if isinstance(exc, Exception) else WriterError(str(exc)))
+
+        return done

@@ -1,0 +1,168 @@
+"""Collective load: every rank restores its own tree; replicated leaves are read once.
+
+Runs on the training thread of every rank (a load is collective: every rank calls it with the
+same checkpoint). Rank ``r`` restores the tree rank ``r`` saved (ranks beyond the saving world
+take rank 0's). Leaves that every saving rank referenced (DDP state) are, with
+``replicated=BROADCAST``, read by one rank each (spread by bytes) and broadcast; everything
+else each rank reads itself. Two ``all_gather_object`` calls (after planning, after reading)
+make every rank raise the same error instead of leaving others blocked in a broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerostall.dist.context import group_rank_world
+from zerostall.errors import MissingKeyError, from_wire, to_wire
+from zerostall.manifest import Manifest
+from zerostall.options import DistributedOptions, LoadOptions, Replicated
+
+__all__ = ["load_collective", "replicated_leaves", "agree_step"]
+
+_BATCH = 256 << 20
+
+
+def replicated_leaves(m: Manifest) -> set[int]:
+    """Leaves referenced (outside sharded nodes) by every saving rank's tree."""
+    trees = m.ranks or (m.items,)
+    common: set[int] | None = None
+    for items in trees:
+        refs: set[int] = set()
+
+        def walk(node: Any) -> None:
+            if not isinstance(node, dict) or node.get("type") == "sharded":
+                return
+            if "leaf" in node:
+                refs.add(node["leaf"])
+            for v in node.get("values", ()):
+                walk(v)
+        for node in items.values():
+            walk(node)
+        common = refs if common is None else common & refs
+    return common or set()
+
+
+def _raise_first(statuses: list[Any], rank: int, mine: BaseException | None) -> None:
+    for r, st in enumerate(statuses):
+        if st is not None:
+            if r == rank and mine is not None:
+                raise mine
+            raise from_wire(st)
+
+
+def _wire(exc: BaseException | None, rank: int, path: str) -> dict[str, Any] | None:
+    if exc is None:
+        return None
+    w = to_wire(exc, path=path)
+    if w.get("rank") is None:
+        w["rank"] = rank
+    return w
+
+
+def _owners(union: list[int], sizes: dict[int, int], world: int) -> dict[int, int]:
+    load = [0] * world
+    out: dict[int, int] = {}
+    for li in sorted(union, key=lambda i: (-sizes[i], i)):
+        o = min(range(world), key=lambda r: (load[r], r))
+        out[li] = o
+        load[o] += sizes[li]
+    return out
+
+
+def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts: LoadOptions,
+                    path: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from zerostall.restore.reader import _execute, _Files, _Planner, _Read, assemble, read_manifest
+    from zerostall.storage import open_storage
+
+    group, rank, world = group_rank_world(opts.distributed or DistributedOptions())
+    storage = open_storage(root_url)
+    err: BaseException | None = None
+    thunks: dict[str, Any] = {}
+    want: list[int] = []
+    planner: Any = None
+    m: Any = None
+    own: list[Any] = []
+    by_leaf: dict[int, list[Any]] = {}
+    try:
+        m = read_manifest(storage, name, path=path)
+        trees = m.ranks or (m.items,)
+        tree = trees[rank] if rank < len(trees) else trees[0]
+        planner = _Planner(m, path, _Files(storage, name, m, path))
+        wanted = {k: None for k in tree} if items is None else items
+        for item, tmpl in wanted.items():
+            if item not in tree:
+                raise MissingKeyError(f"the checkpoint has no item {item!r} (it has {sorted(tree)})",
+                                      path=path, key=item)
+            thunks[item] = planner.build(tree[item], tmpl, item)
+        reps = replicated_leaves(m) if opts.replicated is Replicated.BROADCAST and world > 1 else set()
+        index = {(lf.file, lf.offset, lf.nbytes): i for i, lf in enumerate(m.leaves)}
+        for r in planner.reads:
+            li = index.get((r.leaf.file, r.leaf.offset, r.leaf.nbytes))
+            if li is not None and li in reps and r.verify:
+                by_leaf.setdefault(li, []).append(r)
+            else:
+                own.append(r)
+        want = sorted(by_leaf)
+    except BaseException as exc:
+        err = exc
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (want, _wire(err, rank, path)), group=group)
+    _raise_first([g[1] for g in gathered], rank, err)
+
+    # Replicated leaves: one reader each, spread by bytes, grouped into batches per owner.
+    union = sorted(set().union(*[set(g[0]) for g in gathered]))
+    sizes = {li: m.leaves[li].nbytes for li in union}
+    owner = _owners(union, sizes, world)
+    batches: list[tuple[int, list[tuple[int, int]], int]] = []  # (owner, [(leaf, offset in batch)], size)
+    for o in range(world):
+        cur: list[tuple[int, int]] = []
+        size = 0
+        for li in (li for li in union if owner[li] == o):
+            if cur and size + sizes[li] > _BATCH:
+                batches.append((o, cur, size))
+                cur, size = [], 0
+            cur.append((li, size))
+            size += sizes[li]
+        if cur:
+            batches.append((o, cur, size))
+    buffers: list[Any] = []
+    reads = list(own)
+    for o, members, size in batches:
+        buf = torch.empty(size, dtype=torch.uint8)
+        buffers.append(buf)
+        if o == rank:
+            arr: Any = buf.numpy()
+            mv = memoryview(arr).cast("B")
+            reads.extend(_Read(m.leaves[li], mv[off:off + sizes[li]]) for li, off in members)
+    err = None
+    try:
+        _execute(storage, name, m, reads, opts, path)
+    except BaseException as exc:
+        err = exc
+    statuses: list[Any] = [None] * world
+    dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
+    _raise_first(statuses, rank, err)
+
+    on_cuda = dist.get_backend(group) == "nccl"
+    for (o, members, size), buf in zip(batches, buffers):
+        wire = buf.cuda() if on_cuda else buf
+        dist.broadcast(wire, src=dist.get_global_rank(group, o) if group is not None else o, group=group)
+        if on_cuda:
+            buf.copy_(wire.cpu())
+        for li, off in members:
+            for r in by_leaf.get(li, ()):
+                torch.frombuffer(r.dest, dtype=torch.uint8).copy_(buf[off:off + sizes[li]])
+    return assemble(thunks, path)
+
+
+def agree_step(local_latest: Any, opts: DistributedOptions | None) -> Any:
+    """Rank 0's answer to "which step is the latest", on every rank (one broadcast)."""
+    import torch.distributed as dist
+
+    group, _, _ = group_rank_world(opts)
+    box = [local_latest]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
