@@ -135,14 +135,21 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
     def counting_seq(self, key, offset, buf, **kw):  # type: ignore[no-untyped-def]
         sizes.append(len(buf))
         return orig_seq(self, key, offset, buf, **kw)
+    orig_vec = LocalStorage.read_vectored
+
+    def counting_vec(self, key, offset, bufs):  # type: ignore[no-untyped-def]
+        sizes.append(sum(len(b) for b in bufs))
+        return orig_vec(self, key, offset, bufs)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
+    LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]
     try:
         t3 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])}
         zerostall.load_pytree(src, t3)
     finally:
         LocalStorage.read_into = orig  # type: ignore[method-assign]
         LocalStorage.read_sequential = orig_seq  # type: ignore[method-assign]
+        LocalStorage.read_vectored = orig_vec  # type: ignore[method-assign]
     assert torch.equal(t3["rows"].full_tensor(), full["rows"])
     return {"bytes_read": sum(sizes)}
 

@@ -258,8 +258,12 @@ def test_restore_read_error_keeps_errno(run_dir: Path, monkeypatch: pytest.Monke
     def failing_sequential(self: Any, key: str, offset: int, buf: memoryview, **kw: Any) -> None:
         raise OSError(errno.EIO, "injected read error")
 
+    def failing_vectored(self: Any, key: str, offset: int, bufs: Any) -> None:
+        raise OSError(errno.EIO, "injected read error")
+
     monkeypatch.setattr(LocalStorage, "read_into", failing_read)
     monkeypatch.setattr(LocalStorage, "read_sequential", failing_sequential)
+    monkeypatch.setattr(LocalStorage, "read_vectored", failing_vectored)
     with pytest.raises(StorageError) as info:
         zerostall.load_pytree(run_dir / step_name(2))
     assert info.value.errno == errno.EIO

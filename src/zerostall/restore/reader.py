@@ -358,8 +358,30 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
     # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
     # is still in cache: one pass over memory instead of two.
     chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
-    # Largest first, so one big leaf does not finish last on its own.
-    order = sorted(reads, key=lambda r: -r.leaf.nbytes)
+    vectored = getattr(storage, "read_vectored", None)
+    tasks = _group(reads, chunk) if vectored is not None else [[r] for r in reads]
+    # Largest first, so one big read does not finish last on its own.
+    tasks.sort(key=lambda g: -sum(r.leaf.nbytes for r in g))
+
+    def fail(exc: BaseException, leaf: LeafEntry) -> BaseException:
+        if isinstance(exc, EOFError):
+            return CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key)
+        if isinstance(exc, FileNotFoundError):
+            return _missing(storage, name, m.files[leaf.file].path, path, leaf.key)
+        assert isinstance(exc, OSError)
+        return StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key)
+
+    def check(r: _Read, got: int) -> None:
+        leaf = r.leaf
+        if not (opts.verify and r.verify):
+            return
+        if leaf.crc32c is None:
+            raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
+                                         path=path, key=leaf.key)
+        if got != leaf.crc32c:
+            raise ChecksumMismatchError(
+                f"checksum mismatch: crc32c {got:#010x}, manifest says {leaf.crc32c:#010x}; the data file "
+                f"{m.files[leaf.file].path} is corrupt", path=path, key=leaf.key)
 
     def read_one(r: _Read) -> None:
         leaf = r.leaf
@@ -370,41 +392,76 @@ def _execute(storage: Storage, name: str, m: Manifest, reads: list[_Read], opts:
             nonlocal got
             got = checksum(piece, got)
 
+        want = opts.verify and r.verify
         try:
             sequential = getattr(storage, "read_sequential", None)
             if sequential is not None:  # one open file per leaf: readahead spans the leaf
-                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if opts.verify else None)
+                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None)
             else:
                 for off in range(0, leaf.nbytes, chunk):
                     piece = r.dest[off:off + chunk]
                     storage.read_into(fkey, leaf.offset + off, piece)
-                    if opts.verify:
+                    if want:
                         add(piece)
-        except EOFError as exc:
-            raise CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key) from exc
-        except FileNotFoundError as exc:
-            raise _missing(storage, name, m.files[leaf.file].path, path, leaf.key) from exc
-        except OSError as exc:
-            raise StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key) from exc
-        if opts.verify and r.verify:
-            if leaf.crc32c is None:
-                raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
-                                             path=path, key=leaf.key)
-            if got != leaf.crc32c:
-                raise ChecksumMismatchError(
-                    f"checksum mismatch: crc32c {got:#010x}, manifest says {leaf.crc32c:#010x}; the data file "
-                    f"{m.files[leaf.file].path} is corrupt", path=path, key=leaf.key)
+        except (EOFError, OSError) as exc:
+            raise fail(exc, leaf) from exc
+        check(r, got)
 
-    if opts.io_threads == 1 or len(order) == 1:
-        for r in order:
-            read_one(r)
+    def read_group(group: list[_Read]) -> None:
+        if len(group) == 1:
+            read_one(group[0])
+            return
+        first = group[0].leaf
+        bufs: list[memoryview] = []
+        pos = first.offset
+        for r in group:  # alignment gaps between leaves land in a scratch buffer
+            if r.leaf.offset > pos:
+                bufs.append(memoryview(bytearray(r.leaf.offset - pos)))
+            bufs.append(r.dest)
+            pos = r.leaf.offset + r.leaf.nbytes
+        try:
+            assert vectored is not None
+            vectored(f"{name}/{m.files[first.file].path}", first.offset, bufs)
+        except (EOFError, OSError) as exc:
+            raise fail(exc, first) from exc
+        for r in group:
+            check(r, checksum(r.dest) if opts.verify and r.verify else 0)
+
+    if opts.io_threads == 1 or len(tasks) == 1:
+        for g in tasks:
+            read_group(g)
         return
     with ThreadPoolExecutor(max_workers=opts.io_threads, thread_name_prefix="zerostall-read") as pool:
-        futures = [pool.submit(read_one, r) for r in order]
+        futures = [pool.submit(read_group, g) for g in tasks]
         errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
+    first_error = next((e for e in errors if e is not None), None)
+    if first_error is not None:
+        raise first_error
+
+
+def _group(reads: list[_Read], limit: int) -> list[list[_Read]]:
+    """Runs of neighbouring leaves (same file, in file order, gaps under a page, up to ``limit``
+    bytes together) to read with one vectored call; a leaf of ``limit`` bytes or more goes alone."""
+    groups: list[list[_Read]] = []
+    cur: list[_Read] = []
+    cur_bytes = 0
+    for r in sorted(reads, key=lambda r: (r.leaf.file, r.leaf.offset)):
+        leaf = r.leaf
+        if leaf.nbytes >= limit:
+            groups.append([r])
+            continue
+        if cur:
+            last = cur[-1].leaf
+            gap = leaf.offset - (last.offset + last.nbytes)
+            if (leaf.file != last.file or not 0 <= gap < 4096 or cur_bytes + leaf.nbytes > limit
+                    or len(cur) >= 256):
+                groups.append(cur)
+                cur, cur_bytes = [], 0
+        cur.append(r)
+        cur_bytes += leaf.nbytes
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None = None,

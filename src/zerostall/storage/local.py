@@ -11,6 +11,7 @@ from typing import Callable
 __all__ = ["LocalStorage"]
 
 _ALIGN = 4096
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv
 
 
 class LocalStorage:
@@ -112,6 +113,35 @@ class LocalStorage:
                 _pread_full(fd, piece, offset + off, key)
                 if on_piece is not None:
                     on_piece(piece)
+        finally:
+            os.close(fd)
+
+    def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs`` one after the other from the contiguous range of ``key`` at ``offset``.
+
+        One ``preadv`` scatters a run of neighbouring leaves straight into their destinations:
+        one system call and one readahead stream instead of one per leaf.
+        """
+        total = sum(len(b) for b in bufs)
+        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if hasattr(os, "posix_fadvise") and total:
+                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_WILLNEED)
+            done, idx, skip = 0, 0, 0
+            while done < total:
+                iov = [bufs[idx][skip:], *bufs[idx + 1:idx + _IOV_MAX]]
+                got = os.preadv(fd, iov, offset + done)
+                if got == 0:
+                    raise EOFError(f"{key}: object ends before byte {offset + total}")
+                done += got
+                while got:  # advance past what this call filled
+                    left = len(bufs[idx]) - skip
+                    if got >= left:
+                        got -= left
+                        idx, skip = idx + 1, 0
+                    else:
+                        skip += got
+                        got = 0
         finally:
             os.close(fd)
 
