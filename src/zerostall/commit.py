@@ -16,7 +16,6 @@ Runs in the writer, never on the training thread.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import socket
@@ -258,7 +257,3 @@ def steps_to_delete(steps: list[int], *, newest: int, keep_last: int | None,
 
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
-
-
-def errno_of(exc: BaseException) -> int:
-    return getattr(exc, "errno", None) or errno.EIO

@@ -17,7 +17,7 @@ from zerostall.errors import (
     CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, MismatchError, MissingKeyError,
     StorageError, UnsupportedFormatError, ZerostallError,
 )
-from zerostall.manifest import MANIFEST_NAME, LeafEntry, Manifest, parse_manifest
+from zerostall.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafEntry, Manifest, parse_manifest
 from zerostall.options import LoadOptions
 from zerostall.persist.job import checksum
 from zerostall.storage import Storage, open_storage
@@ -65,16 +65,9 @@ def read_manifest(storage: Storage, name: str, *, path: str) -> Manifest:
     check_local_file(storage, name, MANIFEST_NAME, path=path, what="the manifest")
     try:
         size = storage.size(key)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError("no committed checkpoint here (no manifest)", path=path) from None
-    except OSError as exc:
-        raise StorageError(f"cannot read the manifest: {exc}", errno=exc.errno, path=path) from exc
-    from zerostall.manifest import MAX_MANIFEST_BYTES
-
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed",
-                                     path=path)
-    try:
+        if size > MAX_MANIFEST_BYTES:  # checked before reading: the file's own size is trusted, not its claims
+            raise CorruptCheckpointError(f"manifest is {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed",
+                                         path=path)
         data = storage.get(key)
     except FileNotFoundError:
         raise CheckpointNotFoundError("no committed checkpoint here (no manifest)", path=path) from None

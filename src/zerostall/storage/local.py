@@ -145,13 +145,6 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def open_fd(self, key: str) -> int:
-        """An open read-only descriptor (restore reads many ranges of one file through it)."""
-        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return fd
-
     def size(self, key: str) -> int:
         return os.stat(self._p(key)).st_size
 
