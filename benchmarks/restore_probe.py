@@ -67,6 +67,7 @@ def main() -> None:
             rc = raw()
             drop()
             zc = zs()
+            raw()  # warm: the cold zerostall load read with O_DIRECT and cached nothing
             rw = raw()
             zw = zs()
             zn = zs(False)

@@ -1,0 +1,109 @@
+"""LocalStorage's read paths: cold ranges through O_DIRECT, cached ranges through the page cache.
+
+These need a filesystem with a page cache and O_DIRECT (the test's tmp_path on a disk, as in CI);
+the premise is asserted, not assumed, so a tmpfs tmp_path fails loudly instead of passing vacuously.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import ChecksumMismatchError
+from zerostall.storage.local import LocalStorage
+
+MiB = 1 << 20
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _resident(path: str) -> int:
+    """Bytes of the file in the page cache, by util-linux's fincore (mincore; reads nothing)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", path],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
+def _read(st: LocalStorage, key: str, offset: int, n: int) -> tuple[bytes, list[bytes]]:
+    dest = np.zeros(n, dtype=np.uint8)
+    pieces: list[bytes] = []
+    st.read_sequential(key, offset, memoryview(dest), chunk=4 * MiB, on_piece=lambda p: pieces.append(bytes(p)))
+    return dest.tobytes(), pieces
+
+
+@pytest.fixture(scope="module")
+def blob() -> bytes:
+    return np.random.default_rng(7).integers(0, 256, size=40 * MiB + 1234, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("offset,n", [(0, 8 * MiB), (4097, 8 * MiB + 1), (123, 17 * MiB + 4095),
+                                      (40 * MiB + 1234 - 9 * MiB - 7, 9 * MiB + 7)])
+def test_cold_range_is_read_direct_and_left_uncached(tmp_path, blob: bytes, offset: int, n: int) -> None:
+    _write(str(tmp_path / "f"), blob)
+    _evict(str(tmp_path / "f"))
+    assert _resident(str(tmp_path / "f")) == 0, "premise: DONTNEED evicts on this filesystem"
+    got, pieces = _read(LocalStorage(str(tmp_path)), "f", offset, n)
+    assert got == blob[offset:offset + n]
+    assert b"".join(pieces) == got  # every byte handed to on_piece once, in order
+    # O_DIRECT went around the page cache: reading did not pull the range into memory.
+    assert _resident(str(tmp_path / "f")) < MiB
+
+
+def test_cached_range_is_read_through_the_page_cache(tmp_path, blob: bytes) -> None:
+    _write(str(tmp_path / "f"), blob)  # a buffered write leaves the pages cached
+    assert _resident(str(tmp_path / "f")) == len(blob) // 4096 * 4096 + 4096
+    got, pieces = _read(LocalStorage(str(tmp_path)), "f", 5, 30 * MiB)
+    assert got == blob[5:5 + 30 * MiB] and b"".join(pieces) == got
+    assert all(len(p) == 4 * MiB for p in pieces[:-1])  # the buffered path's pieces are `chunk` long
+
+
+def test_cold_range_past_the_end_raises_eof(tmp_path, blob: bytes) -> None:
+    _write(str(tmp_path / "f"), blob[:12 * MiB])
+    _evict(str(tmp_path / "f"))
+    with pytest.raises(EOFError, match="ends before byte"):
+        _read(LocalStorage(str(tmp_path)), "f", 1000, 12 * MiB)
+
+
+def test_load_of_a_large_leaf_is_verified_on_the_direct_path(tmp_path) -> None:
+    state = {"big": torch.arange(6 * MiB, dtype=torch.float32), "small": torch.ones(3)}
+    path = str(tmp_path / "ck")
+    zerostall.save_pytree(path, state)
+    data = next((tmp_path / "ck" / "data").iterdir())
+    assert _resident(str(data)) < MiB, "premise: the O_DIRECT save left nothing cached"
+    tmpl = {k: torch.zeros_like(v) for k, v in state.items()}
+    zerostall.load_pytree(path, tmpl)
+    assert torch.equal(tmpl["big"], state["big"]) and torch.equal(tmpl["small"], state["small"])
+    _evict(str(data))
+    part = {"big": torch.zeros_like(state["big"])}
+    zerostall.load_pytree(path, part)  # the large leaf alone: read around the page cache
+    assert torch.equal(part["big"], state["big"]) and _resident(str(data)) < MiB
+
+    # One flipped byte deep inside the large leaf, evicted again so the direct path reads it.
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 5 * MiB)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    _evict(str(data))
+    with pytest.raises(ChecksumMismatchError) as ei:
+        zerostall.load_pytree(path, {k: torch.zeros_like(v) for k, v in state.items()})
+    assert ei.value.key == "pytree/big" and path in str(ei.value)
