@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import zerostall  # noqa: E402
 from benchmarks.state import build_state, parse_size  # noqa: E402
+from benchmarks.zs import _tensors as _leaves  # noqa: E402
 
 
 def main() -> None:
@@ -65,17 +66,6 @@ def main() -> None:
                   f"{first / later:.2f}x | " + " ".join(f"{s:.3f}/{m:.3f}" for s, m in stalls))
         finally:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _leaves(tree: object):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
 
 
 if __name__ == "__main__":
