@@ -66,6 +66,29 @@ def warm_cache(path: str | os.PathLike[str]) -> None:
                 pass
 
 
+def raw_read(path: str | os.PathLike[str], buf: memoryview) -> float:
+    """Seconds to read every file under ``path`` sequentially into ``buf`` (reused), 64 MiB a call.
+
+    The paired cold-read floor: the same bytes, in the same files, as the restore beside it, so
+    that where the files came from (buffered or direct writes, one file or many) cancels out.
+    """
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    t0 = now()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            off = 0
+            while True:
+                n = os.preadv(fd, [buf], off)
+                if n == 0:
+                    break
+                off += n
+        finally:
+            os.close(fd)
+    return now() - t0
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that new entries in it are durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -327,7 +350,8 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
     Every save goes to a new path (checkpointers refuse to overwrite); each checkpoint is deleted
     as soon as it is no longer needed so that 4 GiB runs do not fill the disk. The last one is
     kept for the restores: warm (``warm_cache`` reads its files right before), then cold
-    (``drop_cache`` before every read).
+    (``drop_cache`` before every read), each cold restore followed by a raw sequential read of the
+    same files, also cold: the paired cold-read floor.
     """
     from benchmarks.floors import _flat_views
     from benchmarks.state import nbytes, template_like, trees_equal
@@ -378,7 +402,8 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         out["restore_first_s"] = now() - t0
         out["restore_correct"] = trees_equal(state, restored)  # untimed: a fast wrong restore is no result
         del restored
-        warm, cold = [], []
+        warm, cold, raw_cold = [], [], []
+        read_buf = memoryview(bytearray(64 << 20))
         for r in range(repeats):
             warm_cache(path)
             wait_for_quiet(max_wait_s=QUIET_WAIT_S)
@@ -392,9 +417,13 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
             restored = system.restore(path, template)
             cold.append(now() - t0)
             del restored
+            drop_cache(path)
+            wait_for_quiet(max_wait_s=QUIET_WAIT_S)
+            raw_cold.append(raw_read(path, read_buf))
             log(f"{system.name} restore {r}: warm {warm[-1]:.3f}s cold {cold[-1]:.3f}s")
         out["restore_warm_s"] = warm
         out["restore_cold_s"] = cold
+        out["read_cold_paired_s"] = raw_cold
         for vname, fn in system.restore_variants().items():
             vw, vc = [], []
             for r in range(repeats):

@@ -110,6 +110,9 @@ def summarize_system(r: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
     s["restore_cold_s"] = median(r.get("restore_cold_s", []))
     s["restore_warm_x_read"] = _div(floors.get("read_warm_s"), s["restore_warm_s"])
     s["restore_cold_x_read"] = _div(floors.get("read_cold_s"), s["restore_cold_s"])
+    s["read_cold_paired_s"] = median(r.get("read_cold_paired_s", []))
+    s["restore_cold_x_paired_read"] = median(
+        p / c for p, c in zip(r.get("read_cold_paired_s", []), r.get("restore_cold_s", [])))
     s["restore_correct"] = r.get("restore_correct")
     s["restore_first_s"] = r.get("restore_first_s")
     extras = [x.get("extra") for x in saves if x.get("extra")]
@@ -217,9 +220,14 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         v = zs["restore_warm_x_read"]
         add("warm restore >= 0.8x warm read", size, v, ">= 0.8", None if v is None else v >= RESTORE_MIN_X_READ,
             f"restore {zs['restore_warm_s']:.3f}s vs read {fl.get('read_warm_s', float('nan')):.3f}s")
-        v = zs["restore_cold_x_read"]
+        # Judged against a raw read of the same files right after each cold restore (paired, as
+        # the stall is): the floors child's file was written buffered, zerostall's with O_DIRECT,
+        # and on this VM the host below the virtio disk serves those two differently.
+        v = zs.get("restore_cold_x_paired_read") or zs["restore_cold_x_read"]
         add("cold restore >= 0.8x cold read", size, v, ">= 0.8", None if v is None else v >= RESTORE_MIN_X_READ,
-            f"restore {zs['restore_cold_s']:.3f}s vs read {fl.get('read_cold_s', float('nan')):.3f}s")
+            f"restore {zs['restore_cold_s']:.3f}s vs raw read of the same files {_f(zs.get('read_cold_paired_s'))}s "
+            f"(vs the floors child's read {fl.get('read_cold_s', float('nan')):.3f}s: "
+            f"{_f(zs['restore_cold_x_read'], '{:.2f}')}x)")
         for vname, rv in (zs.get("restore_variants") or {}).items():
             rows.append({"target": f"(info) restore {vname}", "size": size, "value": rv["warm_x_read"],
                          "limit": "-", "verdict": "info",
