@@ -87,7 +87,7 @@ class Checkpointer:
         if self._storage.atomic_rename:
             remove_stale_attempts(self._storage)  # partial saves of writers that died
         self._engine = Engine(save_options, prewarm=True)
-        self._stats: deque[SaveStats] = deque(maxlen=100)
+        self._committed: deque[Response] = deque(maxlen=100)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class Checkpointer:
             retention = {"step": step, "keep_last": self.keep_last, "keep_every_n_steps": self.keep_every_n_steps}
         meta = dict(metadata or {}, step=step)
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, retention=retention)
-        r._before_done.append(self._record)
+        r._add_before_done(self._record)
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -131,11 +131,12 @@ class Checkpointer:
 
     def _record(self, r: Response, exc: BaseException | None) -> None:
         if exc is None:
-            self._stats.append(r.stats)
+            self._committed.append(r)
 
     def stats(self) -> list[SaveStats]:
         """Statistics of the most recent committed saves (up to 100), oldest first."""
-        return list(self._stats)
+        # Read when asked, not when recorded: a save can commit before its stall is set.
+        return [r.stats for r in list(self._committed)]
 
     # -- loading -----------------------------------------------------------------------------
 

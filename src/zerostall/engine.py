@@ -157,7 +157,7 @@ class Engine:
             on_done = self._dist.on_done(root_url, name, dist_info, path, response._finish)
         with self._lock:
             self._inflight.add(response)
-        response._before_done.append(self._on_done)
+        response._add_before_done(self._on_done)
         try:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot),
                                on_done=on_done)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,6 +60,9 @@ class Response:
         self._writer: dict[str, Any] | None = None
         # run before result() can return, so that what they record is visible to its caller
         self._before_done: list[Callable[["Response", BaseException | None], None]] = []
+        self._hooks_lock = threading.Lock()
+        self._finished = False
+        self._error: BaseException | None = None
 
     @property
     def stats(self) -> SaveStats:
@@ -94,17 +98,39 @@ class Response:
     def add_done_callback(self, fn: Callable[["Response"], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
 
+    def _add_before_done(self, hook: Callable[["Response", BaseException | None], None]) -> None:
+        """Run ``hook(response, error)`` before ``result()`` returns; at once if already finished.
+
+        A small save can commit before ``save_*_async`` has returned to the code that adds the
+        hook (the writer's listener thread finishes it), so a late hook runs on the caller's
+        thread instead of being lost.
+        """
+        with self._hooks_lock:
+            if not self._finished:
+                self._before_done.append(hook)
+                return
+        _run_hook(hook, self, self._error)
+
     def _finish(self, writer_stats: dict[str, Any] | None, error: BaseException | None) -> None:
-        if self._future.done():
-            return
-        if error is None:
-            self._writer = writer_stats
-        for hook in self._before_done:
-            try:
-                hook(self, error)
-            except Exception:  # a bookkeeping hook must not lose the save's outcome
-                pass
+        with self._hooks_lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._error = error
+            if error is None:
+                self._writer = writer_stats
+            hooks = list(self._before_done)
+        for hook in hooks:
+            _run_hook(hook, self, error)
         if error is not None:
             self._future.set_exception(error)
         else:
             self._future.set_result(None)
+
+
+def _run_hook(hook: Callable[[Response, BaseException | None], None], r: Response,
+              error: BaseException | None) -> None:
+    try:
+        hook(r, error)
+    except Exception:  # a bookkeeping hook must not lose the save's outcome
+        pass

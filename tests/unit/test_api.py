@@ -379,3 +379,36 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     with pytest.raises(zerostall.ChecksumMismatchError) as ei:
         zerostall.load_pytree(ckdir / "c", {k: torch.zeros(37) for k in state})
     assert ei.value.key == "pytree/t41"
+
+
+class TestResponseHooks:
+    """Bookkeeping hooks (Checkpointer.stats, the engine's in-flight set) run exactly once, even
+    when the save finished before the hook was added (a small save can commit before
+    ``save_*_async`` has returned to the code that adds it)."""
+
+    STATS = {"nbytes": 8, "write_s": 0.1, "commit_s": 0.01, "persist_s": 0.2, "writer_peak_rss": 1}
+
+    def test_hook_added_before_finish_runs_once_before_result(self):
+        r = zerostall.Response("/p", 8, 1.0)
+        seen: list = []
+        r._add_before_done(lambda resp, exc: seen.append((resp.done(), exc)))
+        r._finish(self.STATS, None)
+        r._finish(self.STATS, None)  # a second finish (e.g. a dead writer's late report) is ignored
+        assert seen == [(False, None)]  # it ran before the future completed
+        assert r.result().persist_s == 0.2
+
+    def test_hook_added_after_finish_runs_at_once(self):
+        r = zerostall.Response("/p", 8, 1.0)
+        err = OSError(5, "boom")
+        r._finish(None, err)
+        seen: list = []
+        r._add_before_done(lambda resp, exc: seen.append(exc))
+        assert seen == [err]
+
+    def test_checkpointer_records_a_save_that_finished_first(self, ckdir):
+        with Checkpointer(ckdir) as ck:
+            ck.save_pytree_async(1, {"w": torch.ones(2)}).result()
+            r2 = zerostall.Response("/x", 8, 1.0)
+            r2._finish(self.STATS, None)
+            r2._add_before_done(ck._record)
+            assert len(ck.stats()) == 2 and ck.stats()[-1].persist_s == 0.2
