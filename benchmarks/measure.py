@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import psutil
 
@@ -339,6 +339,18 @@ class System:
         return {}
 
 
+def _timed_restore(restore: Callable[[Path, Any], Any], path: Path, template: Any,
+                   prepare_cache: Callable[[Path], None]) -> float:
+    """Seconds for one ``restore(path, template)`` after ``prepare_cache`` (warm or drop) and a quiet wait."""
+    prepare_cache(path)
+    wait_for_quiet(max_wait_s=QUIET_WAIT_S)
+    t0 = now()
+    restored = restore(path, template)
+    elapsed = now() - t0
+    del restored  # freed before the next measurement allocates
+    return elapsed
+
+
 def measure_system(system: System, state: Any, directory: Path, repeats: int) -> dict[str, Any]:
     """First save, ``repeats`` later saves, a first restore, then ``repeats`` warm and cold restores.
 
@@ -405,18 +417,8 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         warm, cold, raw_cold = [], [], []
         read_buf = memoryview(bytearray(64 << 20))
         for r in range(repeats):
-            warm_cache(path)
-            wait_for_quiet(max_wait_s=QUIET_WAIT_S)
-            t0 = now()
-            restored = system.restore(path, template)
-            warm.append(now() - t0)
-            del restored
-            drop_cache(path)
-            wait_for_quiet(max_wait_s=QUIET_WAIT_S)
-            t0 = now()
-            restored = system.restore(path, template)
-            cold.append(now() - t0)
-            del restored
+            warm.append(_timed_restore(system.restore, path, template, warm_cache))
+            cold.append(_timed_restore(system.restore, path, template, drop_cache))
             drop_cache(path)
             wait_for_quiet(max_wait_s=QUIET_WAIT_S)
             raw_cold.append(raw_read(path, read_buf))
@@ -427,16 +429,8 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         for vname, fn in system.restore_variants().items():
             vw, vc = [], []
             for r in range(repeats):
-                warm_cache(path)
-                wait_for_quiet(max_wait_s=QUIET_WAIT_S)
-                t0 = now()
-                fn(path, template)
-                vw.append(now() - t0)
-                drop_cache(path)
-                wait_for_quiet(max_wait_s=QUIET_WAIT_S)
-                t0 = now()
-                fn(path, template)
-                vc.append(now() - t0)
+                vw.append(_timed_restore(fn, path, template, warm_cache))
+                vc.append(_timed_restore(fn, path, template, drop_cache))
                 log(f"{system.name} restore {vname} {r}: warm {vw[-1]:.3f}s cold {vc[-1]:.3f}s")
             out.setdefault("restore_variants", {})[vname] = {"warm_s": vw, "cold_s": vc}
     finally:

@@ -22,15 +22,14 @@ import crc32c
 import xxhash
 
 from zerostall import __version__
-from zerostall.commit import (
-    Attempt, RenameCommit, committed_steps, delete_checkpoint, protocol_for, step_name, steps_to_delete,
-)
+from zerostall.commit import Attempt, RenameCommit, protocol_for
 from zerostall.dist.protocol import (
     DEC_MARK, AttemptNames, abort_doc, attempt_names, decide, error_of, read_decision, rank_file, wait_for_outcome,
 )
 from zerostall.errors import CheckpointExistsError, WriterError, from_wire
 from zerostall.manifest import encode_manifest
 from zerostall.persist import faults
+from zerostall.persist.job import apply_retention, peak_rss
 from zerostall.stage.plan import make_plan
 from zerostall.storage import Storage, open_storage
 from zerostall.tree import ArrayLeaf, FlatState
@@ -322,7 +321,7 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
     if rank == 0:
         _cleanup_decisions(storage, names, d["run"], int(d["counter"]))
         try:
-            deleted = _retention(storage, job)
+            apply_retention(storage, job.get("retention"), deleted)
         except OSError as exc:  # the new step is committed on every rank; old ones stay for next time
             retention_error = f"{type(exc).__name__}: {exc}"
     return {
@@ -330,7 +329,7 @@ def run_dist_job(job: dict[str, Any], buffers: dict[int, memoryview], released: 
         "write_s": write_s,
         "commit_s": commit_s,
         "persist_s": time.perf_counter() - t0,
-        "writer_peak_rss": _peak_rss(),
+        "writer_peak_rss": peak_rss(),
         "deleted_steps": deleted,
         "rank": rank,
         "leaves_written": len(mine),
@@ -369,25 +368,5 @@ def _cleanup_decisions(storage: Storage, names: AttemptNames, run: str, counter:
                     storage.delete(n)
     except OSError:
         pass
-
-
-def _retention(storage: Storage, job: dict[str, Any]) -> list[int]:
-    retention = job.get("retention")
-    deleted: list[int] = []
-    if retention:
-        faults.hit("retention")
-        doomed = steps_to_delete(committed_steps(storage), newest=retention["step"],
-                                 keep_last=retention.get("keep_last"),
-                                 keep_every_n_steps=retention.get("keep_every_n_steps"))
-        for s in doomed:
-            delete_checkpoint(storage, step_name(s))
-            deleted.append(s)
-    return deleted
-
-
-def _peak_rss() -> int:
-    from zerostall.persist.job import peak_rss
-
-    return peak_rss()
 
 

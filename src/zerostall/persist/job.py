@@ -17,7 +17,7 @@ from zerostall.manifest import encode_manifest
 from zerostall.persist import faults
 from zerostall.storage import open_storage
 
-__all__ = ["run_job", "checksum"]
+__all__ = ["run_job", "checksum", "apply_retention", "peak_rss"]
 
 
 def peak_rss() -> int:
@@ -35,6 +35,25 @@ def peak_rss() -> int:
 def checksum(view: memoryview, value: int = 0) -> int:
     """CRC32C of ``view``, continuing from ``value`` (hardware-accelerated; releases the GIL)."""
     return int(crc32c.crc32c(view, value))
+
+
+def apply_retention(storage: Any, retention: dict[str, Any] | None, deleted: list[int] | None = None) -> list[int]:
+    """Delete the committed steps that ``retention`` (step, keep_last, keep_every_n_steps) drops.
+
+    Returns the deleted steps; they are also appended to ``deleted`` as they go, so a caller
+    that catches a failure half-way still knows what was removed.
+    """
+    out = [] if deleted is None else deleted
+    if not retention:
+        return out
+    faults.hit("retention")
+    doomed = steps_to_delete(committed_steps(storage), newest=retention["step"],
+                             keep_last=retention.get("keep_last"),
+                             keep_every_n_steps=retention.get("keep_every_n_steps"))
+    for s in doomed:
+        delete_checkpoint(storage, step_name(s))
+        out.append(s)
+    return out
 
 
 def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Callable[[], None]) -> dict[str, Any]:
@@ -127,14 +146,7 @@ def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Calla
         # The save is committed: a failure here only leaves old steps behind (the next save's
         # retention retries them). It is reported in the stats and logged, not raised.
         try:
-            faults.hit("retention")
-            newest = retention["step"]
-            doomed = steps_to_delete(committed_steps(storage), newest=newest,
-                                     keep_last=retention.get("keep_last"),
-                                     keep_every_n_steps=retention.get("keep_every_n_steps"))
-            for s in doomed:
-                delete_checkpoint(storage, step_name(s))
-                deleted.append(s)
+            apply_retention(storage, retention, deleted)  # fills `deleted` as it goes
         except Exception as exc:
             retention_error = f"{type(exc).__name__}: {exc}"
 
