@@ -5,8 +5,7 @@ for); a background writer process writes, checksums and commits. Loading reads s
 existing tensors and verifies checksums. Data files are safetensors; nothing runs pickle.
 """
 
-__version__ = "0.1.0"
-
+from zerostall._version import __version__
 from zerostall.api import (
     load_checkpointables,
     load_pytree,

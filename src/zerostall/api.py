@@ -23,11 +23,11 @@ import os
 import threading
 from typing import Any
 
+from zerostall.distributed import DistContext, load
 from zerostall.engine import Engine
 from zerostall.errors import MissingKeyError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
-from zerostall.restore import load_items
 from zerostall.storage import split_url
 
 __all__ = [
@@ -47,8 +47,8 @@ def _engine(options: SaveOptions | None) -> Engine:
     opts = options or SaveOptions()
     with _engines_lock:
         eng = _engines.get(opts)
-        if eng is None or eng._closed:
-            eng = _engines[opts] = Engine(opts)
+        if eng is None or eng.closed:
+            eng = _engines[opts] = Engine(opts, coordinator=DistContext(opts.distributed))
         return eng
 
 
@@ -111,7 +111,7 @@ def load_checkpointables(
     tensors and arrays in it are filled in place; ``Stateful`` objects get ``load_state_dict``.
     """
     parent, name = split_url(_path(path))
-    return load_items(parent, name, items, options)
+    return load(parent, name, items, options)
 
 
 def load_pytree(

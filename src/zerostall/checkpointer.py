@@ -9,12 +9,12 @@ from typing import Any
 
 from zerostall.api import PYTREE
 from zerostall.commit import committed_steps, remove_stale_attempts, step_name
+from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
 from zerostall.errors import CheckpointNotFoundError
-from zerostall.options import DistributedOptions, LoadOptions, SaveOptions
+from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
 from zerostall.response import Response, SaveStats
-from zerostall.restore import load_items
-from zerostall.storage import open_storage
+from zerostall.storage import local_path, open_storage
 
 __all__ = ["Checkpointer"]
 
@@ -62,19 +62,14 @@ class Checkpointer:
         load_options: LoadOptions | None = None,
         process_group: Any = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if keep_every_n_steps is not None and keep_every_n_steps < 1:
-            raise ValueError(f"keep_every_n_steps must be >= 1 or None, got {keep_every_n_steps}")
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
         self.directory = os.fspath(directory)
-        if "://" not in self.directory or self.directory.startswith("file://"):
-            local = self.directory.removeprefix("file://")
+        local = local_path(self.directory)
+        if local is not None:
             os.makedirs(local, exist_ok=True)
-            self.directory = os.path.abspath(local)
-        self.keep_last = keep_last
-        self.keep_every_n_steps = keep_every_n_steps
+            self.directory = local
         self.save_interval_steps = save_interval_steps
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
@@ -86,7 +81,8 @@ class Checkpointer:
         self._storage = open_storage(self.directory)
         if self._storage.atomic_rename:
             remove_stale_attempts(self._storage)  # partial saves of writers that died
-        self._engine = Engine(save_options, prewarm=True)
+        so = save_options or SaveOptions()
+        self._engine = Engine(so, prewarm=True, coordinator=DistContext(so.distributed))
         self._committed: deque[Response] = deque(maxlen=100)
 
     # -- saving ------------------------------------------------------------------------------
@@ -112,11 +108,9 @@ class Checkpointer:
         """Stage ``items`` as ``step`` and return; commit (and retention) follow in the background."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        retention = None
-        if self.keep_last is not None:
-            retention = {"step": step, "keep_last": self.keep_last, "keep_every_n_steps": self.keep_every_n_steps}
         meta = dict(metadata or {}, step=step)
-        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, retention=retention)
+        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                    retention=self.retention)
         r._add_before_done(self._record)
         return r
 
@@ -153,11 +147,7 @@ class Checkpointer:
         if step is None:
             step = self.latest_step()
             dopts = self.load_options.distributed if self.load_options is not None else None
-            from zerostall.dist.context import active
-
             if active(dopts):  # every rank loads the step rank 0 sees as latest
-                from zerostall.dist.load import agree_step
-
                 step = agree_step(step, dopts)
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
@@ -165,7 +155,7 @@ class Checkpointer:
 
     def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`."""
-        return load_items(self.directory, step_name(self._resolve(step)), items, self.load_options)
+        return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
 
     def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
@@ -181,7 +171,15 @@ class Checkpointer:
         """Wait for in-flight saves, then stop the writer and free the buffers."""
         self._engine.close()
 
-    def __enter__(self) -> "Checkpointer":
+    @property
+    def keep_last(self) -> int | None:
+        return self.retention.keep_last
+
+    @property
+    def keep_every_n_steps(self) -> int | None:
+        return self.retention.keep_every_n_steps
+
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,6 +16,7 @@ library (manifest parsing, storage, :func:`~zerostall.restore.verify_checkpoint`
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, st
 from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
 from zerostall.manifest import MANIFEST_NAME, Manifest
 from zerostall.restore import read_manifest, verify_checkpoint
-from zerostall.storage import open_storage, split_url
+from zerostall.storage import local_path, open_storage, split_url
 
 __all__ = ["main"]
 
@@ -41,13 +42,13 @@ class _Failed(Exception):
 
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     url = _url(args.dir)
-    if "://" not in url or url.startswith("file://"):
+    local = local_path(url)
+    if local is not None and not os.path.isdir(local):
         # Storage lists a missing prefix as empty (as object stores do); a local path that does
         # not exist is a typo worth an error.
-        local = url.removeprefix("file://")
-        if not os.path.isdir(local):
-            what = "not a directory" if os.path.exists(local) else "no such directory"
-            raise StorageError(what, errno=20 if os.path.exists(local) else 2, path=args.dir)
+        there = os.path.exists(local)
+        raise StorageError("not a directory" if there else "no such directory",
+                           errno=errno.ENOTDIR if there else errno.ENOENT, path=args.dir)
     storage = open_storage(url)
     names = storage.list("")
     steps = set(committed_steps(storage))
@@ -191,7 +192,7 @@ def _printable(text: str) -> str:
 
 
 def _url(p: str) -> str:
-    return p if "://" in p else os.path.abspath(p)
+    return local_path(p) or p
 
 
 def _iso(t: float | None) -> str | None:

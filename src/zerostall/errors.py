@@ -22,6 +22,7 @@ class and errno they had in the writer.
 from __future__ import annotations
 
 import errno as _errno
+from dataclasses import dataclass
 
 __all__ = [
     "ZerostallError",
@@ -35,6 +36,9 @@ __all__ = [
     "UnsupportedLeafError",
     "StorageError",
     "WriterError",
+    "WireError",
+    "to_wire",
+    "from_wire",
 ]
 
 
@@ -162,43 +166,67 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
 }
 
 
-def to_wire(exc: BaseException, *, path: str | None = None) -> dict[str, object]:
-    """Describe an exception as JSON so that another process can raise the same class."""
+@dataclass(frozen=True, kw_only=True)
+class WireError:
+    """An exception as data, so that another process (the writer, another rank) can raise the same class.
+
+    ``cls`` names a class of this module; an unknown name comes back as :class:`WriterError`.
+    """
+
+    cls: str
+    message: str
+    errno: int | None = None
+    path: str | None = None
+    key: str | None = None
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"class": self.cls, "message": self.message, "errno": self.errno, "path": self.path,
+                "key": self.key, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, data: object) -> WireError:
+        """Read what :meth:`to_json` wrote; fields of the wrong type are dropped, never trusted."""
+        d = data if isinstance(data, dict) else {}
+
+        def opt_str(name: str) -> str | None:
+            v = d.get(name)
+            return v if isinstance(v, str) else None
+
+        def opt_int(name: str) -> int | None:
+            v = d.get(name)
+            return v if type(v) is int else None
+
+        return cls(cls=opt_str("class") or "WriterError", message=str(d.get("message", "")),
+                   errno=opt_int("errno"), path=opt_str("path"), key=opt_str("key"), rank=opt_int("rank"))
+
+
+def to_wire(exc: BaseException, *, path: str | None = None) -> WireError:
+    """Describe ``exc`` so that :func:`from_wire` can rebuild it in another process.
+
+    A :class:`ZerostallError` keeps its class and fields; ``FileExistsError`` becomes
+    :class:`CheckpointExistsError`, any other ``OSError`` a :class:`StorageError` with its errno;
+    anything else a :class:`WriterError` whose message names the original type. ``path`` fills
+    in where the exception names none.
+    """
     if isinstance(exc, ZerostallError):
-        return {
-            "class": type(exc).__name__,
-            "message": exc.message,
-            "errno": getattr(exc, "errno", None) if isinstance(exc, StorageError) else None,
-            "path": exc.path if exc.path is not None else path,
-            "key": exc.key,
-            "rank": exc.rank,
-        }
+        return WireError(cls=type(exc).__name__, message=exc.message,
+                         errno=exc.errno if isinstance(exc, StorageError) else None,
+                         path=exc.path if exc.path is not None else path, key=exc.key, rank=exc.rank)
     if isinstance(exc, FileExistsError):
-        return {"class": "CheckpointExistsError", "message": str(exc), "path": path}
+        return WireError(cls="CheckpointExistsError", message=str(exc), path=path)
     if isinstance(exc, OSError):
         message = exc.strerror or str(exc)
         if isinstance(exc.filename, str) and exc.filename != path:
             message = f"{message}: {exc.filename}"
-        return {
-            "class": "StorageError",
-            "message": message,
-            "errno": exc.errno,
-            "path": path if path is not None else exc.filename,
-        }
-    return {"class": "WriterError", "message": f"{type(exc).__name__}: {exc}", "path": path}
+        return WireError(cls="StorageError", message=message, errno=exc.errno,
+                         path=path if path is not None else (exc.filename if isinstance(exc.filename, str) else None))
+    return WireError(cls="WriterError", message=f"{type(exc).__name__}: {exc}", path=path)
 
 
-def from_wire(data: dict[str, object]) -> ZerostallError:
-    """Rebuild an exception described by :func:`to_wire`."""
-    cls = _BY_NAME.get(str(data.get("class")), WriterError)
-    message = str(data.get("message", ""))
-    path = data.get("path")
-    key = data.get("key")
-    rank = data.get("rank")
-    p = None if path is None else str(path)
-    k = None if key is None else str(key)
-    r = rank if isinstance(rank, int) else None
+def from_wire(w: WireError) -> ZerostallError:
+    """Rebuild an exception described by :func:`to_wire` (same class, errno, path, key, rank)."""
+    cls = _BY_NAME.get(w.cls, WriterError)
     if issubclass(cls, StorageError):
-        err = data.get("errno")
-        return cls(message, errno=err if isinstance(err, int) else None, path=p, key=k, rank=r)
-    return cls(message, path=p, key=k, rank=r)
+        return cls(w.message, errno=w.errno, path=w.path, key=w.key, rank=w.rank)
+    return cls(w.message, path=w.path, key=w.key, rank=w.rank)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated"]
+__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
 
 MiB = 1 << 20
 
@@ -34,6 +34,39 @@ class Replicated(enum.Enum):
 
     BROADCAST = "broadcast"
     EVERY_RANK = "every_rank"
+
+
+def _positive_int_or_none(name: str, value: object) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """Which committed steps of a :class:`~zerostall.Checkpointer` survive a newer commit.
+
+    Built once by the Checkpointer from its ``keep_last`` / ``keep_every_n_steps`` arguments and
+    carried, unchanged, to the writer that applies it after each commit.
+
+    Attributes:
+        keep_last: keep this many newest steps (the one just committed included); None keeps all.
+        keep_every_n_steps: also keep every step divisible by this, whatever ``keep_last`` says.
+
+    Raises:
+        ValueError: a field is not a positive int or None.
+    """
+
+    keep_last: int | None = None
+    keep_every_n_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int_or_none("keep_last", self.keep_last)
+        _positive_int_or_none("keep_every_n_steps", self.keep_every_n_steps)
+
+    @property
+    def deletes(self) -> bool:
+        """Whether this policy can ever delete a step."""
+        return self.keep_last is not None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from zerostall.messages import WriterStats
+
 __all__ = ["Response", "SaveStats"]
 
 
@@ -57,7 +59,7 @@ class Response:
         self._nbytes = nbytes
         self._staging_gbps = staging_gbps
         self._stall_s = 0.0
-        self._writer: dict[str, Any] | None = None
+        self._writer: WriterStats | None = None
         # run before result() can return, so that what they record is visible to its caller
         self._before_done: list[Callable[["Response", BaseException | None], None]] = []
         self._hooks_lock = threading.Lock()
@@ -71,16 +73,16 @@ class Response:
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
                              staging_gbps=self._staging_gbps)
-        write_s = w.get("write_s") or 0.0  # None when the writer died after committing
+        write_s = w.write_s or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
-            nbytes=w["nbytes"],
+            nbytes=w.nbytes,
             stall_s=self._stall_s,
             staging_gbps=self._staging_gbps,
-            persist_s=w["persist_s"],
-            persist_gbps=(w["nbytes"] / write_s / 1e9) if write_s > 0 else None,
-            commit_s=w["commit_s"],
-            writer_peak_rss=w.get("writer_peak_rss"),
+            persist_s=w.persist_s,
+            persist_gbps=(w.nbytes / write_s / 1e9) if write_s > 0 else None,
+            commit_s=w.commit_s,
+            writer_peak_rss=w.writer_peak_rss,
         )
 
     def done(self) -> bool:
@@ -111,7 +113,7 @@ class Response:
                 return
         _run_hook(hook, self, self._error)
 
-    def _finish(self, writer_stats: dict[str, Any] | None, error: BaseException | None) -> None:
+    def _finish(self, writer_stats: WriterStats | None, error: BaseException | None) -> None:
         with self._hooks_lock:
             if self._finished:
                 return

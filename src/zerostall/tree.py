@@ -29,8 +29,13 @@ __all__ = [
     "unregister_handler",
     "ArrayLeaf",
     "FlatState",
+    "LeafFlattener",
     "flatten",
     "is_stateful",
+    "register_flattener",
+    "add_torch_leaf",
+    "key_join",
+    "handler_by_name",
 ]
 
 JSON = Any
@@ -140,6 +145,9 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     nbytes: int
     value: Any  # the tensor / array / bytes; never part of the plan's identity
+    #: False when no other process can hold these bytes (a shard of a Shard-only DTensor): a
+    #: collective save need not hash them looking for replicas
+    shared: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,9 +156,37 @@ class FlatState:
     leaves: list[ArrayLeaf]
 
     @property
-    def signature(self) -> tuple[tuple[str, str, str, tuple[int, ...]], ...]:
+    def signature(self) -> tuple[tuple[str, str, str, tuple[int, ...], bool], ...]:
         """What decides the buffer layout: keys, kinds, dtypes and shapes, in order."""
-        return tuple((leaf.key, leaf.kind, leaf.dtype, leaf.shape) for leaf in self.leaves)
+        return tuple((leaf.key, leaf.kind, leaf.dtype, leaf.shape, leaf.shared) for leaf in self.leaves)
+
+
+#: adds the leaves of one object of a type zerostall does not know itself and returns its node
+LeafFlattener = Callable[[Any, str, list[ArrayLeaf]], Node]
+_FLATTENERS: list[tuple[Callable[[type], bool], LeafFlattener]] = []
+_FLATTENER_OF: dict[type, LeafFlattener | None] = {}  # per concrete type: one dict lookup per leaf
+
+
+def register_flattener(match: Callable[[type], bool], flatten: LeafFlattener) -> None:
+    """Flatten objects whose type satisfies ``match`` with ``flatten`` (checked before torch and numpy).
+
+    How array types from other libraries plug in without this module importing them:
+    :mod:`zerostall.distributed` registers ``DTensor``; a JAX integration registers ``jax.Array``.
+    ``flatten(obj, key, leaves)`` appends the object's :class:`ArrayLeaf` s to ``leaves`` and
+    returns the tree node that refers to them. A later registration wins over an earlier one.
+    """
+    with _HANDLER_LOCK:
+        _FLATTENERS.insert(0, (match, flatten))
+        _FLATTENER_OF.clear()
+
+
+def _flattener_for(t: type) -> LeafFlattener | None:
+    try:
+        return _FLATTENER_OF[t]
+    except KeyError:
+        fn = next((f for m, f in _FLATTENERS if m(t)), None)
+        _FLATTENER_OF[t] = fn
+        return fn
 
 
 def key_join(prefix: str, part: Any) -> str:
@@ -192,13 +228,13 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         return {"type": "float", "value": obj.hex()}
     if t is str:
         return {"type": "str", "value": obj}
+    if _FLATTENERS:
+        hook = _flattener_for(t)
+        if hook is not None:
+            return hook(obj, key, leaves)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
-        if t.__name__ == "DTensor":  # its local shard, with its place in the global tensor
-            from zerostall.dist.dtensor import flatten_dtensor
-
-            return flatten_dtensor(obj, key, leaves)
-        return _torch_leaf(obj, key, leaves)
+        return add_torch_leaf(obj, key, leaves)
     if isinstance(obj, np.ndarray):
         return _numpy_leaf(obj, key, leaves, "numpy")
     if isinstance(obj, np.generic):
@@ -233,7 +269,12 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         "or register a handler with zerostall.register_handler", key=key)
 
 
-def _torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
+def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> Node:
+    """Append a dense torch tensor's leaf to ``leaves`` and return its ``array`` node.
+
+    Raises:
+        UnsupportedLeafError: a dtype safetensors lacks, a sparse / quantized / meta tensor.
+    """
     import torch
 
     name = torch_dtype_name(t.dtype)
@@ -243,11 +284,11 @@ def _torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
         raise UnsupportedLeafError(f"only dense (strided) tensors can be saved, got layout {t.layout}", key=key)
     if t.is_quantized or t.device.type == "meta":
         raise UnsupportedLeafError(f"cannot save a {'quantized' if t.is_quantized else 'meta'} tensor", key=key)
-    if type(t).__name__ == "DTensor":
+    if type(t).__name__ == "DTensor":  # pragma: no cover - zerostall.distributed registers a flattener
         raise UnsupportedLeafError("DTensor leaves need the torch.distributed save path", key=key)
     shape = tuple(int(s) for s in t.shape)
     nbytes = t.numel() * ITEMSIZE[name]
-    leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t))
+    leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t, shared))
     return {"type": "array", "leaf": len(leaves) - 1}
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 import zerostall  # noqa: E402
 from zerostall import Checkpointer, LoadOptions, SaveOptions  # noqa: E402
-from zerostall.dist import DistributedOptions  # noqa: E402
+from zerostall.distributed import DistributedOptions  # noqa: E402
 
 
 def ddp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -103,7 +103,7 @@ def test_fault_matrix(run_dir: Path, monkeypatch: pytest.MonkeyPatch, writer: st
             # dies there) must not make a committed save look failed. It is reported instead.
             stats = r.result(timeout=60)
             assert stats.path == target
-            assert r._writer is not None and r._writer.get("retention_error")
+            assert r._writer is not None and r._writer.retention_error
         elif expect[0] == "ok":
             r.result(timeout=60)
         else:
@@ -314,7 +314,7 @@ def test_fault_matrix_manifest_last(no_rename_url: str, monkeypatch: pytest.Monk
             # dies there) must not make a committed save look failed. It is reported instead.
             stats = r.result(timeout=60)
             assert stats.path.endswith(step_name(3))
-            assert r._writer is not None and r._writer.get("retention_error")
+            assert r._writer is not None and r._writer.retention_error
         elif expect[0] == "ok":
             r.result(timeout=60)
         else:

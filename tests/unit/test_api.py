@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zerostall
+from zerostall.messages import WriterStats
 from zerostall import (
     CheckpointExistsError, CheckpointNotFoundError, Checkpointer, MismatchError, MissingKeyError, SaveOptions,
     WriterKind,
@@ -386,7 +387,7 @@ class TestResponseHooks:
     when the save finished before the hook was added (a small save can commit before
     ``save_*_async`` has returned to the code that adds it)."""
 
-    STATS = {"nbytes": 8, "write_s": 0.1, "commit_s": 0.01, "persist_s": 0.2, "writer_peak_rss": 1}
+    STATS = WriterStats(nbytes=8, write_s=0.1, commit_s=0.01, persist_s=0.2, writer_peak_rss=1)
 
     def test_hook_added_before_finish_runs_once_before_result(self):
         r = zerostall.Response("/p", 8, 1.0)

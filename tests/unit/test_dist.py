@@ -7,10 +7,9 @@ import json
 import pytest
 
 from zerostall import LoadOptions
-from zerostall.dist import DistributedOptions, Replicated
-from zerostall.dist.job import assign_owners, merge_reports
-from zerostall.dist.load import replicated_leaves
-from zerostall.dist.protocol import attempt_names
+from zerostall.distributed import DistributedOptions, Replicated
+from zerostall.persist.collective import assign_owners, attempt_names, merge_reports
+from zerostall.distributed.load import replicated_leaves
 from zerostall.errors import CorruptCheckpointError
 from zerostall.manifest import encode_manifest, parse_manifest
 from zerostall.storage.memory import MemoryStorage

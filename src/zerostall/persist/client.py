@@ -8,27 +8,36 @@ starts a fresh writer.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any, Callable
 
-from zerostall.errors import WriterError, from_wire
+from zerostall.commit import is_committed
+from zerostall.errors import WriterError, ZerostallError, from_wire
+from zerostall.messages import (
+    PROTOCOL, Close, Done, Failed, Hello, MapBuffer, Message, ProtocolMismatchError, Released, SaveJob, UnmapBuffer,
+    WriterStats, decode, encode,
+)
 from zerostall.options import WriterKind
 from zerostall.stage.buffers import HostBuffer
+from zerostall.storage import open_storage
 
-__all__ = ["WriterClient"]
+__all__ = ["WriterClient", "OnDone"]
+
+#: called once per job: the writer's statistics, or the error
+OnDone = Callable[[WriterStats | None, BaseException | None], None]
 
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_CLIENTS: "weakref.WeakSet[WriterClient]" = weakref.WeakSet()
+_CLIENTS: weakref.WeakSet[WriterClient] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -45,25 +54,19 @@ if hasattr(os, "register_at_fork"):
 
 @dataclass
 class _Pending:
+    job: SaveJob
     on_released: Callable[[], None]
-    on_done: Callable[[dict[str, Any] | None, BaseException | None], None]
-    path: str | None = None
-    root: str | None = None
-    name: str | None = None
-    nbytes: int = 0
+    on_done: OnDone
     released: bool = False
 
 
 def _committed_anyway(p: _Pending) -> bool:
     """Whether a save whose writer died is committed all the same (single-process saves only)."""
-    if p.root is None or p.name is None:
+    if p.job.collective is not None:
         return False
     try:
-        from zerostall.commit import is_committed
-        from zerostall.storage import open_storage
-
-        return is_committed(open_storage(p.root), p.name)
-    except Exception:
+        return is_committed(open_storage(p.job.root), p.job.name)
+    except Exception:  # noqa: BLE001 - cannot tell: the save is reported as failed
         return False
 
 
@@ -83,6 +86,8 @@ class WriterClient:
         self._thread: threading.Thread | None = None
         self._listener: threading.Thread | None = None
         self._closing = False
+        #: set when the writer introduced itself with another protocol: restarting cannot help
+        self._incompatible: ProtocolMismatchError | None = None
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -114,7 +119,13 @@ class WriterClient:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        """Start the writer if it is not running (called ahead of the first save to pre-warm)."""
+        """Start the writer if it is not running (called ahead of the first save to pre-warm).
+
+        Raises:
+            ProtocolMismatchError: an earlier writer spoke another protocol version.
+        """
+        if self._incompatible is not None:
+            raise self._incompatible
         if self.alive():
             return
         self._reap()
@@ -158,7 +169,7 @@ class WriterClient:
         self._closing = True
         if self._conn is not None:
             try:
-                self._send({"op": "close"})
+                self._send(Close())
             except OSError:
                 pass
         if self._listener is not None:
@@ -180,10 +191,10 @@ class WriterClient:
 
     # -- jobs ------------------------------------------------------------------------------
 
-    def _send(self, msg: dict[str, Any], fd: int | None = None) -> None:
+    def _send(self, msg: Message, fd: int | None = None) -> None:
         assert self._conn is not None
         with self._send_lock:
-            self._conn.send_bytes(json.dumps(msg).encode())
+            self._conn.send_bytes(encode(msg))
             if fd is not None:
                 send_handle(self._conn, fd, self._proc.pid if self._proc is not None else os.getpid())
 
@@ -191,39 +202,34 @@ class WriterClient:
         """The trainer is about to free ``buf``: the writer drops its mapping."""
         if buf.id in self._mapped and self.alive():
             try:
-                self._send({"op": "unmap", "buffer": buf.id})
+                self._send(UnmapBuffer(buffer=buf.id))
             except OSError:
                 pass
         self._mapped.discard(buf.id)
 
-    def submit(
-        self,
-        job: dict[str, Any],
-        buffers: list[HostBuffer],
-        on_released: Callable[[], None],
-        on_done: Callable[[dict[str, Any] | None, BaseException | None], None],
-    ) -> None:
-        """Queue ``job``; its ``files[i]`` are written from ``buffers[i]``."""
+    def submit(self, job: SaveJob, buffers: list[HostBuffer], on_released: Callable[[], None],
+               on_done: OnDone) -> None:
+        """Queue ``job``; its ``files[i]`` are written from ``buffers[i]`` (the job's ``id`` is assigned here).
+
+        Raises:
+            WriterError: no writer could be started or reached (twice).
+        """
         for attempt in range(2):
             self.start()
-            jid = next(self._ids)
-            job = dict(job, op="save", id=jid)
-            job["files"] = [dict(f, buffer=b.id) for f, b in zip(job["files"], buffers)]
+            job = dataclasses.replace(job, id=next(self._ids))
             with self._lock:
-                self._pending[jid] = _Pending(on_released, on_done, path=job.get("path"), root=job.get("root"),
-                                              name=job.get("name"),
-                                              nbytes=sum(int(f.get("length", 0)) for f in job["files"]))
+                self._pending[job.id] = _Pending(job, on_released, on_done)
             try:
                 for b in buffers:
                     if b.id not in self._mapped:
-                        self._send({"op": "map", "buffer": b.id, "size": b.size}, fd=b.fd)
+                        self._send(MapBuffer(buffer=b.id, size=b.size), fd=b.fd)
                         self._mapped.add(b.id)
                 self._send(job)
                 return
             except OSError:
                 # The writer died under us: its listener fails what it had; try once more on a new one.
                 with self._lock:
-                    self._pending.pop(jid, None)
+                    self._pending.pop(job.id, None)
                 if self._proc is not None:
                     self._proc.wait()
                 self._reap()
@@ -233,28 +239,37 @@ class WriterClient:
     def _listen(self, conn: Connection) -> None:
         while True:
             try:
-                msg = json.loads(conn.recv_bytes())
+                msg = decode(conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            op = msg.get("op")
-            if op == "released":
+            except ProtocolMismatchError as exc:
+                self._incompatible = exc
+                break
+            except ZerostallError:
+                break  # a malformed message: this writer cannot be trusted; fail what it had
+            if isinstance(msg, Hello):
+                if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
+                    break
+            elif isinstance(msg, Released):
                 with self._lock:
-                    p = self._pending.get(msg["id"])
+                    p = self._pending.get(msg.job)
                 if p is not None and not p.released:
                     p.released = True
                     p.on_released()
-            elif op in ("done", "error"):
+            elif isinstance(msg, (Done, Failed)):
                 with self._lock:
-                    p = self._pending.pop(msg["id"], None)
+                    p = self._pending.pop(msg.job, None)
                 if p is None:
                     continue
                 if not p.released:
                     p.released = True
                     p.on_released()
-                if op == "done":
-                    p.on_done(msg["stats"], None)
+                if isinstance(msg, Done):
+                    p.on_done(msg.stats, None)
                 else:
-                    p.on_done(None, from_wire(msg["error"]))
+                    p.on_done(None, from_wire(msg.error))
+        if self._incompatible is not None:
+            conn.close()  # the writer exits once it sees its trainer's end close
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -270,10 +285,13 @@ class WriterClient:
             if not p.released:
                 p.released = True
                 p.on_released()
+            if self._incompatible is not None:
+                p.on_done(None, self._incompatible)
+                continue
             if _committed_anyway(p):
                 # It died after the rename (during retention, say): the checkpoint is complete.
-                p.on_done({"nbytes": p.nbytes, "write_s": None, "persist_s": None, "commit_s": None,
-                           "writer_peak_rss": None, "retention_error": f"the writer process {how}"}, None)
+                p.on_done(WriterStats(nbytes=sum(f.length for f in p.job.files),
+                                      retention_error=f"the writer process {how}"), None)
                 continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
-                                        "nothing of this save was committed", path=p.path))
+                                        "nothing of this save was committed", path=p.job.path))

@@ -1,4 +1,14 @@
-"""One save, as the writer runs it: write data files, checksum leaves, commit, apply retention."""
+"""One save, as the writer runs it: write data files, checksum leaves, commit, apply retention.
+
+:func:`run_save` is the only save job there is. What differs between a single-process save and
+one rank's part of a collective save is a *step* object (:class:`SoloStep` or
+:class:`~zerostall.persist.collective.CollectiveStep`) that decides where the data file goes,
+which leaves this writer writes (a collective save writes bytes that several ranks hold only
+once) and how the commit is agreed. The environment, the checksum thread, the write, the
+release of the staging buffers, retention, error handling and the statistics exist once, here.
+
+Runs in the writer (a process by default), never on the training thread.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +16,30 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Protocol
 
-import crc32c
-
-from zerostall import __version__
-from zerostall.commit import committed_steps, delete_checkpoint, protocol_for, step_name, steps_to_delete
+from zerostall._version import __version__
+from zerostall.checksum import checksum
+from zerostall.commit import CommitProtocol, committed_steps, delete_checkpoint, protocol_for, step_name, steps_to_delete
 from zerostall.manifest import encode_manifest
+from zerostall.messages import LeafRow, SaveJob, WriterStats
+from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
-from zerostall.storage import open_storage
+from zerostall.persist.collective import CollectiveStep
+from zerostall.stage.plan import plan_file
+from zerostall.storage import Storage, open_storage
 
-__all__ = ["run_job", "checksum", "apply_retention", "peak_rss"]
+__all__ = ["run_save", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
+
+#: environment variables that configure storage backends; the trainer's values travel with each job
+STORAGE_ENV_PREFIXES = ("AWS_", "ZEROSTALL_S3_")
+
+
+def storage_env() -> dict[str, str]:
+    """This process's storage configuration, to send along with a job."""
+    return {k: v for k, v in os.environ.items() if k.startswith(STORAGE_ENV_PREFIXES)}
 
 
 def peak_rss() -> int:
@@ -32,131 +54,217 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def checksum(view: memoryview, value: int = 0) -> int:
-    """CRC32C of ``view``, continuing from ``value`` (hardware-accelerated; releases the GIL)."""
-    return int(crc32c.crc32c(view, value))
-
-
-def apply_retention(storage: Any, retention: dict[str, Any] | None, deleted: list[int] | None = None) -> list[int]:
-    """Delete the committed steps that ``retention`` (step, keep_last, keep_every_n_steps) drops.
+def apply_retention(storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+                    deleted: list[int] | None = None) -> list[int]:
+    """Delete the committed steps that ``policy`` drops now that step ``newest`` is committed.
 
     Returns the deleted steps; they are also appended to ``deleted`` as they go, so a caller
     that catches a failure half-way still knows what was removed.
+
+    Raises:
+        OSError: a deletion failed (what was deleted before it is in ``deleted``).
     """
     out = [] if deleted is None else deleted
-    if not retention:
+    if policy is None or not policy.deletes or newest is None:
         return out
     faults.hit("retention")
-    doomed = steps_to_delete(committed_steps(storage), newest=retention["step"],
-                             keep_last=retention.get("keep_last"),
-                             keep_every_n_steps=retention.get("keep_every_n_steps"))
+    doomed = steps_to_delete(committed_steps(storage), newest=newest, keep_last=policy.keep_last,
+                             keep_every_n_steps=policy.keep_every_n_steps)
     for s in doomed:
         delete_checkpoint(storage, step_name(s))
         out.append(s)
     return out
 
 
-def run_job(job: dict[str, Any], buffers: dict[int, memoryview], released: Callable[[], None]) -> dict[str, Any]:
+class Step(Protocol):
+    """The part of a save that depends on how many writers take part in it."""
+
+    #: whether this writer deletes old steps once the save is committed
+    applies_retention: bool
+
+    def begin(self) -> None:
+        """Start the attempt; raises ``CheckpointExistsError`` if the checkpoint exists."""
+
+    def data_key(self, file_name: str) -> str:
+        """The storage key the data file ``file_name`` is written to."""
+
+    def owned(self, views: Sequence[memoryview], hash_leaf: Callable[[LeafRow], bool]) -> list[int]:
+        """Indices of the job's leaves this writer writes."""
+
+    def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
+        """Make the checkpoint visible (or wait until the committer has); manifest last."""
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Clean up a failed attempt; return the error to raise."""
+
+    def after_commit(self) -> None:
+        """Housekeeping once committed (never turns the save into a failure)."""
+
+
+class SoloStep:
+    """A save that one writer makes alone: every leaf is its own; commit by the storage's protocol."""
+
+    applies_retention = True
+
+    def __init__(self, job: SaveJob, storage: Storage) -> None:
+        self.job = job
+        self.protocol: CommitProtocol = protocol_for(storage)
+
+    def begin(self) -> None:
+        self.attempt = self.protocol.begin(self.job.name)
+
+    def data_key(self, file_name: str) -> str:
+        return f"{self.attempt.staging}/{self.attempt.data_dir}/{file_name}"
+
+    def owned(self, views: Sequence[memoryview], hash_leaf: Callable[[LeafRow], bool]) -> list[int]:
+        return list(range(len(self.job.leaves)))
+
+    def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
+        faults.hit("manifest")
+        manifest = encode_manifest(
+            items=self.job.items, leaves=written, metadata=self.job.metadata, library_version=__version__,
+            files=[{"path": f"{self.attempt.data_dir}/{f['name']}", "size": f["size"]} for f in files])
+        faults.hit("commit")
+        self.protocol.commit(self.attempt, manifest)
+
+    def fail(self, exc: BaseException) -> BaseException:
+        if not hasattr(self, "attempt"):  # failed before the attempt existed: nothing to remove
+            return exc
+        try:
+            self.protocol.abort(self.attempt)
+        except Exception:  # noqa: BLE001 - cleaning up after a failure; the failure is what the user sees
+            pass
+        return exc
+
+    def after_commit(self) -> None:
+        return None
+
+
+def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None]) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
-    Returns statistics. Raises on failure after removing this attempt's partial files.
+    Raises:
+        ZerostallError | OSError: the save failed; this attempt's partial files were removed
+            (for a collective save, the error every rank raises).
     """
-    if job.get("dist") is not None:  # one rank's part of a torch.distributed save
-        from zerostall.dist.job import run_dist_job
-
-        return run_dist_job(job, buffers, released)
     t0 = time.perf_counter()
-    env = job.get("env")
-    if env is not None:  # mirror the trainer's storage environment (credentials, endpoint)
-        for k in [k for k in os.environ if k.startswith(("AWS_", "ZEROSTALL_S3_")) and k not in env]:
-            del os.environ[k]
-        os.environ.update(env)
-    storage = open_storage(job["root"])
-    protocol = protocol_for(storage)
-    opts = job["options"]
-    faults.hit("begin", job["root"])
-    attempt = protocol.begin(job["name"])
+    _mirror_env(job.env)
+    storage = open_storage(job.root)
+    step: Step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)
+    views = [buffers[f.buffer] for f in job.files]
+    is_released = False
     try:
-        files = job["files"]
-        leaves = job["leaves"]
-        views = [buffers[f["buffer"]] for f in files]
-        crcs: list[int] = [0] * len(leaves)
-
-        def do_checksums() -> None:
-            faults.hit("checksum")
-            for i, lf in enumerate(leaves):
-                v = views[lf["file"]]
-                crcs[i] = checksum(v[lf["offset"]:lf["offset"] + lf["nbytes"]])
-
-        # Checksums run beside the writes: CRC32C is ~10 GB/s on one core and mostly overlaps I/O.
+        faults.hit("begin", job.root)
+        step.begin()
+        mine = step.owned(views, lambda lf: lf.shared)
+        crcs: list[int] = [0] * len(mine)
         crc_error: list[BaseException] = []
 
         def crc_runner() -> None:
+            # Checksums run beside the writes: CRC32C is ~10 GB/s on one core and mostly overlaps I/O.
             try:
-                do_checksums()
+                faults.hit("checksum")
+                for i, li in enumerate(mine):
+                    lf = job.leaves[li]
+                    crcs[i] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
             except BaseException as exc:  # re-raised below on the job's thread
                 crc_error.append(exc)
 
         crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
         crc_thread.start()
         t_write = time.perf_counter()
-        faults.hit("write", job["root"])
-
-        def write_file(i: int) -> None:
-            f = files[i]
-            storage.write_from_buffer(
-                f"{attempt.staging}/{attempt.data_dir}/{f['name']}", views[i], f["length"],
-                threads=opts["io_threads"], chunk_bytes=opts["chunk_bytes"], direct=opts["direct_io"])
-
         try:
-            if len(files) == 1:
-                write_file(0)
-            else:
-                with ThreadPoolExecutor(max_workers=min(4, len(files))) as pool:
-                    list(pool.map(write_file, range(len(files))))
+            faults.hit("write", job.root)
+            written, files = _write(job, step, storage, views, mine)
         finally:
             crc_thread.join()
         write_s = time.perf_counter() - t_write
         released()
+        is_released = True
         if crc_error:
             raise crc_error[0]
-        for lf, c in zip(leaves, crcs):
+        for lf, c in zip(written, crcs):
             lf["crc32c"] = c
-
-        faults.hit("manifest")
         t_commit = time.perf_counter()
-        manifest = encode_manifest(
-            items=job["items"], leaves=leaves, metadata=job.get("metadata"), library_version=__version__,
-            files=[{"path": f"{attempt.data_dir}/{f['name']}", "size": f["length"]} for f in files],
-        )
-        faults.hit("commit")
-        protocol.commit(attempt, manifest)
+        step.commit(written, files)
         commit_s = time.perf_counter() - t_commit
-    except BaseException:
-        try:
-            protocol.abort(attempt)
-        except Exception:
-            pass
-        raise
+    except BaseException as exc:
+        if not is_released:
+            released()
+        final = step.fail(exc)
+        if final is exc:
+            raise
+        raise final from exc
 
-    retention = job.get("retention")
+    # Committed: what follows never turns the save into a failure. A retention failure only
+    # leaves old steps behind (the next save's retention retries them); it is reported in the
+    # stats and logged by the trainer.
+    step.after_commit()
     deleted: list[int] = []
     retention_error: str | None = None
-    if retention:
-        # The save is committed: a failure here only leaves old steps behind (the next save's
-        # retention retries them). It is reported in the stats and logged, not raised.
+    if step.applies_retention:
         try:
-            apply_retention(storage, retention, deleted)  # fills `deleted` as it goes
-        except Exception as exc:
+            apply_retention(storage, job.retention, job.step, deleted)
+        except Exception as exc:  # noqa: BLE001 - any failure here is reported, never raised
             retention_error = f"{type(exc).__name__}: {exc}"
+    return WriterStats(
+        nbytes=sum(f["size"] for f in files), write_s=write_s, commit_s=commit_s,
+        persist_s=time.perf_counter() - t0, writer_peak_rss=peak_rss(), deleted_steps=tuple(deleted),
+        retention_error=retention_error,
+        rank=job.collective.rank if job.collective is not None else None,
+        leaves_written=len(mine) if job.collective is not None else None,
+    )
 
-    nbytes = sum(f["length"] for f in files)
-    return {
-        "nbytes": nbytes,
-        "write_s": write_s,
-        "commit_s": commit_s,
-        "persist_s": time.perf_counter() - t0,
-        "writer_peak_rss": peak_rss(),
-        "deleted_steps": deleted,
-        "retention_error": retention_error,
-    }
+
+def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int]
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Write this writer's data files; return the manifest rows of the leaves written, and the files."""
+    w = job.write
+    if len(mine) == len(job.leaves):
+        # Everything staged is this writer's: the staged images are the files, written as they are.
+        def write_file(i: int) -> None:
+            f = job.files[i]
+            storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=w.io_threads,
+                                      chunk_bytes=w.chunk_bytes, direct=w.direct_io)
+
+        if len(job.files) == 1:
+            write_file(0)
+        else:
+            with ThreadPoolExecutor(max_workers=min(4, len(job.files))) as pool:
+                list(pool.map(write_file, range(len(job.files))))
+        written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
+        return written, [{"name": f.name, "size": f.length} for f in job.files]
+    # A collective save gave some leaves to other ranks: lay out the rest compactly (same rules as
+    # the staging plan) and write each leaf from the staging buffer to its new offset.
+    leaves = [job.leaves[i] for i in mine]
+    fplan, offsets = plan_file(leaves, rank=job.collective.rank if job.collective is not None else 0)
+    name = job.files[0].name
+    _write_compact(storage, step.data_key(name), views, fplan.header, fplan.size,
+                   [(lf.file, lf.offset, off, lf.nbytes) for lf, off in zip(leaves, offsets)])
+    return [_row(lf, 0, off) for lf, off in zip(leaves, offsets)], [{"name": name, "size": fplan.size}]
+
+
+def _row(lf: LeafRow, file: int, offset: int) -> dict[str, Any]:
+    return {"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "file": file,
+            "offset": offset, "nbytes": lf.nbytes}
+
+
+def _write_compact(storage: Storage, key: str, views: list[memoryview], header: bytes, size: int,
+                   pieces: list[tuple[int, int, int, int]]) -> None:
+    """Write a file of ``size`` bytes: ``header``, then each ``(buffer, src offset, dst offset, n)``."""
+    write_pieces = getattr(storage, "write_pieces", None)
+    if write_pieces is not None:  # the backend writes each piece from the staging buffer: no assembled copy
+        write_pieces(key, header, size, [(views[b][src:src + n], dst) for b, src, dst, n in pieces])
+        return
+    buf = bytearray(size)  # other backends take one contiguous buffer
+    buf[:len(header)] = header
+    for b, src, dst, n in pieces:
+        buf[dst:dst + n] = views[b][src:src + n]
+    storage.write_from_buffer(key, memoryview(buf), size, threads=1, chunk_bytes=32 << 20, direct=False)
+
+
+def _mirror_env(env: Mapping[str, str]) -> None:
+    """Make this writer's storage environment the trainer's (credentials, endpoint, S3 tuning)."""
+    for k in [k for k in os.environ if k.startswith(STORAGE_ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)

@@ -9,24 +9,27 @@ the trainer is killed), after finishing every job it had already received, so a 
 from __future__ import annotations
 
 import gc
-import json
 import mmap
 import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
-from typing import Any
 
-from zerostall.errors import to_wire
-from zerostall.persist.job import run_job
+from zerostall._version import __version__
+from zerostall.errors import WriterError, to_wire
+from zerostall.messages import (
+    PROTOCOL, Close, Done, Failed, Hello, MapBuffer, Message, ProtocolMismatchError, Released, SaveJob, UnmapBuffer,
+    decode, encode,
+)
+from zerostall.persist.job import run_save
 
 __all__ = ["serve", "main"]
 
 
-def _send(conn: Connection, msg: dict[str, Any]) -> None:
+def _send(conn: Connection, msg: Message) -> None:
     try:
-        conn.send_bytes(json.dumps(msg).encode())
+        conn.send_bytes(encode(msg))
     except (BrokenPipeError, ConnectionResetError, OSError):
         pass  # the trainer is gone; the job still completes
 
@@ -46,51 +49,60 @@ def _close(m: mmap.mmap) -> None:
 
 
 def serve(conn: Connection) -> None:
+    """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first."""
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
+    _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid()))
     try:
         while True:
             try:
-                msg = json.loads(conn.recv_bytes())
+                raw = conn.recv_bytes()
             except (EOFError, ConnectionResetError, OSError):
                 return
-            op = msg.get("op")
-            if op == "map":
+            try:
+                msg = decode(raw)
+            except ProtocolMismatchError as exc:
+                print(f"zerostall writer: {exc}", file=sys.stderr, flush=True)
+                return  # the trainer sees its writer exit; its listener names the mismatch from our Hello
+            if isinstance(msg, MapBuffer):
                 fd = recv_handle(conn)
                 try:
-                    maps[msg["buffer"]] = mmap.mmap(fd, msg["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    maps[msg.buffer] = mmap.mmap(fd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
-                views[msg["buffer"]] = memoryview(maps[msg["buffer"]])
-            elif op == "unmap":
-                v = views.pop(msg["buffer"], None)
+                views[msg.buffer] = memoryview(maps[msg.buffer])
+            elif isinstance(msg, UnmapBuffer):
+                v = views.pop(msg.buffer, None)
                 if v is not None:
                     v.release()
-                m = maps.pop(msg["buffer"], None)
+                m = maps.pop(msg.buffer, None)
                 if m is not None:
                     _close(m)
-            elif op == "save":
-                sid = msg["id"]
-                try:
-                    stats = run_job(msg, views, lambda: _send(conn, {"op": "released", "id": sid}))
-                except BaseException as exc:  # every failure goes back to the caller's result()
-                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                        raise
-                    if os.environ.get("ZEROSTALL_DEBUG"):
-                        traceback.print_exc()
-                    _send(conn, {"op": "error", "id": sid, "error": to_wire(exc, path=msg.get("path"))})
-                else:
-                    _send(conn, {"op": "done", "id": sid, "stats": stats})
-            elif op == "ping":
-                _send(conn, {"op": "pong", "pid": os.getpid()})
-            elif op == "close":
+            elif isinstance(msg, SaveJob):
+                _run(conn, msg, views)
+            elif isinstance(msg, Close):
                 return
+            else:
+                raise WriterError(f"the writer does not take {type(msg).__name__} messages")
     finally:
         for v in views.values():
             v.release()
         for m in maps.values():
             _close(m)
         conn.close()
+
+
+def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview]) -> None:
+    try:
+        stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)))
+    except BaseException as exc:  # every failure goes back to the caller's result()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        if os.environ.get("ZEROSTALL_DEBUG"):
+            traceback.print_exc()
+        _send(conn, Failed(job=job.id, error=to_wire(exc, path=job.path)))
+    else:
+        _send(conn, Done(job=job.id, stats=stats))
 
 
 def main(argv: list[str]) -> int:

@@ -17,7 +17,7 @@ import crc32c
 
 from zerostall.errors import ZerostallError
 from zerostall.manifest import LeafEntry, Manifest
-from zerostall.restore.reader import check_local_file, read_manifest
+from zerostall.restore.files import check_local_file, read_manifest
 from zerostall.storage import Storage, open_storage, split_url
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from zerostall.tree import FlatState
 
-__all__ = ["LeafSlot", "FilePlan", "Plan", "make_plan", "DATA_ALIGN", "PAGE"]
+__all__ = ["LeafSlot", "FilePlan", "Plan", "LeafSpec", "make_plan", "plan_file", "DATA_ALIGN", "PAGE"]
 
 #: every tensor starts at a multiple of this many bytes from the data section start
 DATA_ALIGN = 64
@@ -51,17 +53,34 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def make_plan(flat: FlatState, *, rank: int = 0) -> Plan:
-    """Lay out every leaf of ``flat`` in one data file for ``rank``."""
+class LeafSpec(Protocol):
+    """What laying a leaf out needs: its key, dtype and size (shape goes into the header)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def plan_file(leaves: Sequence[LeafSpec], *, rank: int = 0) -> tuple[FilePlan, list[int]]:
+    """Lay ``leaves`` out, in order, in one safetensors file for ``rank``.
+
+    Returns the file's plan and each leaf's absolute byte offset in it. Leaves start at
+    multiples of :data:`DATA_ALIGN`; the gaps are named padding tensors, as safetensors forbids
+    holes, and the header is padded with spaces so that the data section starts aligned.
+    """
     name = f"rank-{rank:05d}.safetensors"
     header: dict[str, object] = {"__metadata__": {"format": "zerostall", "rank": str(rank)}}
     rel_offsets: list[int] = []
     pos = 0
     pads = 0
-    for leaf in flat.leaves:
+    for leaf in leaves:
         aligned = _round_up(pos, DATA_ALIGN)
         if aligned != pos:
-            # safetensors forbids holes between tensors: fill alignment gaps with named padding.
             header[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [aligned - pos], "data_offsets": [pos, aligned]}
             pads += 1
             pos = aligned
@@ -69,13 +88,18 @@ def make_plan(flat: FlatState, *, rank: int = 0) -> Plan:
         rel_offsets.append(pos)
         pos += leaf.nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
-    # Pad the header with spaces (allowed by safetensors) so the data section starts aligned.
     data_start = _round_up(8 + len(body), DATA_ALIGN)
     body += b" " * (data_start - 8 - len(body))
     head = struct.pack("<Q", len(body)) + body
     size = data_start + pos
     fplan = FilePlan(name=name, header=head, data_start=data_start, size=size, alloc=_round_up(max(size, 1), PAGE))
-    slots = tuple(LeafSlot(leaf.key, data_start + off, leaf.nbytes) for leaf, off in zip(flat.leaves, rel_offsets))
+    return fplan, [data_start + off for off in rel_offsets]
+
+
+def make_plan(flat: FlatState, *, rank: int = 0) -> Plan:
+    """Lay out every leaf of ``flat`` in one data file for ``rank``."""
+    fplan, offsets = plan_file(flat.leaves, rank=rank)
+    slots = tuple(LeafSlot(leaf.key, off, leaf.nbytes) for leaf, off in zip(flat.leaves, offsets))
     return Plan(
         signature=flat.signature,
         files=(fplan,),

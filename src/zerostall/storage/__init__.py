@@ -13,7 +13,7 @@ from typing import Callable
 
 from zerostall.storage.base import Storage
 
-__all__ = ["Storage", "open_storage", "split_url", "register_scheme"]
+__all__ = ["Storage", "open_storage", "split_url", "register_scheme", "local_path"]
 
 _Factory = Callable[[str], Storage]
 _SCHEMES: dict[str, tuple[str, str, str]] = {
@@ -35,13 +35,27 @@ def _scheme_of(url: str) -> str:
     return head.lower() if sep else "file"
 
 
+def local_path(url: str) -> str | None:
+    """The absolute local path of a ``/path`` or ``file://`` URL (``~`` expanded); None for other schemes.
+
+    Example::
+
+        >>> local_path("file:///tmp/run") == "/tmp/run", local_path("s3://bucket/run") is None
+        (True, True)
+    """
+    url = str(url)
+    if _scheme_of(url) != "file":
+        return None
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return posixpath.normpath(posixpath.abspath(posixpath.expanduser(path)))
+
+
 def split_url(url: str) -> tuple[str, str]:
     """Split a checkpoint URL into the URL of its parent and its last path component."""
     url = str(url)
     scheme = _scheme_of(url)
-    if scheme == "file":
-        path = url[len("file://"):] if url.startswith("file://") else url
-        path = posixpath.normpath(posixpath.abspath(path))
+    path = local_path(url)
+    if path is not None:
         parent, name = posixpath.split(path)
         return parent, name
     rest = url.split("://", 1)[1].rstrip("/")

@@ -77,6 +77,24 @@ class LocalStorage:
         finally:
             os.close(fd)
 
+    def write_pieces(self, key: str, header: bytes, size: int, pieces: list[tuple[memoryview, int]]) -> None:
+        """Write a new ``size``-byte file: ``header`` at 0, then each ``(bytes, offset)`` piece; durable on return.
+
+        Each piece goes from its buffer straight to its offset (no assembled copy); gaps read
+        back as zeros. Fails with ``FileExistsError`` if ``key`` exists.
+        """
+        path = self._p(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            _pwrite_all(fd, memoryview(header), 0)
+            for data, offset in pieces:
+                _pwrite_all(fd, data, offset)
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         path = self._p(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -223,18 +241,21 @@ def _aligned(buf: memoryview, length: int) -> bool:
     return addr % _ALIGN == 0
 
 
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):  # pwrite may write less than asked
+        w = os.pwrite(fd, view[done:], offset + done)
+        if w == 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        done += w
+
+
 def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: int) -> None:
     ranges = [(off, min(chunk, end - off)) for off in range(0, end, chunk)]
 
     def write_range(r: tuple[int, int]) -> None:
         off, n = r
-        view = buf[off:off + n]
-        done = 0
-        while done < n:  # pwrite may write less than asked
-            w = os.pwrite(fd, view[done:], off + done)
-            if w == 0:
-                raise OSError(errno.EIO, "pwrite wrote nothing")
-            done += w
+        _pwrite_all(fd, buf[off:off + n], off)
 
     if threads <= 1 or len(ranges) <= 1:
         for r in ranges:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import sys
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-from zerostall.dist.protocol import abort_doc, attempt_names, decide, error_of, wait_for_outcome
 from zerostall.errors import WriterError
+from zerostall.messages import Collective, WriterStats
 from zerostall.options import DistributedOptions
+from zerostall.persist.client import OnDone
+from zerostall.persist.collective import abort_doc, attempt_names, decide, error_of, wait_for_outcome
 from zerostall.storage import open_storage
 
 __all__ = ["DistContext", "active", "group_rank_world"]
@@ -39,16 +41,28 @@ def group_rank_world(opts: DistributedOptions | None) -> tuple[Any, int, int]:
 
 
 class DistContext:
-    """Per-engine state of collective saves."""
+    """The :class:`~zerostall.engine.Coordinator` of one engine's collective saves."""
 
     def __init__(self, opts: DistributedOptions | None) -> None:
         self.opts = opts or DistributedOptions()
-        self.group, self.rank, self.world = group_rank_world(self.opts)
+        self._rank: int | None = None
+        self.world = 1
+        self.group: Any = None
         self.run: str | None = None
         self.counter = 0
 
-    def begin_save(self, root_url: str, name: str) -> dict[str, Any]:
+    def active(self) -> bool:
+        return active(self.opts)
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self.group, self._rank, self.world = group_rank_world(self.opts)
+        return self._rank
+
+    def begin(self, root_url: str, name: str) -> Collective:
         """Number this save; at the first one, agree on the run id (the only collective)."""
+        rank = self.rank
         if self.run is None:
             import torch.distributed as dist
 
@@ -60,24 +74,22 @@ class DistContext:
                 raise ValueError(f"a collective save needs the same path on every rank, got {sorted(paths)}")
             self.run = str(gathered[0][0])
         self.counter += 1
-        return {"rank": self.rank, "world": self.world, "run": self.run, "counter": self.counter,
-                "timeout_s": self.opts.timeout_s, "poll_s": self.opts.poll_s}
+        return Collective(rank=rank, world=self.world, run=self.run, counter=self.counter,
+                          timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s)
 
-    def abort(self, root_url: str, name: str, info: dict[str, Any], path: str, exc: BaseException) -> None:
+    def abort(self, root_url: str, name: str, info: Collective, path: str, exc: BaseException) -> None:
         """Decide "abort" for a save that failed on this rank's training thread."""
         try:
             storage = open_storage(root_url)
-            decide(storage, attempt_names(storage, name, info["run"], info["counter"]), abort_doc(exc, self.rank, path))
-        except Exception:
-            pass  # the other ranks time out instead
+            decide(storage, attempt_names(storage, name, info.run, info.counter), abort_doc(exc, info.rank, path))
+        except Exception:  # noqa: BLE001,S110 - the other ranks time out instead
+            pass
 
-    def on_done(self, root_url: str, name: str, info: dict[str, Any], path: str,
-                finish: Callable[[dict[str, Any] | None, BaseException | None], None],
-                ) -> Callable[[dict[str, Any] | None, BaseException | None], None]:
+    def on_done(self, root_url: str, name: str, info: Collective, path: str, finish: OnDone) -> OnDone:
         """Wrap a response's ``finish``: on any local failure (the writer died, say) follow the
         attempt's decision, deciding "abort" first if no rank has, so every rank ends the same."""
 
-        def done(stats: dict[str, Any] | None, err: BaseException | None) -> None:
+        def done(stats: WriterStats | None, err: BaseException | None) -> None:
             if err is None:
                 finish(stats, None)
                 return
@@ -86,14 +98,14 @@ class DistContext:
         def resolve(err: BaseException) -> None:
             try:
                 storage = open_storage(root_url)
-                names = attempt_names(storage, name, info["run"], info["counter"])
-                dec = decide(storage, names, abort_doc(err, self.rank, path))
+                names = attempt_names(storage, name, info.run, info.counter)
+                dec = decide(storage, names, abort_doc(err, info.rank, path))
                 if dec.get("decision") == "abort":
                     finish(None, error_of(dec))
                     return
                 wait_for_outcome(storage, names, timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s,
-                                 rank=self.rank, path=path)
-                finish({"nbytes": 0, "write_s": None, "persist_s": None, "commit_s": None}, None)
+                                 rank=info.rank, path=path)
+                finish(WriterStats(nbytes=0), None)
             except BaseException as exc:  # every path ends the response
                 finish(None, exc if isinstance(exc, Exception) else WriterError(str(exc)))
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerostall.dist.context import group_rank_world
-from zerostall.errors import MissingKeyError, from_wire, to_wire
+from zerostall.distributed.context import active, group_rank_world
+from zerostall.errors import WireError, from_wire, to_wire
 from zerostall.manifest import Manifest
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
+from zerostall.restore import ReadRequest, assemble, execute_reads, load_items, new_planner, plan_items, read_manifest
+from zerostall.storage import open_storage
 
-__all__ = ["load_collective", "replicated_leaves", "agree_step"]
+__all__ = ["load", "load_collective", "replicated_leaves", "agree_step"]
 
 _BATCH = 256 << 20
 
@@ -47,13 +49,14 @@ def _raise_first(statuses: list[Any], rank: int, mine: BaseException | None) -> 
         if st is not None:
             if r == rank and mine is not None:
                 raise mine
-            raise from_wire(st)
+            raise from_wire(WireError.from_json(st))
 
 
 def _wire(exc: BaseException | None, rank: int, path: str) -> dict[str, Any] | None:
+    """``exc`` as JSON for ``all_gather_object`` (plain data: no pickled exception crosses ranks)."""
     if exc is None:
         return None
-    w = to_wire(exc, path=path)
+    w = to_wire(exc, path=path).to_json()
     if w.get("rank") is None:
         w["rank"] = rank
     return w
@@ -69,13 +72,24 @@ def _owners(union: list[int], sizes: dict[int, int], world: int) -> dict[int, in
     return out
 
 
+def load(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None = None,
+         ) -> dict[str, Any]:
+    """Load ``root_url/name``: collectively when torch.distributed is active for ``options``, else locally.
+
+    Raises:
+        ZerostallError: see :func:`zerostall.load_checkpointables` (collectively: every rank
+            raises the same error).
+    """
+    opts = options or LoadOptions()
+    if active(opts.distributed):  # every rank loads its own tree; replicated leaves read once
+        return load_collective(root_url, name, items, opts, f"{root_url.rstrip('/')}/{name}")
+    return load_items(root_url, name, items, opts)
+
+
 def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts: LoadOptions,
                     path: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
-    from zerostall.restore.reader import _execute, _Files, _Planner, _Read, assemble, read_manifest
-    from zerostall.storage import open_storage
 
     group, rank, world = group_rank_world(opts.distributed or DistributedOptions())
     storage = open_storage(root_url)
@@ -90,13 +104,8 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         m = read_manifest(storage, name, path=path)
         trees = m.ranks or (m.items,)
         tree = trees[rank] if rank < len(trees) else trees[0]
-        planner = _Planner(m, path, _Files(storage, name, m, path))
-        wanted = {k: None for k in tree} if items is None else items
-        for item, tmpl in wanted.items():
-            if item not in tree:
-                raise MissingKeyError(f"the checkpoint has no item {item!r} (it has {sorted(tree)})",
-                                      path=path, key=item)
-            thunks[item] = planner.build(tree[item], tmpl, item)
+        planner = new_planner(storage, name, m, path)
+        thunks = plan_items(planner, tree, items)
         reps = replicated_leaves(m) if opts.replicated is Replicated.BROADCAST and world > 1 else set()
         index = {(lf.file, lf.offset, lf.nbytes): i for i, lf in enumerate(m.leaves)}
         for r in planner.reads:
@@ -136,10 +145,10 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         if o == rank:
             arr: Any = buf.numpy()
             mv = memoryview(arr).cast("B")
-            reads.extend(_Read(m.leaves[li], mv[off:off + sizes[li]]) for li, off in members)
+            reads.extend(ReadRequest(m.leaves[li], mv[off:off + sizes[li]]) for li, off in members)
     err = None
     try:
-        _execute(storage, name, m, reads, opts, path)
+        execute_reads(storage, name, m, reads, opts, path)
     except BaseException as exc:
         err = exc
     statuses: list[Any] = [None] * world

@@ -1,0 +1,65 @@
+"""DTensor: saved as its local shard plus its box in the global tensor; loaded by box intersection.
+
+Saving (training thread, a flattener registered with :func:`zerostall.tree.register_flattener`):
+a ``sharded`` tree node with the global shape and dtype and one shard ``{offset, shape, leaf}``
+per rank; rank 0's writer merges every rank's shards into one list (identical boxes, as under
+``Replicate``, once). A shard of a DTensor placed only with ``Shard`` is marked not shared: no
+other rank holds those bytes, so the writer does not hash them.
+
+Loading (any number of ranks, a box registered with
+:func:`zerostall.restore.register_template_box`): each rank's template DTensor asks for its local
+box; :class:`zerostall.restore.ReadPlanner` reads only the rows of the saved shards that
+intersect it. Nothing here imports torch at module load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerostall.errors import UnsupportedLeafError
+from zerostall.restore import TemplateBox, register_template_box
+from zerostall.tree import ArrayLeaf, add_torch_leaf, register_flattener
+
+__all__ = ["flatten_dtensor", "local_box", "is_dtensor_type"]
+
+
+def is_dtensor_type(t: type) -> bool:
+    """Whether ``t`` is torch's DTensor (matched by name: this module must not import torch)."""
+    return t.__name__ == "DTensor" and t.__module__.startswith("torch.distributed")
+
+
+def local_box(dt: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(global offset, local shape)`` of a DTensor's local shard on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+
+
+def flatten_dtensor(dt: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str, Any]:
+    """The ``sharded`` node of ``dt``: its local shard as a leaf, with its box.
+
+    Raises:
+        UnsupportedLeafError: ``dt`` has a ``Partial`` placement (no saved value exists).
+    """
+    if any(p.is_partial() for p in dt.placements):
+        raise UnsupportedLeafError("a DTensor with a Partial placement has no saved value; redistribute it "
+                                   "to Shard or Replicate first", key=key)
+    local = dt.to_local()
+    offset, shape = local_box(dt)
+    if tuple(local.shape) != shape:  # pragma: no cover - torch computes both
+        raise UnsupportedLeafError(f"local shard shape {tuple(local.shape)} differs from its box {shape}", key=key)
+    # Shard-only placements: no other rank holds these bytes, so the writer need not hash them.
+    node = add_torch_leaf(local.detach(), key, leaves, shared=not all(p.is_shard() for p in dt.placements))
+    shard: dict[str, Any] = {"offset": list(offset), "shape": list(shape), "leaf": node["leaf"]}
+    return {"type": "sharded", "kind": "torch", "dtype": leaves[-1].dtype, "shape": [int(s) for s in dt.shape],
+            "shards": [shard]}
+
+
+def _template_box(dt: Any) -> TemplateBox:
+    offset, shape = local_box(dt)
+    return TemplateBox(offset=offset, shape=shape, local=dt.to_local())
+
+
+register_flattener(is_dtensor_type, flatten_dtensor)
+register_template_box(is_dtensor_type, _template_box)

@@ -1,0 +1,429 @@
+"""The collective step of a save: how the writers of all ranks agree, through the storage only.
+
+Runs in the writer processes (and, for :func:`decide` / :func:`wait_for_outcome`, in the
+trainers' listener threads), never on the training thread, and never touches torch. Every rank
+derives the same names from ``(checkpoint name, run id, save counter)`` without talking; the one
+place that decides the outcome of an attempt is its *decision file*, created with
+``put(if_absent=True)``: the first writer wins, so exactly one of "commit" (only rank 0 writes
+it, once every report is in) or "abort" (any rank, on its own failure or on a timeout) ever
+exists, and every rank follows it. See docs/distributed.md.
+
+Within one rank's save (:class:`CollectiveStep`, driven by :func:`zerostall.persist.job.run_save`):
+
+1. hash every leaf another rank could hold (xxh3-128) and publish the table;
+2. once every rank's table is in, compute the same owner map on every rank: bytes identical on
+   several ranks are written once, by one of them, owners balanced by bytes;
+3. the job writes this rank's file with the leaves it owns and publishes a report;
+4. rank 0 merges the reports into one manifest and commits; every other rank waits for the
+   commit or the abort. Any failure or timeout decides "abort" for every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from zerostall._version import __version__
+from zerostall.commit import TMP_MARK, Attempt, RenameCommit, protocol_for
+from zerostall.errors import CheckpointExistsError, WireError, WriterError, ZerostallError, from_wire, to_wire
+from zerostall.manifest import MANIFEST_NAME, encode_manifest
+from zerostall.messages import Collective, LeafRow, SaveJob
+from zerostall.persist import faults
+from zerostall.storage import Storage
+
+__all__ = [
+    "AttemptNames", "attempt_names", "read_decision", "decide", "abort_doc", "error_of", "wait_for_outcome",
+    "assign_owners", "merge_reports", "CollectiveStep", "DEC_MARK", "rank_file",
+]
+
+DEC_MARK = ".zs-decision-"
+Table = dict[str, Any]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class AttemptNames:
+    """Where one attempt's files go; the same on every rank."""
+
+    name: str  # the checkpoint's final name under the storage root
+    attempt: str  # "<run id>-<save counter>"
+    staging: str  # directory (rename) or prefix (object store) the data files go under
+    data_dir: str  # relative to the checkpoint, as recorded in the manifest
+    coord: str  # hash tables and reports: <coord>/tables/, <coord>/ranks/
+    decision: str  # the decision file, beside the checkpoint
+    rename: bool  # commit by renaming ``staging`` onto ``name``
+
+    def data_file(self, rank: int) -> str:
+        return f"{self.staging}/{self.data_dir}/{rank_file(rank)}"
+
+    def table(self, rank: int) -> str:
+        return f"{self.coord}/tables/rank-{rank:05d}.json"
+
+    def report(self, rank: int) -> str:
+        return f"{self.coord}/ranks/rank-{rank:05d}.json"
+
+    @property
+    def failed(self) -> str:
+        """Written by rank 0 if it fails after deciding to commit (rename refused, I/O error)."""
+        return f"{self.decision}.failed"
+
+
+def attempt_names(storage: Storage, name: str, run: str, counter: int) -> AttemptNames:
+    attempt = f"{run}-{counter}"
+    if storage.atomic_rename:
+        staging = f".{name}{TMP_MARK}{attempt}"
+        return AttemptNames(name, attempt, staging, "data", f"{staging}/zs-coord", f".{name}{DEC_MARK}{attempt}",
+                            True)
+    return AttemptNames(name, attempt, name, f"data-{attempt}", f"{name}/zs-coord-{attempt}",
+                        f".{name}{DEC_MARK}{attempt}", False)
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+
+def read_decision(storage: Storage, names: AttemptNames) -> dict[str, Any] | None:
+    try:
+        data = storage.get(names.decision)
+    except FileNotFoundError:
+        return None
+    doc = json.loads(data)
+    return doc if isinstance(doc, dict) else None
+
+
+def decide(storage: Storage, names: AttemptNames, doc: dict[str, Any]) -> dict[str, Any]:
+    """Propose ``doc`` as the attempt's outcome; returns the outcome that holds (maybe another's)."""
+    try:
+        storage.put(names.decision, json.dumps(doc).encode(), if_absent=True)
+    except FileExistsError:
+        pass
+    got = read_decision(storage, names)
+    if got is None:  # pragma: no cover - put succeeded or the file existed
+        raise WriterError("the decision file vanished", path=names.decision)
+    return got
+
+
+def abort_doc(exc: BaseException, rank: int, path: str) -> dict[str, Any]:
+    """An abort decision carrying ``exc`` as every rank will raise it, naming ``rank``."""
+    wire = to_wire(exc, path=path)
+    if not isinstance(exc, ZerostallError) or exc.rank is None:
+        wire = WireError(cls=wire.cls, message=f"rank {rank}: {wire.message}", errno=wire.errno, path=wire.path,
+                         key=wire.key, rank=rank)
+    return {"decision": "abort", "by": rank, "error": wire.to_json()}
+
+
+def error_of(decision: dict[str, Any]) -> ZerostallError:
+    err = decision.get("error")
+    if not isinstance(err, dict):
+        return WriterError("the save was aborted (no reason recorded)")
+    return from_wire(WireError.from_json(err))
+
+
+def _committed_attempt(storage: Storage, names: AttemptNames) -> str | None:
+    """The attempt id recorded in the committed manifest at ``names.name``, if one is there."""
+    key = f"{names.name}/{MANIFEST_NAME}"
+    if not storage.exists(key):
+        return None
+    try:
+        doc = json.loads(storage.get(key))
+    except (FileNotFoundError, ValueError):
+        return None
+    att = doc.get("attempt") if isinstance(doc, dict) else None
+    return att if isinstance(att, str) else ""
+
+
+def wait_for_outcome(storage: Storage, names: AttemptNames, *, timeout_s: float, poll_s: float, rank: int,
+                     path: str) -> None:
+    """Return once the attempt is committed; raise the abort error (or a timeout) otherwise.
+
+    On timeout without any decision, this rank decides "abort", naming rank 0 (the committer),
+    so that no rank waits forever and all raise the same error. The timeout counts from the
+    last sign of progress (another rank's report appearing), so a rank 0 that is still writing
+    a large share is not mistaken for a dead one.
+
+    Raises:
+        ZerostallError: the abort's error, as every rank raises it.
+        WriterError: rank 0 neither committed nor aborted within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    reports = -1
+    while True:
+        if _committed_attempt(storage, names) == names.attempt:
+            return
+        try:
+            n = len(storage.list(f"{names.coord}/ranks"))
+        except FileNotFoundError:
+            n = reports
+        if n > reports:
+            reports = n
+            deadline = time.monotonic() + timeout_s
+        dec = read_decision(storage, names)
+        if dec is not None and dec.get("decision") == "abort":
+            raise error_of(dec)
+        if dec is not None and storage.exists(names.failed):
+            raise from_wire(WireError.from_json(json.loads(storage.get(names.failed))))
+        if time.monotonic() > deadline:
+            if dec is None:
+                exc = WriterError(f"rank 0 neither committed nor aborted the save within {timeout_s:g} s "
+                                  "(its writer is dead or late); nothing of this save was committed",
+                                  path=path, rank=0)
+                dec = decide(storage, names, {"decision": "abort", "by": rank,
+                                              "error": to_wire(exc, path=path).to_json()})
+                if dec.get("decision") == "abort":
+                    raise error_of(dec)
+            raise WriterError(f"rank 0 decided to commit but the checkpoint did not appear within {timeout_s:g} s",
+                              path=path, rank=0)
+        time.sleep(poll_s)
+
+
+# -- ownership and the merged manifest ------------------------------------------------------------
+
+
+def assign_owners(tables: list[Table]) -> dict[tuple[int, str], int]:
+    """``(rank, key) -> owner rank`` for every leaf of every rank; deterministic on every rank.
+
+    Leaves with equal ``(key, kind, dtype, shape, hash)`` on several ranks form a group written
+    once; groups go, largest first, to the member rank with the fewest bytes so far (ties: the
+    lowest rank). Unhashed leaves and leaves no other rank shares stay with their rank.
+    """
+    load = [0] * len(tables)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    sizes: dict[tuple[Any, ...], int] = {}
+    owner: dict[tuple[int, str], int] = {}
+    for r, t in enumerate(tables):
+        for key, kind, dtype, shape, nbytes, h in t["leaves"]:
+            if h is None:
+                owner[(r, key)] = r
+                load[r] += nbytes
+                continue
+            g = (key, kind, dtype, tuple(shape), h)
+            groups.setdefault(g, []).append(r)
+            sizes[g] = nbytes
+    shared = []
+    for g, members in groups.items():
+        if len(members) == 1:
+            owner[(members[0], g[0])] = members[0]
+            load[members[0]] += sizes[g]
+        else:
+            shared.append(g)
+    shared.sort(key=lambda g: (-sizes[g], g[0], g[4]))
+    for g in shared:
+        members = groups[g]
+        o = min(members, key=lambda r: (load[r], r))
+        load[o] += sizes[g]
+        for r in members:
+            owner[(r, g[0])] = o
+    return owner
+
+
+def _walk_leaves(node: Any, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``fn`` on every node or shard entry that holds a ``leaf`` index."""
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "sharded":
+        for sh in node["shards"]:
+            fn(sh)
+        return
+    if "leaf" in node:
+        fn(node)
+    for v in node.get("values", ()):
+        _walk_leaves(v, fn)
+
+
+def _walk_sharded(node: Any, key: str, fn: Callable[[str, dict[str, Any]], None]) -> None:
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "sharded":
+        fn(key, node)
+        return
+    labels = node.get("keys") or node.get("fields") or range(len(node.get("values", ())))
+    for lab, v in zip(labels, node.get("values", ())):
+        _walk_sharded(v, f"{key}/{lab}", fn)
+
+
+def merge_reports(reports: list[dict[str, Any]], data_dir: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The global ``files``, ``leaves`` and per-rank item trees of a collective save."""
+    files = [{"path": f"{data_dir}/{rank_file(r)}", "size": rep["file_size"]} for r, rep in enumerate(reports)]
+    leaves: list[dict[str, Any]] = []
+    index: dict[tuple[int, str], int] = {}
+    for r, rep in enumerate(reports):
+        for lf in rep["written"]:
+            index[(r, lf["key"])] = len(leaves)
+            leaves.append(dict(lf, file=r))
+    trees: list[dict[str, Any]] = []
+    shards: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], dict[str, Any]]] = {}
+
+    def collect(key: str, n: dict[str, Any]) -> None:
+        box = shards.setdefault(key, {})
+        for sh in n["shards"]:
+            box.setdefault((tuple(sh["offset"]), tuple(sh["shape"])), sh)
+
+    def fill(key: str, n: dict[str, Any]) -> None:
+        n["shards"] = [dict(sh) for _, sh in sorted(shards[key].items())]
+
+    for rep in reports:
+        refs = rep["refs"]
+        items = json.loads(json.dumps(rep["items"]))  # a private copy to rewrite
+
+        def remap(n: dict[str, Any], refs: list[Any] = refs) -> None:
+            o, k = refs[n["leaf"]]
+            n["leaf"] = index[(o, k)]
+            n.pop("unique", None)
+
+        for name, node in items.items():
+            _walk_leaves(node, remap)
+            _walk_sharded(node, name, collect)
+        trees.append(items)
+    # Every rank's sharded node lists every saved shard (identical boxes once), for resharding.
+    for items in trees:
+        for name, node in items.items():
+            _walk_sharded(node, name, fill)
+    return files, leaves, trees
+
+
+# -- one rank's step -------------------------------------------------------------------------------
+
+
+class CollectiveStep:
+    """This rank's part of a collective save, as :func:`zerostall.persist.job.run_save` drives it."""
+
+    def __init__(self, job: SaveJob, coll: Collective, storage: Storage) -> None:
+        self.job, self.coll, self.storage = job, coll, storage
+        self.names = attempt_names(storage, job.name, coll.run, coll.counter)
+        self.applies_retention = coll.rank == 0
+
+    def begin(self) -> None:
+        if self.names.rename and self.storage.exists(self.names.name):
+            raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
+                                        path=self.job.path)
+
+    def data_key(self, file_name: str) -> str:
+        return self.names.data_file(self.coll.rank)
+
+    def owned(self, views: Sequence[memoryview], hash_leaf: Callable[[LeafRow], bool]) -> list[int]:
+        """Hash, publish the table, wait for every rank's, and return the indices of the leaves this rank writes."""
+        job, coll, names = self.job, self.coll, self.names
+        table = [[lf.key, lf.kind, lf.dtype, list(lf.shape), lf.nbytes,
+                  _hash(views[lf.file][lf.offset:lf.offset + lf.nbytes]) if coll.world > 1 and hash_leaf(lf) else None]
+                 for lf in job.leaves]
+        # if_absent: written aside and linked into place, so a poller never reads half a file
+        self.storage.put(names.table(coll.rank), json.dumps({"leaves": table}).encode(), if_absent=True)
+        self._poll_all(f"{names.coord}/tables", "hash tables")
+        tables = [json.loads(self.storage.get(names.table(r))) for r in range(coll.world)]
+        self._owner = assign_owners(tables)
+        return [i for i, lf in enumerate(job.leaves) if self._owner[(coll.rank, lf.key)] == coll.rank]
+
+    def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
+        """Publish this rank's report; rank 0 merges every report and commits, the others wait."""
+        job, coll, names, storage = self.job, self.coll, self.names, self.storage
+        report = {"rank": coll.rank, "file_size": files[0]["size"],
+                  "written": [{k: v for k, v in lf.items() if k != "file"} for lf in written],
+                  "items": job.items, "refs": [[self._owner[(coll.rank, lf.key)], lf.key] for lf in job.leaves]}
+        storage.put(names.report(coll.rank), json.dumps(report).encode(), if_absent=True)
+        if coll.rank != 0:
+            wait_for_outcome(storage, names, timeout_s=coll.timeout_s, poll_s=coll.poll_s, rank=coll.rank,
+                             path=job.path)
+            return
+        self._poll_all(f"{names.coord}/ranks", "reports")
+        faults.hit("manifest")
+        reports = [json.loads(storage.get(names.report(r))) for r in range(coll.world)]
+        all_files, all_leaves, trees = merge_reports(reports, names.data_dir)
+        manifest = encode_manifest(items=trees[0], leaves=all_leaves, files=all_files, metadata=job.metadata,
+                                   library_version=__version__, ranks=trees, attempt=names.attempt)
+        faults.hit("commit")
+        dec = decide(storage, names, {"decision": "commit", "by": 0})
+        if dec.get("decision") != "commit":
+            raise error_of(dec)
+        try:
+            self._commit(manifest)
+        except BaseException as exc:
+            storage.put(names.failed, json.dumps(abort_doc(exc, 0, job.path)["error"]).encode(), if_absent=True)
+            raise
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Decide "abort" (unless another rank decided first) and return what every rank raises."""
+        storage, names = self.storage, self.names
+        final: BaseException = exc
+        try:
+            dec = decide(storage, names, abort_doc(exc, self.coll.rank, self.job.path))
+            if dec.get("decision") == "abort":
+                final = error_of(dec)
+                self._remove_attempt()
+            elif storage.exists(names.failed):
+                final = from_wire(WireError.from_json(json.loads(storage.get(names.failed))))
+        except Exception:  # noqa: BLE001 - the storage failed too: the original error stands
+            pass
+        return final
+
+    def after_commit(self) -> None:
+        if self.coll.rank == 0:
+            self._cleanup_decisions()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _poll_all(self, folder: str, what: str) -> None:
+        """Wait until ``folder`` holds one file per rank; raise the abort error or a timeout naming the late ranks."""
+        coll = self.coll
+        deadline = time.monotonic() + coll.timeout_s
+        want = {f"rank-{r:05d}.json" for r in range(coll.world)}
+        while True:
+            dec = read_decision(self.storage, self.names)
+            if dec is not None and dec.get("decision") == "abort":
+                raise error_of(dec)
+            try:
+                have = set(self.storage.list(folder))
+            except FileNotFoundError:
+                have = set()
+            missing = sorted(int(n[5:10]) for n in want - have)
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise WriterError(f"rank(s) {missing} did not publish their {what} within {coll.timeout_s:g} s "
+                                  "(writer dead or late); nothing of this save was committed", path=self.job.path,
+                                  rank=missing[0])
+            time.sleep(coll.poll_s)
+
+    def _commit(self, manifest: bytes) -> None:
+        """Commit through the one commit protocol every save uses (commit.py), coordination files first."""
+        storage, names = self.storage, self.names
+        if names.rename:
+            storage.delete(names.coord)  # it lives inside the staging directory: not part of the checkpoint
+        protocol = protocol_for(storage)
+        assert isinstance(protocol, RenameCommit) == names.rename
+        protocol.commit(Attempt(name=names.name, staging=names.staging, data_dir=names.data_dir), manifest)
+        if not names.rename:
+            storage.delete(names.coord)  # beside the committed checkpoint on an object store
+
+    def _remove_attempt(self) -> None:
+        """Remove what this attempt wrote (any rank may; an aborted attempt is never committed)."""
+        names = self.names
+        for target in ((names.staging,) if names.rename else (f"{names.staging}/{names.data_dir}", names.coord)):
+            try:
+                self.storage.delete(target)
+            except OSError:
+                pass  # another rank is deleting it too
+
+    def _cleanup_decisions(self) -> None:
+        """Drop this run's older decision files: every rank has finished with them (all reported since)."""
+        storage, names, run = self.storage, self.names, self.coll.run
+        try:
+            storage.delete(names.decision)
+            for n in storage.list(""):
+                if DEC_MARK in n and f"{DEC_MARK}{run}-" in n:
+                    tail = n.split(f"{DEC_MARK}{run}-", 1)[1].split(".", 1)[0]
+                    if tail.isdigit() and int(tail) < self.coll.counter:
+                        storage.delete(n)
+        except OSError:
+            pass
+
+
+def _hash(view: memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(view)

@@ -1,0 +1,354 @@
+"""Read planning: walk a manifest's tree against a template, check it, and decide where every byte goes.
+
+:class:`ReadPlanner` is the public planning API of a load: :func:`zerostall.restore.load_items`
+uses it for a local load and :mod:`zerostall.distributed` for a collective one. Planning checks
+every asked-for leaf (key, shape, dtype) before any byte is read, and picks each leaf's
+destination: straight into the template tensor's memory when it is a contiguous CPU tensor,
+else a fresh host buffer copied in afterwards. It returns *thunks* that assemble the result
+once the reads (:func:`zerostall.restore.read.execute_reads`) are done.
+
+Templates of array types this module does not know (a ``DTensor``) plug in through
+:func:`register_template_box`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype
+from zerostall.errors import (
+    CorruptCheckpointError, MismatchError, MissingKeyError, UnsupportedFormatError,
+)
+from zerostall.manifest import LeafEntry, Manifest
+from zerostall.restore.files import DataFiles
+from zerostall.tree import handler_by_name, is_stateful, key_join
+
+__all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box"]
+
+Thunk = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class TemplateBox:
+    """Where a template tensor sits in the global tensor, and the local tensor to fill."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    local: Any
+
+
+_BOXES: list[tuple[Callable[[type], bool], Callable[[Any], TemplateBox]]] = []
+_BOX_LOCK = threading.Lock()
+
+
+def register_template_box(match: Callable[[type], bool], box: Callable[[Any], TemplateBox]) -> None:
+    """Load a ``sharded`` node into templates whose type satisfies ``match`` through ``box(template)``.
+
+    A template so registered (a ``DTensor``; :mod:`zerostall.distributed` registers it) receives
+    only its own box of the global tensor, read from whichever saved shards intersect it.
+    """
+    with _BOX_LOCK:
+        _BOXES.insert(0, (match, box))
+
+
+def _box_of(tmpl: Any) -> TemplateBox | None:
+    t = type(tmpl)
+    return next((b(tmpl) for m, b in _BOXES if m(t)), None)
+
+
+def _bytes_of(a: Any) -> memoryview:
+    """A flat uint8 view of a C-contiguous numpy array's memory."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+@dataclass
+class ReadRequest:
+    leaf: LeafEntry
+    dest: memoryview  # uint8, exactly leaf.nbytes
+    verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
+
+
+class ReadPlanner:
+    def __init__(self, manifest: Manifest, path: str, files: DataFiles) -> None:
+        self.m = manifest
+        self.path = path
+        self.files = files
+        self.reads: list[ReadRequest] = []
+
+    def _leaf(self, index: int) -> LeafEntry:
+        """The leaf at ``index``, once its data file has been checked (before any allocation)."""
+        leaf = self.m.leaves[index]
+        if leaf.nbytes:
+            self.files.check(leaf)
+        return leaf
+
+    # -- leaves ------------------------------------------------------------------------------
+
+    def mismatch(self, key: str, what: str, saved: Any, want: Any) -> MismatchError:
+        return MismatchError(f"{what} differs: checkpoint has {saved}, template has {want}", path=self.path, key=key)
+
+    def array(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+        leaf = self._leaf(node["leaf"])
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(tmpl, torch.Tensor):
+            return self._into_torch(leaf, tmpl, key, torch)
+        if isinstance(tmpl, np.ndarray):
+            return self._into_numpy(leaf, tmpl, key)
+        if tmpl is not None and not isinstance(tmpl, (int, float, bool, np.generic)):
+            raise MismatchError(f"checkpoint has an array here but the template has {type(tmpl).__name__}",
+                                path=self.path, key=key)
+        return self._fresh(leaf, key)
+
+    def _into_torch(self, leaf: LeafEntry, t: Any, key: str, torch: Any) -> Thunk:
+        want = to_torch_dtype(leaf.dtype)
+        if t.dtype != want:
+            raise self.mismatch(key, "dtype", f"{leaf.dtype} ({want})", t.dtype)
+        if tuple(t.shape) != leaf.shape:
+            raise self.mismatch(key, "shape", list(leaf.shape), list(t.shape))
+        if leaf.nbytes == 0:
+            return lambda: t
+        if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            # Read straight into the template's memory: no second full-size buffer.
+            dest = t.detach().reshape(-1).view(torch.uint8).numpy()
+            self.reads.append(ReadRequest(leaf, memoryview(dest).cast("B")))
+            return lambda: t
+        tmp = torch.empty(leaf.shape, dtype=want)
+        self.reads.append(ReadRequest(leaf, memoryview(tmp.reshape(-1).view(torch.uint8).numpy()).cast("B")))
+
+        def copy_back() -> Any:
+            with torch.no_grad():
+                t.copy_(tmp)
+            return t
+        return copy_back
+
+    def _into_numpy(self, leaf: LeafEntry, a: np.ndarray, key: str) -> Thunk:
+        want = to_numpy_dtype(leaf.dtype)
+        if leaf.dtype in ("BF16",) or leaf.dtype.startswith("F8"):
+            raise self.mismatch(key, "dtype", leaf.dtype, f"{a.dtype} (numpy has no {leaf.dtype})")
+        if a.dtype != want:
+            raise self.mismatch(key, "dtype", f"{leaf.dtype} ({want})", a.dtype)
+        if tuple(a.shape) != leaf.shape:
+            raise self.mismatch(key, "shape", list(leaf.shape), list(a.shape))
+        if leaf.nbytes == 0:
+            return lambda: a
+        if a.flags.c_contiguous and a.flags.writeable:
+            self.reads.append(ReadRequest(leaf, _bytes_of(a)))
+            return lambda: a
+        tmp = np.empty(leaf.shape, dtype=want)
+        self.reads.append(ReadRequest(leaf, _bytes_of(tmp)))
+
+        def copy_back() -> Any:
+            if not a.flags.writeable:
+                return tmp  # a read-only template cannot be filled; return the loaded copy
+            np.copyto(a, tmp)
+            return a
+        return copy_back
+
+    def _fresh(self, leaf: LeafEntry, key: str) -> Thunk:
+        if leaf.kind == "torch":
+            torch_mod: Any
+            try:
+                import torch as torch_mod
+            except ImportError:
+                torch_mod = None
+            if torch_mod is not None:
+                torch = torch_mod
+                t = torch.empty(leaf.shape, dtype=to_torch_dtype(leaf.dtype))
+                if leaf.nbytes:
+                    self.reads.append(ReadRequest(leaf, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+                return lambda: t
+        a = np.empty(leaf.shape, dtype=to_numpy_dtype(leaf.dtype))
+        if leaf.nbytes:
+            self.reads.append(ReadRequest(leaf, _bytes_of(a)))
+        if leaf.kind == "numpy_scalar":
+            return lambda: a[()]
+        return lambda: a
+
+    def raw_bytes(self, node: dict[str, Any]) -> Callable[[], bytes]:
+        leaf = self._leaf(node["leaf"])
+        buf = bytearray(leaf.nbytes)
+        if leaf.nbytes:
+            self.reads.append(ReadRequest(leaf, memoryview(buf)))
+        return lambda: bytes(buf)
+
+    # -- tree --------------------------------------------------------------------------------
+
+    def build(self, node: dict[str, Any], tmpl: Any, key: str, *, follow_checkpoint: bool = False) -> Thunk:
+        """A thunk producing the value of ``node``; ``tmpl`` gives destinations and, unless
+        ``follow_checkpoint``, the structure (keys absent from the template are not read)."""
+        if tmpl is not None and is_stateful(tmpl):
+            target = tmpl
+            inner = self.build(node, target.state_dict(), key, follow_checkpoint=True)
+
+            def load() -> Any:
+                target.load_state_dict(inner())
+                return target
+            return load
+        t = node["type"]
+        if t == "none":
+            return lambda: None
+        if t in ("int", "bool", "str"):
+            v = node["value"]
+            return lambda: v
+        if t == "float":
+            f = float.fromhex(node["value"])
+            return lambda: f
+        if t == "array":
+            return self.array(node, tmpl, key)
+        if t == "bytes":
+            return self.raw_bytes(node)
+        if t == "custom":
+            return self._custom(node, key)
+        if t == "sharded":
+            return self._sharded(node, tmpl, key)
+        if t == "dict":
+            return self._dict(node, tmpl, key, follow_checkpoint)
+        return self._sequence(node, tmpl, key, follow_checkpoint)
+
+    def _sharded(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+        """A tensor saved as boxes: read the rows of each saved shard that intersect the template's box.
+
+        The template is a registered box type (a ``DTensor``: its local box), a full tensor, or
+        None (the whole global tensor is assembled). Each shard is read as one contiguous byte
+        range: exact rows for dim-0 sharding, the covering row range otherwise.
+        """
+        import torch
+
+        gshape = tuple(node["shape"])
+        dtype_name = node["dtype"]
+        dtype = to_torch_dtype(dtype_name)
+        itemsize = ITEMSIZE[dtype_name]
+        box = _box_of(tmpl) if tmpl is not None else None
+        if tmpl is not None and box is None and not isinstance(tmpl, torch.Tensor):
+            raise MismatchError(f"checkpoint has a tensor here but the template has {type(tmpl).__name__}",
+                                path=self.path, key=key)
+        if tmpl is not None:
+            if tmpl.dtype != dtype:
+                raise self.mismatch(key, "dtype", f"{dtype_name} ({dtype})", tmpl.dtype)
+            if tuple(tmpl.shape) != gshape:
+                raise self.mismatch(key, "shape", list(gshape), list(tmpl.shape))
+        if box is not None:
+            lo, ext, dest = box.offset, box.shape, box.local
+        else:
+            lo, ext = (0,) * len(gshape), gshape
+            dest = tmpl if tmpl is not None else torch.empty(gshape, dtype=dtype)
+        hi = tuple(a + b for a, b in zip(lo, ext))
+        copies: list[tuple[Any, tuple[slice, ...], tuple[slice, ...]]] = []
+        covered = 0
+        for sh in node["shards"]:
+            leaf = self.m.leaves[sh["leaf"]]
+            so, ss = tuple(sh["offset"]), tuple(sh["shape"])
+            if leaf.shape != ss or leaf.dtype != dtype_name:
+                raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
+                                             f"its box says {list(ss)} {dtype_name}", path=self.path, key=key)
+            ilo = tuple(max(a, b) for a, b in zip(lo, so))
+            ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss))
+            if any(a >= b for a, b in zip(ilo, ihi)):
+                continue
+            covered += math.prod(b - a for a, b in zip(ilo, ihi))
+            if not gshape:  # a 0-d tensor: one element
+                a, b, row = 0, 1, itemsize
+            else:
+                a, b = ilo[0] - so[0], ihi[0] - so[0]
+                row = math.prod(ss[1:]) * itemsize
+            tmp = torch.empty((b - a, *ss[1:]) if gshape else (), dtype=dtype)
+            whole = a == 0 and b == (ss[0] if gshape else 1)
+            part = dataclasses.replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row,
+                                       crc32c=leaf.crc32c if whole else None)
+            if part.nbytes:
+                self._leaf(sh["leaf"])  # the data file is checked before anything is read from it
+                raw: Any = tmp.reshape(-1).view(torch.uint8).numpy()
+                self.reads.append(ReadRequest(part, memoryview(raw).cast("B"), verify=whole))
+            src_idx = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:])))
+            dst_idx = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo))
+            copies.append((tmp, src_idx[:len(gshape)], dst_idx))
+        if covered != math.prod(ext):
+            raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
+                                         "rank needs", path=self.path, key=key)
+
+        def assemble() -> Any:
+            with torch.no_grad():
+                for tmp, src_idx, dst_idx in copies:
+                    if gshape:
+                        dest[dst_idx].copy_(tmp[src_idx])
+                    else:
+                        dest.copy_(tmp)
+            return tmpl if tmpl is not None else dest
+        return assemble
+
+    def _custom(self, node: dict[str, Any], key: str) -> Thunk:
+        handler = handler_by_name(node["handler"])
+        if handler is None:
+            raise UnsupportedFormatError(
+                f"no handler named {node['handler']!r} is registered; register it with "
+                "zerostall.register_handler before loading", path=self.path, key=key)
+        if "leaf" in node:
+            raw = self.raw_bytes(node)
+
+            def decode_bytes() -> Any:
+                return self._decode(handler, raw(), key)
+            return decode_bytes
+        value = node.get("json")
+        return lambda: self._decode(handler, value, key)
+
+    def _decode(self, handler: Any, value: Any, key: str) -> Any:
+        try:
+            return handler.decode(value)
+        except Exception as exc:
+            raise CorruptCheckpointError(f"handler {handler.name!r} could not decode: {exc}",
+                                         path=self.path, key=key) from exc
+
+    def _dict(self, node: dict[str, Any], tmpl: Any, key: str, follow: bool) -> Thunk:
+        saved = dict(zip(node["keys"], node["values"]))
+        if tmpl is not None and not isinstance(tmpl, dict):
+            raise MismatchError(f"checkpoint has a dict here but the template has {type(tmpl).__name__}",
+                                path=self.path, key=key)
+        if tmpl is None or follow:
+            t_get = tmpl.get if isinstance(tmpl, dict) else (lambda _k: None)
+            parts = [(k, self.build(v, t_get(k), key_join(key, k), follow_checkpoint=follow)) for k, v in saved.items()]
+            return lambda: {k: th() for k, th in parts}
+        parts = []
+        for k, sub in tmpl.items():
+            if k not in saved:
+                raise MissingKeyError("the template asks for a key the checkpoint does not have",
+                                      path=self.path, key=key_join(key, k))
+            parts.append((k, self.build(saved[k], sub, key_join(key, k))))
+        proto = tmpl
+
+        def make() -> Any:
+            out = copy.copy(proto)  # keeps OrderedDict / defaultdict and their extras
+            for k, th in parts:
+                out[k] = th()
+            return out
+        return make
+
+    def _sequence(self, node: dict[str, Any], tmpl: Any, key: str, follow: bool) -> Thunk:
+        t = node["type"]
+        values = node["values"]
+        labels = node.get("fields") or list(range(len(values)))
+        if tmpl is not None and not isinstance(tmpl, (list, tuple)):
+            raise MismatchError(f"checkpoint has a {t} here but the template has {type(tmpl).__name__}",
+                                path=self.path, key=key)
+        if tmpl is not None and len(tmpl) != len(values):
+            raise MismatchError(f"length differs: checkpoint has {len(values)}, template has {len(tmpl)}",
+                                path=self.path, key=key)
+        subs = list(tmpl) if tmpl is not None else [None] * len(values)
+        parts = [self.build(v, s, key_join(key, lab), follow_checkpoint=follow)
+                 for v, s, lab in zip(values, subs, labels)]
+        if tmpl is not None and isinstance(tmpl, tuple) and hasattr(tmpl, "_fields"):
+            cls = type(tmpl)
+            return lambda: cls(*[p() for p in parts])
+        if tmpl is not None:
+            kind: type = list if isinstance(tmpl, list) else tuple
+        else:
+            kind = list if t == "list" else tuple  # a namedtuple without template comes back as a tuple
+        return lambda: kind(p() for p in parts)
