@@ -17,7 +17,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
@@ -28,7 +30,9 @@ stress: $(STAMP)
 	ZEROSTALL_STRESS=1 $(PY) -m pytest -q -p no:cacheprovider tests -k "crash or stress"
 
 typecheck: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -11,7 +11,6 @@ is printed), which is what the issue's "pre-warm at Checkpointer creation" asks 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -20,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-import zerostall  # noqa: E402
-from benchmarks.state import build_state, parse_size  # noqa: E402
-from benchmarks.zs import _tensors as _leaves  # noqa: E402
+import zerostall
+from benchmarks.state import build_state, parse_size
+from benchmarks.zs import _tensors as _leaves
 
 
 def main() -> None:

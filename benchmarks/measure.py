@@ -14,9 +14,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import psutil
 
@@ -170,7 +171,7 @@ class ForeignLoad:
     flagged with it instead of being silently trusted.
     """
 
-    def __enter__(self) -> "ForeignLoad":
+    def __enter__(self) -> ForeignLoad:
         self._busy0, _ = _cpu_jiffies()
         self._own0 = _own_cpu_s()
         self._t0 = now()
@@ -232,7 +233,7 @@ class RssSampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._proc = psutil.Process()
         self.baseline_trainer, self.peak_children = _tree_rss(self._proc)
         self.peak_trainer = self.baseline_trainer

@@ -31,8 +31,9 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

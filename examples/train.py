@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_lm import Loader, TinyLM, loss_fn, lr_lambda, make_corpus  # noqa: E402
+from tiny_lm import Loader, TinyLM, loss_fn, lr_lambda, make_corpus
 
-import zerostall  # noqa: E402
+import zerostall
 
 
 class RNG:

@@ -34,7 +34,7 @@ def no_traceback(p: subprocess.CompletedProcess[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("cli") / "run"
     with Checkpointer(d, save_options=THREAD) as c:
         for step in (10, 20):
@@ -48,21 +48,21 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+def copy_of(cli_run: Path, tmp_path: Path) -> Path:
     import shutil
 
     dst = tmp_path / "step"
-    shutil.copytree(run_dir / "step_00000020", dst)
+    shutil.copytree(cli_run / "step_00000020", dst)
     return dst
 
 
-def test_list(run_dir: Path) -> None:
-    p = zs("list", run_dir)
+def test_list(cli_run: Path) -> None:
+    p = zs("list", cli_run)
     assert p.returncode == 0, p.stderr
     assert "step_00000010" in p.stdout and "step_00000020" in p.stdout
     assert "step_00000040" not in p.stdout  # not committed
     assert "1 unfinished" in p.stdout
-    rc, doc = zs_json("list", run_dir)
+    rc, doc = zs_json("list", cli_run)
     assert rc == 0
     assert [c["step"] for c in doc["checkpoints"]] == [10, 20]
     assert doc["latest_step"] == 20
@@ -81,8 +81,8 @@ def test_list_empty_and_missing(tmp_path: Path) -> None:
     assert rc == 1 and doc["ok"] is False and doc["error"]["class"] == "StorageError"
 
 
-def test_inspect(run_dir: Path) -> None:
-    path = run_dir / "step_00000020"
+def test_inspect(cli_run: Path) -> None:
+    path = cli_run / "step_00000020"
     p = zs("inspect", path)
     assert p.returncode == 0, p.stderr
     for word in ("pytree/w", "F32", "8x4", "BF16", "BOOL", "I16", "pytree/blob", "zerostall v1", '"loss": 0.5'):
@@ -99,10 +99,10 @@ def test_inspect(run_dir: Path) -> None:
     assert doc["metadata"] == {"loss": 0.5, "step": 20}
 
 
-def test_verify_ok(run_dir: Path) -> None:
-    p = zs("verify", run_dir / "step_00000010")
+def test_verify_ok(cli_run: Path) -> None:
+    p = zs("verify", cli_run / "step_00000010")
     assert p.returncode == 0 and p.stdout.startswith("OK "), p.stdout + p.stderr
-    rc, doc = zs_json("verify", run_dir / "step_00000010")
+    rc, doc = zs_json("verify", cli_run / "step_00000010")
     assert rc == 0 and doc["ok"] and doc["bad_keys"] == [] and doc["leaves"] == 5
 
 
@@ -192,11 +192,11 @@ def test_usage_errors_exit_2() -> None:
     assert zs("verify").returncode == 2
 
 
-def test_console_script_is_installed(run_dir: Path) -> None:
+def test_console_script_is_installed(cli_run: Path) -> None:
     exe = Path(sys.executable).with_name("zerostall")
     if not exe.exists():
         pytest.skip("console script not installed in this environment")
-    p = subprocess.run([str(exe), "list", str(run_dir)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([str(exe), "list", str(cli_run)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "step_00000020" in p.stdout
 
 
@@ -234,9 +234,9 @@ def test_text_output_escapes_control_characters(tmp_path: Path) -> None:
     assert doc["bad_keys"] == [f"pytree/{evil}"]  # JSON keeps the key exact
 
 
-def test_run_directory_instead_of_a_step_gets_a_hint(run_dir: Path) -> None:
+def test_cli_runectory_instead_of_a_step_gets_a_hint(cli_run: Path) -> None:
     for cmd in ("inspect", "verify"):
-        p = zs(cmd, run_dir)
+        p = zs(cmd, cli_run)
         assert p.returncode == 1
         no_traceback(p)
         assert "2 committed step(s)" in p.stderr and "step_00000020" in p.stderr, p.stderr

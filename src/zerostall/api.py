@@ -72,7 +72,15 @@ def save_checkpointables_async(
     """Stage ``{name: item}`` and return; the checkpoint at ``path`` commits in the background.
 
     ``path`` must not hold a checkpoint yet. On return every array has been copied: the caller
-    may mutate its tensors. ``metadata`` is plain JSON stored in the manifest.
+    may mutate its tensors. ``metadata`` is plain JSON stored in the manifest. Under
+    ``torch.distributed`` the call is collective (docs/distributed.md).
+
+    Raises:
+        CheckpointExistsError: ``path`` already holds something (a committed checkpoint or not).
+        UnsupportedLeafError: a leaf zerostall cannot save (the error names its key).
+        WriterError: no writer could take the save.
+        Errors of the background part (``StorageError`` with its errno, ``WriterError``, ...) are
+        raised by the returned response's ``result()``.
     """
     parent, name = split_url(_path(path))
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
@@ -82,7 +90,13 @@ def save_checkpointables(
     path: str | os.PathLike[str], items: dict[str, Any], *, metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> None:
-    """Save ``{name: item}`` to ``path`` and return once it is committed."""
+    """Save ``{name: item}`` to ``path`` and return once it is committed.
+
+    Raises:
+        CheckpointExistsError, UnsupportedLeafError: as :func:`save_checkpointables_async`.
+        StorageError: an I/O failure (errno kept: ENOSPC, EIO, ...); nothing was committed.
+        WriterError: the writer died before the commit.
+    """
     save_checkpointables_async(path, items, metadata=metadata, options=options).result()
 
 
@@ -90,7 +104,7 @@ def save_pytree_async(
     path: str | os.PathLike[str], tree: Any, *, metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> Response:
-    """Stage ``tree`` and return; see :func:`save_checkpointables_async`."""
+    """Stage ``tree`` and return; see :func:`save_checkpointables_async` (same errors)."""
     return save_checkpointables_async(path, {PYTREE: tree}, metadata=metadata, options=options)
 
 
@@ -98,7 +112,7 @@ def save_pytree(
     path: str | os.PathLike[str], tree: Any, *, metadata: dict[str, Any] | None = None,
     options: SaveOptions | None = None,
 ) -> None:
-    """Save ``tree`` to ``path`` and return once it is committed."""
+    """Save ``tree`` to ``path`` and return once it is committed; see :func:`save_checkpointables` (same errors)."""
     save_pytree_async(path, tree, metadata=metadata, options=options).result()
 
 
@@ -109,6 +123,16 @@ def load_checkpointables(
 
     ``items=None`` loads every item as saved. A template restricts what is read to its keys;
     tensors and arrays in it are filled in place; ``Stateful`` objects get ``load_state_dict``.
+    Every leaf read is verified against its checksum (``LoadOptions(verify=False)`` skips it).
+
+    Raises:
+        CheckpointNotFoundError: nothing is committed at ``path``.
+        MissingKeyError: an item or a template key is not in the checkpoint.
+        MismatchError: a template leaf differs in shape, dtype or kind.
+        ChecksumMismatchError: a leaf's bytes do not match their checksum (names the key).
+        CorruptCheckpointError: a data file is missing, truncated or malformed.
+        UnsupportedFormatError: the checkpoint is of a newer format, or names an unregistered handler.
+        StorageError: an I/O failure.
     """
     parent, name = split_url(_path(path))
     return load(parent, name, items, options)
@@ -117,7 +141,11 @@ def load_checkpointables(
 def load_pytree(
     path: str | os.PathLike[str], template: Any = None, *, options: LoadOptions | None = None,
 ) -> Any:
-    """Load the tree saved by :func:`save_pytree`, into ``template`` in place if given."""
+    """Load the tree saved by :func:`save_pytree`, into ``template`` in place if given.
+
+    Raises:
+        The errors of :func:`load_checkpointables`.
+    """
     out = load_checkpointables(path, {PYTREE: template}, options=options)
     if PYTREE not in out:  # pragma: no cover - load_items raises first
         raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)

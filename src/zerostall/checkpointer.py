@@ -34,6 +34,10 @@ class Checkpointer:
             in both option sets. Saves and loads are collective whenever torch.distributed is
             initialized: every rank calls them with the same step (docs/distributed.md).
 
+    Raises:
+        ValueError: an argument is out of range.
+        StorageError: the directory cannot be created.
+
     The writer process starts here, so the first save does not pay for it. Partial saves left by
     writers that died (on this host) are removed here. Saves are
     unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
@@ -105,7 +109,12 @@ class Checkpointer:
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
                                    metadata: dict[str, Any] | None = None) -> Response:
-        """Stage ``items`` as ``step`` and return; commit (and retention) follow in the background."""
+        """Stage ``items`` as ``step`` and return; commit (and retention) follow in the background.
+
+        Raises:
+            ValueError: ``step`` is not a non-negative int.
+            The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
+        """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         meta = dict(metadata or {}, step=step)
@@ -154,7 +163,12 @@ class Checkpointer:
         return step
 
     def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`."""
+        """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`.
+
+        Raises:
+            CheckpointNotFoundError: no step is committed (or not ``step``).
+            The errors of :func:`zerostall.load_checkpointables`.
+        """
         return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
 
     def load_pytree(self, step: int | None = None, template: Any = None) -> Any:

@@ -21,12 +21,13 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any
 
 from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, step_name
 from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
-from zerostall.manifest import MANIFEST_NAME, Manifest
+from zerostall.manifest import MANIFEST_NAME
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage, split_url
 
@@ -77,7 +78,7 @@ def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNot
     """Given a Checkpointer's directory instead of one step, say which steps it holds."""
     try:
         steps = committed_steps(open_storage(url))
-    except Exception:
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
         return exc
     if not steps:
         return exc

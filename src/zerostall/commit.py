@@ -123,17 +123,38 @@ class Attempt:
 
 
 class CommitProtocol:
+    """How one save's files become a checkpoint: all at once, or not at all."""
+
     def begin(self, name: str) -> Attempt:
+        """Start an attempt at ``name``: where its files go.
+
+        Raises:
+            CheckpointExistsError: ``name`` already holds a committed checkpoint (or, with a
+                rename, anything at all).
+        """
         raise NotImplementedError
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
+        """Make the attempt durable and visible; the manifest goes last. Runs in the writer.
+
+        Raises:
+            CheckpointExistsError: another writer committed ``name`` first (nothing of ours is visible).
+            OSError: the storage failed; the attempt is not committed.
+        """
         raise NotImplementedError
 
     def abort(self, attempt: Attempt) -> None:
+        """Remove what the attempt wrote; never data that a committed manifest refers to.
+
+        Raises:
+            OSError: the storage failed (the attempt stays invisible).
+        """
         raise NotImplementedError
 
 
 class RenameCommit(CommitProtocol):
+    """POSIX and memory: a hidden temporary directory, fsynced, renamed onto the name."""
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
@@ -159,6 +180,8 @@ class RenameCommit(CommitProtocol):
 
 
 class ManifestLastCommit(CommitProtocol):
+    """Object stores: data under a unique prefix, then the manifest with a conditional put."""
+
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
 
@@ -220,7 +243,11 @@ def protocol_for(storage: Storage) -> CommitProtocol:
 
 
 def delete_checkpoint(storage: Storage, name: str) -> None:
-    """Make ``name`` invisible first (rename away, or drop its manifest), then delete its data."""
+    """Make ``name`` invisible first (rename away, or drop its manifest), then delete its data.
+
+    Raises:
+        OSError: the storage failed; ``name`` is then either still whole or already invisible.
+    """
     if storage.atomic_rename:
         doomed = f".{name}{DEL_MARK}{_attempt_tag()}"
         try:

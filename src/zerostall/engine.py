@@ -104,7 +104,7 @@ class Engine:
             rows = tuple(
                 LeafRow(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape, file=fi,
                         offset=place.offset, nbytes=leaf.nbytes, shared=leaf.shared)
-                for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file)
+                for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file, strict=True)
             )
             self._plans[sig] = (plan, rows)
             if len(self._plans) > _PLAN_CACHE:
@@ -179,7 +179,7 @@ class Engine:
             raise
         job = SaveJob(
             id=0, root=root_url, name=name, path=path,
-            files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers)),
+            files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers, strict=True)),
             leaves=rows, items=flat.items, metadata=metadata or {}, step=step, retention=retention,
             env=storage_env(), write=self._write, collective=info,
         )

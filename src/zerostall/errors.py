@@ -73,7 +73,7 @@ class ZerostallError(Exception):
         return (_rebuild, (type(self), self.message, self.path, self.key, self.rank))
 
 
-def _rebuild(cls: type, message: str, path: str | None, key: str | None, rank: int | None) -> ZerostallError:
+def _rebuild(cls: type[ZerostallError], message: str, path: str | None, key: str | None, rank: int | None) -> ZerostallError:
     return cls(message, path=path, key=key, rank=rank)
 
 
@@ -139,7 +139,7 @@ class StorageError(ZerostallError, OSError):
         return (_rebuild_storage, (type(self), self.message, self.errno, self.path, self.key, self.rank))
 
 
-def _rebuild_storage(cls: type, message: str, errno: int | None, path: str | None, key: str | None,
+def _rebuild_storage(cls: type[StorageError], message: str, errno: int | None, path: str | None, key: str | None,
                      rank: int | None) -> ZerostallError:
     return cls(message, errno=errno, path=path, key=key, rank=rank)
 

@@ -8,6 +8,7 @@ It never imports or calls anything named in the file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -248,7 +249,7 @@ def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
 
 def _check_overlaps(leaves: list[LeafEntry], path: str) -> None:
     spans = sorted((lf.file, lf.offset, lf.offset + lf.nbytes, lf.key) for lf in leaves if lf.nbytes)
-    for a, b in zip(spans, spans[1:]):
+    for a, b in itertools.pairwise(spans):
         if a[0] == b[0] and b[1] < a[2]:
             raise _bad(f"byte ranges of {_short(a[3])} and {_short(b[3])} overlap", path, b[3])
 
@@ -300,7 +301,7 @@ def _check_node(node: Any, key: str, used: bytearray, path: str, depth: int) -> 
             labels = fields
         else:
             labels = list(range(len(values)))
-        for label, child in zip(labels, values):
+        for label, child in zip(labels, values, strict=True):
             _check_node(child, f"{key}/{label}", used, path, depth + 1)
 
 
@@ -321,7 +322,7 @@ def _check_sharded(node: dict[str, Any], key: str, used: bytearray, path: str) -
         if (not isinstance(off, list) or not isinstance(ext, list) or len(off) != len(shape)
                 or len(ext) != len(shape)
                 or any(type(v) is not int or v < 0 for v in off + ext)
-                or any(o + e > s for o, e, s in zip(off, ext, shape))):
+                or any(o + e > s for o, e, s in zip(off, ext, shape, strict=True))):
             raise _bad("shard box must lie inside the global shape", path, key)
         if type(li) is not int or not 0 <= li < len(used):
             raise _bad(f"leaf index {_short(li)} out of range", path, key)

@@ -183,7 +183,7 @@ class Failed:
     error: WireError
 
 
-Message = Union[Hello, MapBuffer, UnmapBuffer, SaveJob, Close, Released, Done, Failed]
+Message = Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,

@@ -128,7 +128,7 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         if not isinstance(self.writer, WriterKind):
-            raise ValueError(f"writer must be a WriterKind, got {self.writer!r}")
+            raise TypeError(f"writer must be a WriterKind, got {self.writer!r}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.io_threads < 1:

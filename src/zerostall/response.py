@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from zerostall.messages import WriterStats
 
@@ -61,7 +62,7 @@ class Response:
         self._stall_s = 0.0
         self._writer: WriterStats | None = None
         # run before result() can return, so that what they record is visible to its caller
-        self._before_done: list[Callable[["Response", BaseException | None], None]] = []
+        self._before_done: list[Callable[[Response, BaseException | None], None]] = []
         self._hooks_lock = threading.Lock()
         self._finished = False
         self._error: BaseException | None = None
@@ -90,17 +91,23 @@ class Response:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveStats:
-        """Block until committed; raise the save's error if it failed; ``TimeoutError`` on timeout."""
+        """Block until committed and return the save's statistics.
+
+        Raises:
+            TimeoutError: not finished within ``timeout`` seconds (the save goes on).
+            ZerostallError: the save failed, with the class it had in the writer (``StorageError``
+                keeps its errno; ``WriterError`` if the writer died); nothing of it is committed.
+        """
         self._future.result(timeout)
         return self.stats
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
 
-    def add_done_callback(self, fn: Callable[["Response"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[Response], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def _add_before_done(self, hook: Callable[["Response", BaseException | None], None]) -> None:
+    def _add_before_done(self, hook: Callable[[Response, BaseException | None], None]) -> None:
         """Run ``hook(response, error)`` before ``result()`` returns; at once if already finished.
 
         A small save can commit before ``save_*_async`` has returned to the code that adds the
@@ -134,5 +141,5 @@ def _run_hook(hook: Callable[[Response, BaseException | None], None], r: Respons
               error: BaseException | None) -> None:
     try:
         hook(r, error)
-    except Exception:  # a bookkeeping hook must not lose the save's outcome
+    except Exception:  # noqa: BLE001,S110 - a bookkeeping hook must not lose the save's outcome
         pass

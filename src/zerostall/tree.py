@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -104,6 +105,9 @@ def register_handler(
 
     ``name`` is written into the manifest and must be registered again (with the same name)
     in the process that loads the checkpoint.
+
+    Raises:
+        ValueError: ``format`` is neither ``"bytes"`` nor ``"json"``.
     """
     if format not in ("bytes", "json"):
         raise ValueError(f"format must be 'bytes' or 'json', got {format!r}")
@@ -256,7 +260,7 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
             values.append(_flatten(v, key_join(key, k), leaves, depth + 1))
         return {"type": "dict", "keys": keys, "values": values}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        values = [_flatten(v, key_join(key, f), leaves, depth + 1) for f, v in zip(obj._fields, obj)]
+        values = [_flatten(v, key_join(key, f), leaves, depth + 1) for f, v in zip(obj._fields, obj, strict=True)]
         return {"type": "namedtuple", "name": t.__name__, "fields": list(obj._fields), "values": values}
     if isinstance(obj, (list, tuple)):
         values = [_flatten(v, key_join(key, i), leaves, depth + 1) for i, v in enumerate(obj)]

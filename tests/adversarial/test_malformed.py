@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,11 @@ import torch
 
 import zerostall
 from zerostall import (
-    ChecksumMismatchError, CorruptCheckpointError, LoadOptions, UnsupportedFormatError, ZerostallError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    LoadOptions,
+    UnsupportedFormatError,
+    ZerostallError,
 )
 from zerostall.manifest import parse_manifest
 

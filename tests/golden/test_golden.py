@@ -21,7 +21,7 @@ import zerostall
 from zerostall.restore import verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_golden  # noqa: E402
+import make_golden
 
 V1 = Path(__file__).resolve().parent / "v1"
 

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import zerostall  # noqa: E402
-from zerostall import Checkpointer, LoadOptions, SaveOptions  # noqa: E402
-from zerostall.distributed import DistributedOptions  # noqa: E402
+import zerostall
+from zerostall import Checkpointer, LoadOptions, SaveOptions, ZerostallError
+from zerostall.distributed import DistributedOptions
 
 
 def ddp_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -256,6 +258,37 @@ def scenario_objstore(rank: int, world: int, d: str) -> dict:
     return {"steps": steps, "files": sorted(os.listdir(f"{d}/ck/step_00000002"))}
 
 
+def scenario_s3env(rank: int, world: int, d: str) -> dict:
+    """A collective save to S3 uses the trainer's credentials as they are at the save, not the
+    ones its writer process inherited when it started: a wrong secret set after the start fails
+    the save on every rank; the right one set back commits it, on the same writers."""
+    url = os.environ["ZS_S3_URL"]
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=60))
+    model, opt = ddp_model()
+    train_step(model, opt, 1)
+    errors = []
+    with Checkpointer(url, keep_last=1, save_options=opts) as ck:
+        writer = ck._engine.writer.pid  # started here, with the good credentials in its environment
+        good = os.environ["AWS_SECRET_ACCESS_KEY"]
+        os.environ["AWS_SECRET_ACCESS_KEY"] = "wrong-" + good
+        try:
+            ck.save_pytree(1, {"model": model, "rank": per_rank(rank, 1)})
+            errors.append(None)
+        except ZerostallError as exc:
+            errors.append({"type": type(exc).__name__, "errno": getattr(exc, "errno", None), "msg": str(exc)})
+        os.environ["AWS_SECRET_ACCESS_KEY"] = good
+        train_step(model, opt, 2)
+        ck.save_pytree(2, {"model": model, "rank": per_rank(rank, 2)})
+        fresh, _ = ddp_model()
+        got = ck.load_pytree(template={"model": fresh, "rank": per_rank(rank, 0)})
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+        assert torch.equal(got["rank"]["rng"], per_rank(rank, 2)["rng"])
+        same_writer = ck._engine.writer.pid == writer
+        steps = ck.steps()
+    return {"errors": errors, "steps": steps, "same_writer": same_writer}
+
+
 FAULT_TABLE = [("begin", 1), ("write", 1), ("checksum", 0), ("manifest", 0), ("commit", 0)]
 
 
@@ -313,6 +346,32 @@ def scenario_slow(rank: int, world: int, d: str) -> dict:
                 pass
         r.result(timeout=60)
         return {"done_at_return": done_at_return, "slow_report_seen": slow_report_seen, "steps": ck.steps()}
+
+
+def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240) -> list[dict]:
+    """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    e = dict(os.environ, **(env or {}))
+    e.pop("ZEROSTALL_FAULTS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), ",".join(scenarios), str(r),
+                               str(world), str(port), d], env=e) for r in range(world)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for r in range(world):
+        with open(os.path.join(d, f"result-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
 
 
 def main() -> None:

@@ -10,8 +10,9 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
-import zerostall  # noqa: E402
-from _helpers import make_state  # noqa: E402
+from _helpers import make_state
+
+import zerostall
 
 directory, step, mib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ck = zerostall.Checkpointer(directory)

@@ -24,8 +24,7 @@ import numpy as np
 import pytest
 
 import zerostall
-from zerostall import CheckpointNotFoundError, Checkpointer, SaveOptions, WriterKind
-from zerostall.commit import step_name
+from zerostall import Checkpointer, CheckpointNotFoundError, SaveOptions, WriterKind
 from zerostall.persist.faults import ENV
 
 STATE_SRC = '''

@@ -26,11 +26,10 @@ import pytest
 
 from zerostall import Checkpointer, SaveOptions, WriterKind
 from zerostall.commit import step_name
-from zerostall.persist.faults import ENV, MARK_ENV
+from zerostall.persist.faults import ENV, MARK_ENV, PHASES
 
 STRESS = bool(os.environ.get("ZEROSTALL_STRESS"))
 RANDOM_RUNS = int(os.environ.get("ZEROSTALL_CRASH_RUNS", 40 if STRESS else 4))
-PHASES = ["begin", "write", "checksum", "manifest", "commit", "retention"]
 KEEP_LAST = 2
 
 STATE_SRC = '''
@@ -185,14 +184,6 @@ def check_directory(directory: Path, *, newest_at_least: int | None = None, big:
         assert after[-1] == nxt and latest in after, after
     return steps
 
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "run"
-    with Checkpointer(d, save_options=SaveOptions(writer=WriterKind.THREAD)) as c:
-        c.save_pytree(1, state(1))
-        c.save_pytree(2, state(2))
-    return d
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
-import subprocess
 import sys
 
 import pytest
@@ -27,41 +25,17 @@ import _dist_worker as worker  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
 
-def _launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240) -> list[dict]:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    e = dict(os.environ, **(env or {}))
-    e.pop("ZEROSTALL_FAULTS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_dist_worker.py"), ",".join(scenarios), str(r),
-                               str(world), str(port), d], env=e) for r in range(world)]
-    try:
-        for p in procs:
-            p.wait(timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = []
-    for r in range(world):
-        with open(os.path.join(d, f"result-{r}.json")) as f:
-            out.append(json.load(f))
-    return out
-
-
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("four"))
-    return d, _launch(["roundtrip", "dtensor_save", "grow"], 4, d)
+    return d, worker.launch(["roundtrip", "dtensor_save", "grow"], 4, d)
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, _launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:

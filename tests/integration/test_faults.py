@@ -20,13 +20,18 @@ import torch
 
 import zerostall
 from zerostall import (
-    ChecksumMismatchError, Checkpointer, CorruptCheckpointError, LoadOptions, SaveOptions, StorageError,
-    WriterError, WriterKind,
+    Checkpointer,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    LoadOptions,
+    SaveOptions,
+    StorageError,
+    WriterError,
+    WriterKind,
 )
 from zerostall.commit import step_name
-from zerostall.persist.faults import ENV
+from zerostall.persist.faults import ENV, PHASES
 
-PHASES = ["begin", "write", "checksum", "manifest", "commit", "retention"]
 #: action -> what result() does: ("error", class, errno) or ("ok",)
 ACTIONS: dict[str, tuple[Any, ...]] = {
     "raise:ENOSPC": ("error", StorageError, errno.ENOSPC),
@@ -73,15 +78,6 @@ def check_no_partial(directory: Path, ckpt: Checkpointer) -> None:
     assert all((directory / n / "manifest.json").is_file() for n in names), names
     assert [step_name(s) for s in ckpt.steps()] == names
 
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    """A run directory holding committed steps 1 and 2 (saved without faults)."""
-    d = tmp_path / "run"
-    with Checkpointer(d, save_options=SaveOptions(writer=WriterKind.THREAD)) as c:
-        c.save_pytree(1, state(1))
-        c.save_pytree(2, state(2))
-    return d
 
 
 CASES = [(w, p, a) for w in ("process", "thread") for p in PHASES for a in ACTIONS
@@ -152,9 +148,8 @@ def test_fault_matrix(run_dir: Path, monkeypatch: pytest.MonkeyPatch, writer: st
 
 def test_writer_crash_error_names_the_checkpoint(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, json.dumps({"write": "exit"}))
-    with Checkpointer(run_dir) as ckpt:
-        with pytest.raises(WriterError) as info:
-            ckpt.save_pytree(3, state(3))
+    with Checkpointer(run_dir) as ckpt, pytest.raises(WriterError) as info:
+        ckpt.save_pytree(3, state(3))
     assert info.value.path == str(run_dir / step_name(3))
 
 
@@ -228,9 +223,8 @@ def test_restore_truncated_data_file(run_dir: Path) -> None:
 
 def test_restore_missing_data_file(run_dir: Path) -> None:
     _data_file(run_dir, 2).unlink()
-    with Checkpointer(run_dir) as ckpt:
-        with pytest.raises(CorruptCheckpointError, match="missing"):
-            ckpt.load_pytree(2)
+    with Checkpointer(run_dir) as ckpt, pytest.raises(CorruptCheckpointError, match="missing"):
+        ckpt.load_pytree(2)
 
 
 @pytest.mark.parametrize("key", ["pytree/w", "pytree/h", "pytree/mask", "pytree/np", "pytree/blob"])

@@ -19,7 +19,7 @@ import zerostall
 from zerostall import Checkpointer, SaveOptions, WriterError, WriterKind
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _helpers import assert_equal_state, make_state  # noqa: E402
+from _helpers import assert_equal_state, make_state
 
 HERE = os.path.dirname(__file__)
 

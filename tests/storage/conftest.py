@@ -19,8 +19,8 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 

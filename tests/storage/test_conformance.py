@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import threading
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 

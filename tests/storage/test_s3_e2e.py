@@ -9,15 +9,14 @@ import sys
 from typing import Any
 
 import pytest
-
 import torch
 
-import zerostall  # noqa: E402
-from zerostall.commit import ManifestLastCommit, committed_steps, step_name  # noqa: E402
-from zerostall.errors import CheckpointExistsError, StorageError, ZerostallError  # noqa: E402
-from zerostall.manifest import MANIFEST_NAME  # noqa: E402
-from zerostall.options import SaveOptions, WriterKind  # noqa: E402
-from zerostall.storage import open_storage  # noqa: E402
+import zerostall
+from zerostall.commit import ManifestLastCommit, committed_steps, step_name
+from zerostall.errors import CheckpointExistsError, StorageError, ZerostallError
+from zerostall.manifest import MANIFEST_NAME
+from zerostall.options import SaveOptions, WriterKind
+from zerostall.storage import open_storage
 
 MiB = 1 << 20
 
@@ -223,6 +222,7 @@ def test_error_mapping(s3_url: str, s3_server: Any) -> None:
 
 def test_options_from_env() -> None:
     import boto3  # noqa: F401  (a dev dependency: missing means a broken install)
+
     from zerostall.storage.s3 import S3Options
 
     o = S3Options.from_env({"ZEROSTALL_S3_PART_SIZE": "8388608", "ZEROSTALL_S3_CONCURRENCY": "3",

@@ -11,12 +11,11 @@ import time
 from typing import Any
 
 import pytest
-
 import torch
 
-import zerostall  # noqa: E402
-from zerostall.errors import ZerostallError  # noqa: E402
-from zerostall.persist.faults import ENV as FAULTS_ENV  # noqa: E402
+import zerostall
+from zerostall.errors import ZerostallError
+from zerostall.persist.faults import ENV as FAULTS_ENV
 
 MiB = 1 << 20
 

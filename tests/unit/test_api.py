@@ -7,11 +7,16 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.messages import WriterStats
 from zerostall import (
-    CheckpointExistsError, CheckpointNotFoundError, Checkpointer, MismatchError, MissingKeyError, SaveOptions,
+    Checkpointer,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    MismatchError,
+    MissingKeyError,
+    SaveOptions,
     WriterKind,
 )
+from zerostall.messages import WriterStats
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
 THREAD = SaveOptions(writer=WriterKind.THREAD)
@@ -288,9 +293,8 @@ class TestCheckpointer:
     def test_bad_arguments(self, ckdir):
         with pytest.raises(ValueError):
             Checkpointer(ckdir, keep_last=0)
-        with Checkpointer(ckdir) as ck:
-            with pytest.raises(ValueError):
-                ck.save_pytree(-1, {})
+        with Checkpointer(ckdir) as ck, pytest.raises(ValueError):
+            ck.save_pytree(-1, {})
 
 
 def test_public_api_is_frozen():

@@ -12,7 +12,7 @@ import threading
 import uuid
 from typing import Any
 
-from zerostall.errors import WriterError
+from zerostall.errors import ZerostallError
 from zerostall.messages import Collective, WriterStats
 from zerostall.options import DistributedOptions
 from zerostall.persist.client import OnDone
@@ -106,7 +106,9 @@ class DistContext:
                 wait_for_outcome(storage, names, timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s,
                                  rank=info.rank, path=path)
                 finish(WriterStats(nbytes=0), None)
-            except BaseException as exc:  # every path ends the response
-                finish(None, exc if isinstance(exc, Exception) else WriterError(str(exc)))
+            except BaseException as exc:  # noqa: BLE001 - every path ends the response
+                # A typed error of the agreement (a timeout naming the late rank) says more than the
+                # local one; if the storage itself failed here, the local error (typed) stands.
+                finish(None, exc if isinstance(exc, ZerostallError) else err)
 
         return done

@@ -26,22 +26,22 @@ _BATCH = 256 << 20
 
 def replicated_leaves(m: Manifest) -> set[int]:
     """Leaves referenced (outside sharded nodes) by every saving rank's tree."""
-    trees = m.ranks or (m.items,)
     common: set[int] | None = None
-    for items in trees:
+    for items in m.ranks or (m.items,):
         refs: set[int] = set()
-
-        def walk(node: Any) -> None:
-            if not isinstance(node, dict) or node.get("type") == "sharded":
-                return
-            if "leaf" in node:
-                refs.add(node["leaf"])
-            for v in node.get("values", ()):
-                walk(v)
         for node in items.values():
-            walk(node)
+            _collect_refs(node, refs)
         common = refs if common is None else common & refs
     return common or set()
+
+
+def _collect_refs(node: Any, refs: set[int]) -> None:
+    if not isinstance(node, dict) or node.get("type") == "sharded":
+        return
+    if "leaf" in node:
+        refs.add(node["leaf"])
+    for v in node.get("values", ()):
+        _collect_refs(v, refs)
 
 
 def _raise_first(statuses: list[Any], rank: int, mine: BaseException | None) -> None:
@@ -115,7 +115,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
             else:
                 own.append(r)
         want = sorted(by_leaf)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (want, _wire(err, rank, path)), group=group)
@@ -149,14 +149,14 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
     err = None
     try:
         execute_reads(storage, name, m, reads, opts, path)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
     statuses: list[Any] = [None] * world
     dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
     _raise_first(statuses, rank, err)
 
     on_cuda = dist.get_backend(group) == "nccl"
-    for (o, members, size), buf in zip(batches, buffers):
+    for (o, members, _size), buf in zip(batches, buffers, strict=True):
         wire = buf.cuda() if on_cuda else buf
         dist.broadcast(wire, src=dist.get_global_rank(group, o) if group is not None else o, group=group)
         if on_cuda:

@@ -24,8 +24,20 @@ from multiprocessing.reduction import send_handle
 from zerostall.commit import is_committed
 from zerostall.errors import WriterError, ZerostallError, from_wire
 from zerostall.messages import (
-    PROTOCOL, Close, Done, Failed, Hello, MapBuffer, Message, ProtocolMismatchError, Released, SaveJob, UnmapBuffer,
-    WriterStats, decode, encode,
+    PROTOCOL,
+    Close,
+    Done,
+    Failed,
+    Hello,
+    MapBuffer,
+    Message,
+    ProtocolMismatchError,
+    Released,
+    SaveJob,
+    UnmapBuffer,
+    WriterStats,
+    decode,
+    encode,
 )
 from zerostall.options import WriterKind
 from zerostall.stage.buffers import HostBuffer

@@ -244,7 +244,7 @@ def _walk_sharded(node: Any, key: str, fn: Callable[[str, dict[str, Any]], None]
         fn(key, node)
         return
     labels = node.get("keys") or node.get("fields") or range(len(node.get("values", ())))
-    for lab, v in zip(labels, node.get("values", ())):
+    for lab, v in zip(labels, node.get("values", ()), strict=True):
         _walk_sharded(v, f"{key}/{lab}", fn)
 
 
@@ -359,7 +359,7 @@ class CollectiveStep:
                 self._remove_attempt()
             elif storage.exists(names.failed):
                 final = from_wire(WireError.from_json(json.loads(storage.get(names.failed))))
-        except Exception:  # noqa: BLE001 - the storage failed too: the original error stands
+        except Exception:  # noqa: BLE001,S110 - the storage failed too: the original error stands
             pass
         return final
 

@@ -33,8 +33,10 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["hit", "ENV", "MARK_ENV"]
+__all__ = ["hit", "ENV", "MARK_ENV", "PHASES"]
 
+#: the writer's phases, in the order a save passes them (every save job hits each one)
+PHASES = ("begin", "write", "checksum", "manifest", "commit", "retention")
 ENV = "ZEROSTALL_FAULTS"
 MARK_ENV = "ZEROSTALL_FAULTS_MARK"
 _SYSCALLS = ("pwrite", "fsync")

@@ -22,7 +22,14 @@ from typing import Any, Protocol
 
 from zerostall._version import __version__
 from zerostall.checksum import checksum
-from zerostall.commit import CommitProtocol, committed_steps, delete_checkpoint, protocol_for, step_name, steps_to_delete
+from zerostall.commit import (
+    CommitProtocol,
+    committed_steps,
+    delete_checkpoint,
+    protocol_for,
+    step_name,
+    steps_to_delete,
+)
 from zerostall.manifest import encode_manifest
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
@@ -132,7 +139,7 @@ class SoloStep:
             return exc
         try:
             self.protocol.abort(self.attempt)
-        except Exception:  # noqa: BLE001 - cleaning up after a failure; the failure is what the user sees
+        except Exception:  # noqa: BLE001,S110 - cleaning up after a failure; the failure is what the user sees
             pass
         return exc
 
@@ -167,7 +174,7 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
                 for i, li in enumerate(mine):
                     lf = job.leaves[li]
                     crcs[i] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
-            except BaseException as exc:  # re-raised below on the job's thread
+            except BaseException as exc:  # noqa: BLE001 - re-raised below on the job's thread
                 crc_error.append(exc)
 
         crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
@@ -183,7 +190,7 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         is_released = True
         if crc_error:
             raise crc_error[0]
-        for lf, c in zip(written, crcs):
+        for lf, c in zip(written, crcs, strict=True):
             lf["crc32c"] = c
         t_commit = time.perf_counter()
         step.commit(written, files)
@@ -240,8 +247,8 @@ def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], 
     fplan, offsets = plan_file(leaves, rank=job.collective.rank if job.collective is not None else 0)
     name = job.files[0].name
     _write_compact(storage, step.data_key(name), views, fplan.header, fplan.size,
-                   [(lf.file, lf.offset, off, lf.nbytes) for lf, off in zip(leaves, offsets)])
-    return [_row(lf, 0, off) for lf, off in zip(leaves, offsets)], [{"name": name, "size": fplan.size}]
+                   [(lf.file, lf.offset, off, lf.nbytes) for lf, off in zip(leaves, offsets, strict=True)])
+    return [_row(lf, 0, off) for lf, off in zip(leaves, offsets, strict=True)], [{"name": name, "size": fplan.size}]
 
 
 def _row(lf: LeafRow, file: int, offset: int) -> dict[str, Any]:

@@ -19,8 +19,19 @@ from multiprocessing.reduction import recv_handle
 from zerostall._version import __version__
 from zerostall.errors import WriterError, to_wire
 from zerostall.messages import (
-    PROTOCOL, Close, Done, Failed, Hello, MapBuffer, Message, ProtocolMismatchError, Released, SaveJob, UnmapBuffer,
-    decode, encode,
+    PROTOCOL,
+    Close,
+    Done,
+    Failed,
+    Hello,
+    MapBuffer,
+    Message,
+    ProtocolMismatchError,
+    Released,
+    SaveJob,
+    UnmapBuffer,
+    decode,
+    encode,
 )
 from zerostall.persist.job import run_save
 

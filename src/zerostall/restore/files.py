@@ -11,7 +11,10 @@ import os
 import stat
 
 from zerostall.errors import (
-    CheckpointNotFoundError, CorruptCheckpointError, StorageError, ZerostallError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+    ZerostallError,
 )
 from zerostall.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafEntry, Manifest, parse_manifest
 from zerostall.storage import Storage

@@ -26,7 +26,10 @@ import numpy as np
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype
 from zerostall.errors import (
-    CorruptCheckpointError, MismatchError, MissingKeyError, UnsupportedFormatError,
+    CorruptCheckpointError,
+    MismatchError,
+    MissingKeyError,
+    UnsupportedFormatError,
 )
 from zerostall.manifest import LeafEntry, Manifest
 from zerostall.restore.files import DataFiles
@@ -132,7 +135,7 @@ class ReadPlanner:
 
     def _into_numpy(self, leaf: LeafEntry, a: np.ndarray, key: str) -> Thunk:
         want = to_numpy_dtype(leaf.dtype)
-        if leaf.dtype in ("BF16",) or leaf.dtype.startswith("F8"):
+        if leaf.dtype == "BF16" or leaf.dtype.startswith("F8"):
             raise self.mismatch(key, "dtype", leaf.dtype, f"{a.dtype} (numpy has no {leaf.dtype})")
         if a.dtype != want:
             raise self.mismatch(key, "dtype", f"{leaf.dtype} ({want})", a.dtype)
@@ -241,7 +244,7 @@ class ReadPlanner:
         else:
             lo, ext = (0,) * len(gshape), gshape
             dest = tmpl if tmpl is not None else torch.empty(gshape, dtype=dtype)
-        hi = tuple(a + b for a, b in zip(lo, ext))
+        hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
         copies: list[tuple[Any, tuple[slice, ...], tuple[slice, ...]]] = []
         covered = 0
         for sh in node["shards"]:
@@ -250,11 +253,11 @@ class ReadPlanner:
             if leaf.shape != ss or leaf.dtype != dtype_name:
                 raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
                                              f"its box says {list(ss)} {dtype_name}", path=self.path, key=key)
-            ilo = tuple(max(a, b) for a, b in zip(lo, so))
-            ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss))
-            if any(a >= b for a, b in zip(ilo, ihi)):
+            ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
+            ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
+            if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
                 continue
-            covered += math.prod(b - a for a, b in zip(ilo, ihi))
+            covered += math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
             if not gshape:  # a 0-d tensor: one element
                 a, b, row = 0, 1, itemsize
             else:
@@ -268,8 +271,8 @@ class ReadPlanner:
                 self._leaf(sh["leaf"])  # the data file is checked before anything is read from it
                 raw: Any = tmp.reshape(-1).view(torch.uint8).numpy()
                 self.reads.append(ReadRequest(part, memoryview(raw).cast("B"), verify=whole))
-            src_idx = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:])))
-            dst_idx = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo))
+            src_idx = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
+            dst_idx = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
             copies.append((tmp, src_idx[:len(gshape)], dst_idx))
         if covered != math.prod(ext):
             raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
@@ -308,7 +311,7 @@ class ReadPlanner:
                                          path=self.path, key=key) from exc
 
     def _dict(self, node: dict[str, Any], tmpl: Any, key: str, follow: bool) -> Thunk:
-        saved = dict(zip(node["keys"], node["values"]))
+        saved = dict(zip(node["keys"], node["values"], strict=True))
         if tmpl is not None and not isinstance(tmpl, dict):
             raise MismatchError(f"checkpoint has a dict here but the template has {type(tmpl).__name__}",
                                 path=self.path, key=key)
@@ -343,7 +346,7 @@ class ReadPlanner:
                                 path=self.path, key=key)
         subs = list(tmpl) if tmpl is not None else [None] * len(values)
         parts = [self.build(v, s, key_join(key, lab), follow_checkpoint=follow)
-                 for v, s, lab in zip(values, subs, labels)]
+                 for v, s, lab in zip(values, subs, labels, strict=True)]
         if tmpl is not None and isinstance(tmpl, tuple) and hasattr(tmpl, "_fields"):
             cls = type(tmpl)
             return lambda: cls(*[p() for p in parts])

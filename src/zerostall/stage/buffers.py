@@ -16,7 +16,8 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["HostBuffer", "Slot", "BufferPool"]
 
@@ -33,9 +34,8 @@ class HostBuffer:
         if hasattr(os, "memfd_create"):
             self.fd = os.memfd_create(f"zerostall-stage-{self.id}", getattr(os, "MFD_CLOEXEC", 0))
         else:  # pragma: no cover - non-Linux: an unlinked file in shared memory
-            f = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            self.fd = os.dup(f.fileno())
-            f.close()
+            with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+                self.fd = os.dup(f.fileno())
         os.ftruncate(self.fd, size)
         self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._prefault()
@@ -156,7 +156,7 @@ class BufferPool:
 
     def fit(self, slot: Slot, sizes: list[int]) -> bool:
         """Make ``slot`` hold buffers of at least ``sizes``; True if it had to (re)allocate."""
-        if len(slot.buffers) == len(sizes) and all(b.size >= s for b, s in zip(slot.buffers, sizes)):
+        if len(slot.buffers) == len(sizes) and all(b.size >= s for b, s in zip(slot.buffers, sizes, strict=True)):
             return False
         for b in slot.buffers:
             if self._on_free is not None:

@@ -99,7 +99,7 @@ def plan_file(leaves: Sequence[LeafSpec], *, rank: int = 0) -> tuple[FilePlan, l
 def make_plan(flat: FlatState, *, rank: int = 0) -> Plan:
     """Lay out every leaf of ``flat`` in one data file for ``rank``."""
     fplan, offsets = plan_file(flat.leaves, rank=rank)
-    slots = tuple(LeafSlot(leaf.key, off, leaf.nbytes) for leaf, off in zip(flat.leaves, offsets))
+    slots = tuple(LeafSlot(leaf.key, off, leaf.nbytes) for leaf, off in zip(flat.leaves, offsets, strict=True))
     return Plan(
         signature=flat.signature,
         files=(fplan,),

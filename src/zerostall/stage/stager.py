@@ -86,7 +86,7 @@ def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
         return slot.views
     views: list[Any] = []
     torch = sys.modules.get("torch")
-    for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file):
+    for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file, strict=True):
         buf = slot.buffers[fi].mmap
         if leaf.nbytes == 0:
             views.append(None)
@@ -105,7 +105,7 @@ def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
 
 
 def write_headers(slot: Slot, plan: Plan) -> None:
-    for fplan, buf in zip(plan.files, slot.buffers):
+    for fplan, buf in zip(plan.files, slot.buffers, strict=True):
         buf.mmap[: len(fplan.header)] = fplan.header
 
 
@@ -126,7 +126,7 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
     if grad_off is not None:
         grad_off.__enter__()
     try:
-        for leaf, dst in zip(flat.leaves, views):
+        for leaf, dst in zip(flat.leaves, views, strict=True):
             if dst is None:
                 continue
             if leaf.kind == "torch":

@@ -9,7 +9,7 @@ the RAM tier); ``s3://bucket/prefix``: :class:`~zerostall.storage.s3.S3Storage` 
 from __future__ import annotations
 
 import posixpath
-from typing import Callable
+from collections.abc import Callable
 
 from zerostall.storage.base import Storage
 
@@ -46,7 +46,7 @@ def local_path(url: str) -> str | None:
     url = str(url)
     if _scheme_of(url) != "file":
         return None
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url.removeprefix("file://")
     return posixpath.normpath(posixpath.abspath(posixpath.expanduser(path)))
 
 

@@ -8,8 +8,8 @@ import mmap
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
@@ -21,7 +21,7 @@ _DIRECT_READ_MIN = 8 << 20  # smaller ranges: the page-cache path's overhead is 
 _BOUNCE = 8 << 20  # one O_DIRECT read; 8 MiB requests keep a virtio disk at its full rate
 _PIECE = 1 << 20  # copied into the destination and handed to on_piece while in L2
 _local = threading.local()
-_LIBC: ctypes.CDLL | None | bool = False  # loaded on first use
+_LIBC: ctypes.CDLL | bool | None = False  # loaded on first use
 
 
 class LocalStorage:
@@ -30,7 +30,7 @@ class LocalStorage:
     atomic_rename = True
 
     def __init__(self, root_url: str) -> None:
-        root = root_url[len("file://"):] if root_url.startswith("file://") else root_url
+        root = root_url.removeprefix("file://")
         self.root = os.path.abspath(root)
         self.url = self.root
 

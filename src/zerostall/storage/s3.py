@@ -30,10 +30,11 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import boto3
 from botocore import exceptions as bex
@@ -94,7 +95,7 @@ class S3Options:
             raise ValueError(f"addressing_style must be auto, path or virtual, got {self.addressing_style!r}")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> "S3Options":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> S3Options:
         """Options from ``ZEROSTALL_S3_<FIELD>`` variables, then ``overrides`` on top."""
         env = os.environ if environ is None else environ
         kw: dict[str, Any] = {}
@@ -258,7 +259,7 @@ class S3Storage:
             with ThreadPoolExecutor(max_workers=min(concurrency, len(ranges)),
                                     thread_name_prefix="zerostall-s3-part") as pool:
                 futures = [pool.submit(upload, r) for r in ranges]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                wait(futures, return_when=FIRST_EXCEPTION)
                 failed = next((f for f in futures if f.done() and f.exception() is not None), None)
                 if failed is not None:  # stop queued parts; the running ones finish and are aborted
                     for f in futures:
@@ -272,8 +273,8 @@ class S3Storage:
         except BaseException:
             try:
                 c.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=upload_id)
-            except Exception:
-                pass  # the server may be gone; delete() of the prefix retries the abort
+            except Exception:  # noqa: BLE001,S110 - the server may be gone; delete() of the prefix retries the abort
+                pass
             raise
 
     def _size_is(self, k: str, length: int) -> bool:
@@ -319,7 +320,7 @@ class S3Storage:
 
     def _same_bytes(self, k: str, view: memoryview) -> bool:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read() == view
+            return bool(self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read() == view)
         except bex.ClientError:
             return False
 

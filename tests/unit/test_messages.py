@@ -1,0 +1,156 @@
+"""The trainer-to-writer messages: typed round trips, strict decoding, and versions that refuse each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+import zerostall
+from zerostall import SaveOptions, WriterError, WriterKind
+from zerostall.errors import StorageError, to_wire
+from zerostall.messages import (
+    PROTOCOL,
+    Close,
+    Collective,
+    Done,
+    Failed,
+    FileRow,
+    Hello,
+    LeafRow,
+    MapBuffer,
+    ProtocolMismatchError,
+    Released,
+    SaveJob,
+    UnmapBuffer,
+    WriteOptions,
+    WriterStats,
+    decode,
+    encode,
+)
+from zerostall.options import RetentionPolicy
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src")
+
+JOB = SaveJob(
+    id=7, root="/r", name="step_00000003", path="/r/step_00000003",
+    files=(FileRow(name="rank-00000.safetensors", length=4160, buffer=2),),
+    leaves=(LeafRow(key="pytree/w", kind="torch", dtype="BF16", shape=(2, 3), file=0, offset=128, nbytes=12),
+            LeafRow(key="pytree/s", kind="numpy_scalar", dtype="I64", shape=(), file=0, offset=192, nbytes=8,
+                    shared=False)),
+    items={"pytree": {"type": "dict", "keys": ["w"], "values": [{"type": "array", "leaf": 0}]}},
+    metadata={"loss": 0.5}, step=3, retention=RetentionPolicy(keep_last=2, keep_every_n_steps=10),
+    env={"AWS_REGION": "eu"}, write=WriteOptions(direct_io=True, io_threads=1, chunk_bytes=64 << 20),
+    collective=Collective(rank=1, world=4, run="abc", counter=9, timeout_s=30.0, poll_s=0.02),
+)
+
+MESSAGES = [
+    Hello(protocol=PROTOCOL, library="0.1.0", pid=12), MapBuffer(buffer=2, size=8192), UnmapBuffer(buffer=2),
+    JOB, Close(), Released(job=7),
+    Done(job=7, stats=WriterStats(nbytes=4160, write_s=0.1, commit_s=0.01, persist_s=0.2, writer_peak_rss=10,
+                                  deleted_steps=(1, 2), retention_error="x", rank=1, leaves_written=1)),
+    Failed(job=7, error=to_wire(StorageError("disk full", errno=28, path="/r/s", key="k", rank=2))),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg: object) -> None:
+    data = encode(msg)  # type: ignore[arg-type]
+    doc = json.loads(data)
+    assert doc["v"] == PROTOCOL and isinstance(doc["op"], str)
+    assert decode(data) == msg
+
+
+def _doc(msg: object) -> dict:
+    return json.loads(encode(msg))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d.update(op="explode"), "unknown op 'explode'"),
+    (lambda d: d.pop("root"), "save lacks 'root'"),
+    (lambda d: d.update(id=True), "save.id must be int"),
+    (lambda d: d.update(id="7"), "save.id must be int"),
+    (lambda d: d["leaves"][0].update(shape="2x3"), "save.leaves[0].shape must be a list"),
+    (lambda d: d["files"][0].pop("buffer"), "save.files[0] lacks 'buffer'"),
+    (lambda d: d["retention"].update(keep_last=0), "keep_last must be a positive int"),
+    (lambda d: d["write"].update(direct_io=1), "save.write.direct_io must be bool"),
+    (lambda d: d.update(env=[]), "save.env must be an object"),
+])
+def test_malformed_messages_are_refused_naming_the_field(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    d = _doc(JOB)
+    mutate(d)
+    with pytest.raises(WriterError, match="malformed writer message") as ei:
+        decode(json.dumps(d).encode())
+    assert needle in str(ei.value)
+
+
+def test_not_json_is_refused() -> None:
+    with pytest.raises(WriterError, match="not JSON"):
+        decode(b"\xff{")
+
+
+def test_another_protocol_version_is_refused_naming_both() -> None:
+    d = _doc(Hello(protocol=PROTOCOL, library="0.1.0", pid=1))
+    d.update(v=PROTOCOL + 98, protocol=PROTOCOL + 98, library="9.9.9")
+    with pytest.raises(ProtocolMismatchError) as ei:
+        decode(json.dumps(d).encode())
+    msg = str(ei.value)
+    assert f"protocol {PROTOCOL + 98}" in msg and "zerostall 9.9.9" in msg and f"protocol {PROTOCOL}" in msg
+    assert isinstance(ei.value, WriterError)
+
+
+def test_a_real_writer_introduces_itself_and_refuses_another_protocol() -> None:
+    """The writer process says Hello first; a message of another version makes it exit with a clear line."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), "0"],
+                            pass_fds=(child.fileno(),), env=env, stderr=subprocess.PIPE, text=True)
+    child.close()
+    conn = Connection(parent.detach())
+    try:
+        hello = decode(conn.recv_bytes())
+        assert isinstance(hello, Hello) and hello.protocol == PROTOCOL and hello.pid == proc.pid
+        assert hello.library == zerostall.__version__
+        conn.send_bytes(json.dumps({"v": PROTOCOL + 1, "op": "close"}).encode())
+        _, err = proc.communicate(timeout=60)
+    finally:
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert f"speaks protocol {PROTOCOL + 1}" in err and f"this process protocol {PROTOCOL}" in err
+
+
+def test_a_trainer_refuses_a_writer_of_another_protocol(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A writer that introduces itself with another protocol fails the save clearly, and the next
+    save is refused the same way instead of starting writer after writer."""
+    import zerostall.persist.server as server
+
+    started = []
+
+    def old_writer(conn: Connection) -> None:  # what a writer of another zerostall version would say
+        started.append(1)
+        conn.send_bytes(json.dumps({"v": PROTOCOL + 1, "op": "hello", "protocol": PROTOCOL + 1,
+                                    "library": "0.0.1", "pid": os.getpid()}).encode())
+        try:
+            while True:
+                conn.recv_bytes()
+        except (EOFError, OSError):
+            conn.close()
+
+    monkeypatch.setattr(server, "serve", old_writer)
+    with zerostall.Checkpointer(tmp_path / "run", save_options=SaveOptions(writer=WriterKind.THREAD)) as ck:
+        # The Checkpointer starts its writer at once: the mismatch may be known before the first
+        # save (which then fails at the call) or only during it (its result() fails).
+        with pytest.raises(ProtocolMismatchError, match=r"zerostall 0\.0\.1"):
+            ck.save_pytree_async(1, {"w": torch.ones(3)}).result(timeout=30)
+        with pytest.raises(ProtocolMismatchError):
+            ck.save_pytree_async(2, {"w": torch.ones(3)})
+    assert len(started) == 1
+    assert ck.steps() == []
