@@ -22,6 +22,8 @@ import dataclasses
 import json
 import types
 import typing
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -230,76 +232,189 @@ def decode(data: bytes) -> Message:
 
 
 # -- the codec: dataclass fields <-> JSON, checked against the annotations --------------------
+#
+# Each class's annotations are compiled once into converter functions: a save job's leaf rows
+# (hundreds) are then encoded and checked without re-reading annotations per field, and a
+# plan's rows, identical from save to save, are encoded once (see :func:`_encoded_rows`).
+
+Encoder = Callable[[Any], Any]
+_ENCODERS: dict[type[Any], Encoder] = {}
+_DECODERS: dict[Any, Callable[[Any], Any]] = {}
+_ROWS: OrderedDict[int, tuple[tuple[LeafRow, ...], list[Any]]] = OrderedDict()
+_ROWS_KEEP = 16
 
 
 def _to_json(value: Any) -> Any:
-    if isinstance(value, WireError):
-        return value.to_json()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple):
-        return [_to_json(v) for v in value]
-    return value
+    return _encoder(type(value))(value)
 
 
-_HINTS: dict[type[Any], dict[str, Any]] = {}
+def _encoded_rows(rows: tuple[LeafRow, ...]) -> list[Any]:
+    """The JSON of a tuple of leaf rows, computed once per tuple object (the engine reuses a plan's)."""
+    hit = _ROWS.get(id(rows))
+    if hit is not None and hit[0] is rows:
+        _ROWS.move_to_end(id(rows))
+        return hit[1]
+    enc = _encoder(LeafRow)
+    out = [enc(r) for r in rows]
+    _ROWS[id(rows)] = (rows, out)  # holds the tuple, so its id cannot be reused while cached
+    while len(_ROWS) > _ROWS_KEEP:
+        _ROWS.popitem(last=False)
+    return out
 
 
-def _hints(cls: type[Any]) -> dict[str, Any]:
-    h = _HINTS.get(cls)
-    if h is None:
-        h = _HINTS[cls] = typing.get_type_hints(cls)
-    return h
+def _encoder(cls: type[Any]) -> Encoder:
+    enc = _ENCODERS.get(cls)
+    if enc is not None:
+        return enc
+    if cls is WireError:
+        enc = WireError.to_json
+    elif dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        parts = [(f.name, _field_encoder(hints[f.name])) for f in dataclasses.fields(cls)]
+
+        def enc(v: Any, parts: list[tuple[str, Encoder | None]] = parts) -> Any:
+            return {n: (getattr(v, n) if e is None else e(getattr(v, n))) for n, e in parts}
+    else:
+        enc = _plain
+    _ENCODERS[cls] = enc
+    return enc
+
+
+def _plain(v: Any) -> Any:
+    return v
+
+
+def _field_encoder(tp: Any) -> Encoder | None:
+    """None where the value is already JSON (str, int, float, bool, None, dicts of JSON)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        sub = _field_encoder(inner[0]) if len(inner) == 1 else _to_json
+        if sub is None:
+            return None
+        opt: Encoder = sub
+        return lambda v: None if v is None else opt(v)
+    if origin is tuple:
+        elem = typing.get_args(tp)[0]
+        if elem is LeafRow:
+            return _encoded_rows
+        sub = _field_encoder(elem)
+        return list if sub is None else (lambda v: [sub(x) for x in v])
+    if tp is WireError or (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+        return _encoder(tp)
+    return None
+
+
+class _Bad(Exception):
+    """A field failed its check; the location is filled in on the way out (success costs nothing)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+        self.path: list[str] = []
 
 
 def _from_json(cls: type[Any], doc: Any, where: str) -> Any:
-    if not isinstance(doc, dict):
-        raise WriterError(f"malformed writer message: {where} must be an object")
-    hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in doc:
-            kwargs[f.name] = _value(hints[f.name], doc[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise WriterError(f"malformed writer message: {where} lacks {f.name!r}")
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise WriterError(f"malformed writer message: {where}: {exc}") from exc
+        return _decoder(cls)(doc)
+    except _Bad as exc:
+        raise WriterError(f"malformed writer message: {where}{''.join(reversed(exc.path))}{exc.what}"[:300]) from None
 
 
-def _value(tp: Any, v: Any, where: str) -> Any:
+Decoder = Callable[[Any], Any]
+
+
+def _decoder(tp: Any) -> Decoder:
+    dec = _DECODERS.get(tp)
+    if dec is None:
+        dec = _DECODERS[tp] = _make_decoder(tp)
+    return dec
+
+
+def _make_decoder(tp: Any) -> Decoder:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if v is None and type(None) in args:
-            return None
         inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _value(inner[0], v, where)
-        raise WriterError(f"malformed writer message: {where}: unsupported union")  # pragma: no cover
+        if len(inner) != 1:  # pragma: no cover - no message field is a union of two types
+            raise TypeError(f"unsupported union {tp!r}")
+        sub = _decoder(inner[0])
+        nullable = type(None) in args
+
+        def dec_opt(v: Any) -> Any:
+            return None if v is None and nullable else sub(v)
+        return dec_opt
     if tp is Any:
-        return v
+        return _plain
     if origin is tuple:
-        elem = typing.get_args(tp)[0]
-        if not isinstance(v, list):
-            raise WriterError(f"malformed writer message: {where} must be a list")
-        return tuple(_value(elem, x, f"{where}[{i}]") for i, x in enumerate(v))
+        elem = _decoder(typing.get_args(tp)[0])
+
+        def dec_tuple(v: Any) -> Any:
+            if not isinstance(v, list):
+                raise _Bad(" must be a list")
+            out = []
+            for i, x in enumerate(v):
+                try:
+                    out.append(elem(x))
+                except _Bad as exc:
+                    exc.path.append(f"[{i}]")
+                    raise
+            return tuple(out)
+        return dec_tuple
     if origin is dict:
-        kt, vt = typing.get_args(tp)
-        if not isinstance(v, dict):
-            raise WriterError(f"malformed writer message: {where} must be an object")
-        return {_value(kt, k, where): _value(vt, x, f"{where}.{k}") for k, x in v.items()}
+        kt, vt = (_decoder(a) for a in typing.get_args(tp))
+
+        def dec_dict(v: Any) -> Any:
+            if not isinstance(v, dict):
+                raise _Bad(" must be an object")
+            out = {}
+            for k, x in v.items():
+                try:
+                    out[kt(k)] = vt(x)
+                except _Bad as exc:
+                    exc.path.append(f".{k}")
+                    raise
+            return out
+        return dec_dict
     if tp is WireError:
-        return WireError.from_json(v)
+        return WireError.from_json
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _from_json(tp, v, where)
+        return _dataclass_decoder(tp)
     if tp is float:
-        if type(v) not in (int, float):
-            raise WriterError(f"malformed writer message: {where} must be a number, got {v!r}"[:200])
-        return float(v)
+        def dec_float(v: Any) -> Any:
+            if type(v) not in (int, float):
+                raise _Bad(f" must be a number, got {v!r}")
+            return float(v)
+        return dec_float
     if tp in (int, str, bool):
-        if type(v) is not tp:
-            raise WriterError(f"malformed writer message: {where} must be {tp.__name__}, got {v!r}"[:200])
-        return v
-    raise WriterError(f"malformed writer message: {where}: unsupported type {tp!r}")  # pragma: no cover
+        def dec_exact(v: Any, tp: type = tp) -> Any:
+            if type(v) is not tp:
+                raise _Bad(f" must be {tp.__name__}, got {v!r}")
+            return v
+        return dec_exact
+    raise TypeError(f"unsupported field type {tp!r}")  # pragma: no cover - a new message field
+
+
+def _dataclass_decoder(cls: type[Any]) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+               _decoder(hints[f.name])) for f in dataclasses.fields(cls)]
+
+    def dec(doc: Any) -> Any:
+        if not isinstance(doc, dict):
+            raise _Bad(" must be an object")
+        kwargs: dict[str, Any] = {}
+        for name, required, sub in fields:
+            if name in doc:
+                try:
+                    kwargs[name] = sub(doc[name])
+                except _Bad as exc:
+                    exc.path.append(f".{name}")
+                    raise
+            elif required:
+                raise _Bad(f" lacks {name!r}")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise _Bad(f": {exc}") from exc
+    return dec
