@@ -1,0 +1,842 @@
+"""The checkpoint-interval advisor: how often to save, from measured costs and an MTBF.
+
+Pure computation: no torch, no I/O, no threads, no clocks (every time is passed in), so every
+result is a deterministic function of its inputs. A :class:`Checkpointer` feeds a
+:class:`CadenceEstimator` with the times of its steps and saves, reads :class:`MeasuredCosts`
+from it, and asks :func:`advise` for the interval that minimises the expected time lost to
+saving plus failures; :class:`AutoInterval` is the rule behind ``save_interval="auto"``.
+docs/advice.md derives the models and works an example.
+
+What a save costs an asynchronous checkpointer. A save has two durations that the classical
+models merge into one. Its *cost* ``C`` is the training time it takes away: the seconds the
+training thread is blocked plus the training lost while the save persists in the background
+(iterations run slower while a writer competes for memory bandwidth, PCIe and cores). Its
+*latency* ``L`` is the time from the save's start until it is durable: a failure in that window
+falls back to the previous save. Cost is paid on every save, latency only on a failure, so the
+cost sets the interval and the latency adds to the work lost per failure (Vaidya 1997: "for
+equidistant checkpoints, optimal checkpoint interval is ... typically independent of checkpoint
+latency"; :func:`one_level_overhead` shows that under exponential failures it is exactly so).
+
+Models (``M`` the mean time between failures of the whole job, ``R`` the time from a failure
+until training runs again, ``tau`` the training time between two saves, ``P = tau + C`` the
+wall time between save starts):
+
+* Young (1974), first order: ``tau = sqrt(2 C M)``.
+* Daly (2006), higher order: ``tau = sqrt(2 C M) (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C`` for
+  ``C < 2M``, else ``tau = M``.
+* Two levels (memory tier): memory saves every ``tau``, every ``k``-th also persisted; a fraction
+  ``p`` of failures recovers from memory. First-order expected waste, minimised over whole
+  ``(steps, k)``; its optimum is Benoit et al. (2017)'s ``sqrt(2 lambda_1 C_1) + sqrt(2 lambda_2 C_2)``.
+
+References:
+    J. W. Young, "A first order approximation to the optimum checkpoint interval",
+    Communications of the ACM 17(9):530-531, 1974. doi:10.1145/361147.361115
+    J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
+    Future Generation Computer Systems 22(3):303-312, 2006. doi:10.1016/j.future.2004.11.016
+    N. H. Vaidya, "Impact of checkpoint latency on overhead ratio of a checkpointing scheme",
+    IEEE Transactions on Computers 46(8):942-947, 1997. doi:10.1109/12.609281
+    A. Benoit, A. Cavelan, V. Le Fevre, Y. Robert, H. Sun, "Towards optimal multi-level
+    checkpointing", IEEE Transactions on Computers 66(7):1212-1226, 2017.
+    doi:10.1109/TC.2016.2643660
+    S. Di, M. S. Bouguerra, L. Bautista-Gomez, F. Cappello, "Optimization of multi-level
+    checkpoint model for large scale HPC applications", IPDPS 2014. doi:10.1109/IPDPS.2014.122
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from zerostall.errors import ZerostallError
+
+__all__ = [
+    "AdviceError",
+    "SaveCost",
+    "MeasuredCosts",
+    "Model",
+    "Advice",
+    "advise",
+    "young_interval",
+    "daly_interval",
+    "one_level_overhead",
+    "two_level_overhead",
+    "steps_for",
+    "mtbf_from_restarts",
+    "CadenceEstimator",
+    "SaveKind",
+    "AutoInterval",
+    "DEFAULT_MEMORY_FRACTION",
+]
+
+DEFAULT_MEMORY_FRACTION = 0.75
+"""Share of failures a restart on the same nodes fixes, so that host memory survives them.
+
+DLRover's report on jobs of thousands of GPUs: "about 75% of the faults could be recovered by
+restarting the training process" (NCCL errors, network jitter). Fleets differ: of Llama 3's 419
+unexpected interruptions on 16,384 GPUs, about half were faulty GPUs or HBM3, which take a node
+out. Pass the fraction your restarts show.
+"""
+
+_MAX_PERSIST_EVERY = 1_000_000
+
+
+class AdviceError(ZerostallError, ValueError):
+    """An input to the advisor is out of range (an MTBF <= 0, a negative cost, time running
+    backwards). ``key`` names the argument."""
+
+
+# -- inputs and outputs ------------------------------------------------------------------------
+
+
+def _check(value: float, key: str, *, positive: bool = False) -> float:
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise AdviceError(f"{key} must be a finite number {bound}, got {value!r}", key=key)
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveCost:
+    """What one kind of save costs, per save, in seconds.
+
+    Attributes:
+        blocked_s: the training thread was blocked in the save call.
+        background_s: training time lost while the save ran in the background (the slowdown
+            of the iterations that overlapped it, summed).
+        durable_s: from the save's start until it could be restored after a failure (on storage
+            for a persisted save, in host memory for a memory-only one): its latency.
+        restore_s: from a failure until training runs again when recovering from this kind of
+            save (relaunch plus restore); 0 when unknown. It moves the overhead, not the interval.
+
+    ``cost_s`` (blocked plus background) is what a save takes from training.
+
+    Raises:
+        AdviceError: a value is negative or not finite.
+
+    Example::
+
+        >>> SaveCost(blocked_s=0.1, background_s=2.0, durable_s=60.0).cost_s
+        2.1
+    """
+
+    blocked_s: float
+    background_s: float
+    durable_s: float
+    restore_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("blocked_s", "background_s", "durable_s", "restore_s"):
+            object.__setattr__(self, name, _check(getattr(self, name), name))
+
+    @property
+    def cost_s(self) -> float:
+        return self.blocked_s + self.background_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredCosts:
+    """The costs the advisor works from: the iteration time and what each kind of save costs.
+
+    Attributes:
+        step_s: seconds per training iteration with no save in flight.
+        persisted: a save that reaches storage (every save when the memory tier is off).
+        memory: a memory-only save (the memory tier); ``None`` when there is no memory tier.
+
+    Raises:
+        AdviceError: ``step_s`` is not a finite number > 0.
+
+    Example::
+
+        >>> MeasuredCosts(step_s=10.0, persisted=SaveCost(blocked_s=0.1, background_s=2.0,
+        ...                                                durable_s=60.0)).memory is None
+        True
+    """
+
+    step_s: float
+    persisted: SaveCost
+    memory: SaveCost | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step_s", _check(self.step_s, "step_s", positive=True))
+
+
+class Model(enum.Enum):
+    """Which model chose the interval."""
+
+    YOUNG = "young"  # first order, one level
+    DALY = "daly"  # higher order under exponential failures, one level
+    TWO_LEVEL = "two_level"  # first order, memory saves plus every k-th persisted
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    """How often to save, and what that is expected to cost.
+
+    Attributes:
+        model: the model that chose the interval.
+        interval_steps: save every this many steps (>= 1).
+        interval_s: wall-clock seconds between the starts of two saves at that interval
+            (iterations plus the training time the save takes).
+        persist_every: every this many saves is persisted (1: all of them; > 1 only with the
+            memory tier, the others stay in host memory).
+        overhead: expected fraction of the run's wall-clock time lost to saving, to work redone
+            after failures and to restarts.
+        save_overhead: the part of ``overhead`` that saving costs when nothing fails.
+        work_lost_s: expected training time redone per failure (time since the newest save that
+            survived it, including that save's latency).
+        restore_s: expected time from a failure until training runs again (the costs' restore).
+        mtbf_s: the mean time between failures used.
+        memory_fraction: share of failures recoverable from host memory (two levels only).
+        costs: the measured costs used.
+        caveats: where the inputs leave the model's range or a bound changed the optimum.
+    """
+
+    model: Model
+    interval_steps: int
+    interval_s: float
+    persist_every: int
+    overhead: float
+    save_overhead: float
+    work_lost_s: float
+    restore_s: float
+    mtbf_s: float
+    memory_fraction: float | None
+    costs: MeasuredCosts
+    caveats: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """One line for a log, e.g. ``save every 21 steps (212 s); ...``."""
+        s = f"save every {self.interval_steps} steps ({self.interval_s:.0f} s)"
+        if self.persist_every > 1:
+            s += f", persisting every {self.persist_every} saves"
+        s += (f"; expected overhead {self.overhead:.2%}, work lost per failure {self.work_lost_s:.0f} s"
+              f" ({self.model.value}, MTBF {self.mtbf_s / 3600:.2f} h)")
+        return s
+
+
+# -- the models --------------------------------------------------------------------------------
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum: training seconds between saves, ``sqrt(2 C M)``.
+
+    Young (1974) minimises the first-order expected waste ``C / tau + tau / 2M``. Accurate
+    while ``C << M``.
+
+    Raises:
+        AdviceError: ``cost_s`` < 0 or ``mtbf_s`` <= 0 (or either not finite).
+
+    Example::
+
+        >>> round(young_interval(2.0, 10_000.0), 1)
+        200.0
+    """
+    c = _check(cost_s, "cost_s")
+    m = _check(mtbf_s, "mtbf_s", positive=True)
+    return math.sqrt(2.0 * c * m)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum: training seconds between saves.
+
+    Daly (2006, eq. 37) expands the optimum of the expected run time under exponential
+    failures, ``M e^(R/M) (e^((tau + C)/M) - 1) / tau`` per unit of work:
+    ``tau = sqrt(2 C M) [1 + (1/3) sqrt(C / 2M) + (1/9) (C / 2M)] - C`` for ``C < 2M``; beyond
+    that range the series fails and Daly's answer is ``tau = M``. The restart time ``R`` (and a
+    latency, see :func:`one_level_overhead`) scale that cost by a constant and do not move it.
+
+    Raises:
+        AdviceError: ``cost_s`` < 0 or ``mtbf_s`` <= 0 (or either not finite).
+
+    Example::
+
+        >>> round(daly_interval(2.0, 10_000.0), 1)
+        198.7
+    """
+    c = _check(cost_s, "cost_s")
+    m = _check(mtbf_s, "mtbf_s", positive=True)
+    if c >= 2.0 * m:
+        return m
+    x = c / (2.0 * m)
+    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - c
+
+
+def one_level_overhead(work_s: float, save: SaveCost, mtbf_s: float, *, model: Model = Model.DALY) -> float:
+    """Expected fraction of wall-clock time lost with a save every ``work_s`` training seconds.
+
+    With ``C`` = ``save.cost_s``, ``L`` = ``save.durable_s``, ``R`` = ``save.restore_s``,
+    ``P = work_s + C``:
+
+    * ``Model.DALY``, exact under exponential failures: ``1 - work_s / E`` with
+      ``E = M e^((R + L)/M) (e^(P/M) - 1)`` the expected wall time per save period. Derivation
+      (docs/advice.md): from the moment one save becomes durable, the next must be reached;
+      a failure after ``u < P`` loses ``L + u`` (the save in flight is not durable), and after
+      a restart the job needs ``P + L`` failure-free seconds, the restored save being durable
+      already. With ``L = 0`` this is Daly's (2006) model; ``e^(L/M)`` is a constant factor,
+      so the optimal interval does not depend on the latency (Vaidya 1997).
+    * ``Model.YOUNG``, first order: ``C / P + (R + L + P / 2) / M``.
+
+    Raises:
+        AdviceError: ``work_s`` < 0, ``mtbf_s`` <= 0, or ``model`` is ``TWO_LEVEL``.
+
+    Example::
+
+        >>> s = SaveCost(blocked_s=0.0, background_s=2.0, durable_s=0.0)
+        >>> round(one_level_overhead(198.0, s, 10_000.0, model=Model.YOUNG), 4)
+        0.02
+    """
+    w = _check(work_s, "work_s")
+    m = _check(mtbf_s, "mtbf_s", positive=True)
+    p = w + save.cost_s
+    if model is Model.YOUNG:
+        if p == 0:
+            return (save.restore_s + save.durable_s) / m
+        return save.cost_s / p + (save.restore_s + save.durable_s + p / 2.0) / m
+    if model is Model.DALY:
+        if w == 0:
+            return 1.0
+        expected = m * math.exp((save.restore_s + save.durable_s) / m) * math.expm1(p / m)
+        return 1.0 - w / expected
+    raise AdviceError("one_level_overhead takes Model.YOUNG or Model.DALY", key="model")
+
+
+def two_level_overhead(work_s: float, persist_every: int, costs: MeasuredCosts, mtbf_s: float,
+                       memory_fraction: float) -> float:
+    """First-order expected waste of memory saves every ``work_s`` training seconds, every
+    ``persist_every``-th of them also persisted.
+
+    One cycle of ``k = persist_every`` saves lasts ``P = k work_s + A`` wall seconds, with
+    ``A = (k - 1) C_m + C_p`` the training time its saves take (``C_m`` a memory-only save's
+    cost, ``C_p`` a persisted save's). A fraction ``p`` of the failures recovers from the newest
+    save in memory (it loses ``L_m + P / 2k`` on average, then ``R_m`` to restart); the others
+    from the newest persisted save (``L_p + P / 2``, then ``R_p``). The waste is
+    ``A / P + [p (R_m + L_m + P / 2k) + (1 - p)(R_p + L_p + P / 2)] / M``
+    (first order, as in Young; the multi-level form of Benoit et al. 2017 and Di et al. 2014).
+
+    Raises:
+        AdviceError: ``costs.memory`` is None, ``persist_every`` < 1, ``memory_fraction``
+            outside ``[0, 1)``, ``work_s`` < 0, or ``mtbf_s`` <= 0.
+
+    Example::
+
+        >>> c = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.0, background_s=2.0, durable_s=0.0),
+        ...                   memory=SaveCost(blocked_s=0.0, background_s=0.0, durable_s=0.0))
+        >>> round(two_level_overhead(99.0, 2, c, 10_000.0, 0.5), 4)
+        0.0175
+    """
+    w = _check(work_s, "work_s")
+    m = _check(mtbf_s, "mtbf_s", positive=True)
+    mem, per = _memory_costs(costs), costs.persisted
+    p = _check_fraction(memory_fraction)
+    k = _check_count(persist_every, "persist_every")
+    a = (k - 1) * mem.cost_s + per.cost_s
+    cycle = k * w + a
+    lost = p * (mem.restore_s + mem.durable_s) + (1.0 - p) * (per.restore_s + per.durable_s)
+    if cycle == 0:
+        return lost / m
+    return a / cycle + (lost + cycle * (p / (2.0 * k) + (1.0 - p) / 2.0)) / m
+
+
+def _memory_costs(costs: MeasuredCosts) -> SaveCost:
+    if costs.memory is None:
+        raise AdviceError("two levels need the costs of memory-only saves (costs.memory is None)",
+                          key="costs.memory")
+    return costs.memory
+
+
+def _check_fraction(memory_fraction: float) -> float:
+    p = float(memory_fraction)
+    if not 0.0 <= p < 1.0:
+        raise AdviceError(
+            f"memory_fraction must be in [0, 1), got {memory_fraction!r} (with 1 no failure would "
+            "ever need storage, and persisting could never pay)", key="memory_fraction")
+    return p
+
+
+def _check_count(value: int, key: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise AdviceError(f"{key} must be an int >= {minimum}, got {value!r}", key=key)
+    return value
+
+
+# -- choosing the interval ---------------------------------------------------------------------
+
+
+def steps_for(seconds: float, *, step_s: float) -> int:
+    """The whole number of steps nearest to ``seconds`` of training, at least 1.
+
+    Raises:
+        AdviceError: ``seconds`` < 0 or ``step_s`` <= 0 (or either not finite).
+
+    Example::
+
+        >>> steps_for(212.9, step_s=10.0), steps_for(0.0, step_s=10.0)
+        (21, 1)
+    """
+    s = _check(seconds, "seconds")
+    dt = _check(step_s, "step_s", positive=True)
+    return max(1, round(s / dt))
+
+
+def _rounded(tau: float, step_s: float, floor_steps: int) -> tuple[int, int]:
+    """The whole step counts on either side of ``tau`` seconds, none below ``floor_steps``."""
+    n = tau / step_s
+    return max(floor_steps, math.floor(n)), max(floor_steps, math.ceil(n))
+
+
+def advise(costs: MeasuredCosts, *, mtbf_s: float, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+           model: Model | None = None) -> Advice:
+    """The save interval that minimises the expected time lost, and what it costs.
+
+    Args:
+        costs: measured costs (:class:`CadenceEstimator` gives them for a running job).
+        mtbf_s: mean time between failures of the whole job (a node's MTBF divided by the
+            number of nodes, or :func:`mtbf_from_restarts`).
+        memory_fraction: share of failures recoverable from host memory (two levels only).
+        model: ``None`` picks ``TWO_LEVEL`` when ``costs.memory`` is given, else ``DALY``.
+
+    The interval is a whole number of steps: of the two step counts around the model's optimum
+    the one with the smaller expected overhead under that model (for two levels, the exact
+    optimum over whole ``(steps, persist_every)``). Saves never start closer together than a
+    save's latency (``durable_s``): with one staging slot (``SaveOptions.max_in_flight=1``) a
+    save issued while the previous one persists blocks the training thread, and overlapping
+    persists share the bandwidth the costs were measured with. ``caveats`` says when that
+    bound moved the optimum or the inputs leave a model's range.
+
+    Raises:
+        AdviceError: ``mtbf_s`` <= 0 or not finite, ``memory_fraction`` outside ``[0, 1)``, or
+            ``TWO_LEVEL`` without ``costs.memory``.
+
+    Example::
+
+        >>> costs = MeasuredCosts(step_s=10.0,
+        ...                       persisted=SaveCost(blocked_s=0.1, background_s=2.0, durable_s=60.0))
+        >>> advise(costs, mtbf_s=3 * 3600.0, model=Model.YOUNG).interval_steps
+        21
+    """
+    m = _check(mtbf_s, "mtbf_s", positive=True)
+    if model is None:
+        model = Model.TWO_LEVEL if costs.memory is not None else Model.DALY
+    if model is Model.TWO_LEVEL:
+        return _advise_two_levels(costs, m, _check_fraction(memory_fraction))
+    return _advise_one_level(costs, m, model)
+
+
+def _advise_one_level(costs: MeasuredCosts, m: float, model: Model) -> Advice:
+    save, dt = costs.persisted, costs.step_s
+    c = save.cost_s
+    caveats: list[str] = []
+    if model is Model.YOUNG:
+        tau = young_interval(c, m)
+    else:
+        tau = daly_interval(c, m)
+        if c >= 2.0 * m:
+            caveats.append(f"a save costs {c:.3g} s, at least twice the MTBF: Daly's fallback, save every MTBF")
+    floor_steps = max(1, math.ceil((save.durable_s - c) / dt - 1e-9))
+    n = min(_rounded(tau, dt, floor_steps), key=lambda k: (one_level_overhead(k * dt, save, m, model=model), k))
+    if n == floor_steps > max(_rounded(tau, dt, 1)):
+        caveats.append(f"interval raised to the save latency ({save.durable_s:.3g} s)")
+    period = n * dt + c
+    overhead = one_level_overhead(n * dt, save, m, model=model)
+    if model is Model.YOUNG:
+        lost = save.durable_s + period / 2.0
+    else:  # mean time into a period of the failures that strike it, exponential failures
+        lost = save.durable_s + (m - period / math.expm1(period / m) if period > 0 else 0.0)
+    if overhead >= 1.0:
+        caveats.append("expected overhead >= 100%: the first-order model is out of range")
+    return Advice(model=model, interval_steps=n, interval_s=period, persist_every=1,
+                  overhead=min(overhead, 1.0), save_overhead=c / period if period > 0 else 0.0,
+                  work_lost_s=lost, restore_s=save.restore_s, mtbf_s=m, memory_fraction=None,
+                  costs=costs, caveats=tuple(caveats))
+
+
+def _advise_two_levels(costs: MeasuredCosts, m: float, p: float) -> Advice:
+    mem, per, dt = _memory_costs(costs), costs.persisted, costs.step_s
+    cm, extra = mem.cost_s, max(per.cost_s - mem.cost_s, 0.0)
+    lost_const = (p * (mem.restore_s + mem.durable_s) + (1.0 - p) * (per.restore_s + per.durable_s)) / m
+    # Continuous optimum (docs/advice.md): k* = sqrt(extra p / (C_m (1 - p))); the waste at the
+    # best period for a given k is lost_const + sqrt(2 g(k) / M), g convex with its minimum at k*.
+    k_star = math.sqrt(extra * p / (cm * (1.0 - p))) if cm * (1.0 - p) > 0 else math.inf
+
+    def cycle_cost(k: int) -> float:
+        return (k - 1) * cm + per.cost_s
+
+    best: tuple[float, int, int] | None = None  # (waste, k, n)
+    bound_moved = False
+    k = 1
+    while k <= _MAX_PERSIST_EVERY:
+        a = cycle_cost(k)
+        slope = p / (2.0 * k) + (1.0 - p) / 2.0
+        # Both bounds below hold for every n; from k* on both grow with k, so once either passes
+        # the best waste found, no larger k can do better.
+        unconstrained = lost_const + 2.0 * math.sqrt(a * slope / m)
+        linear = lost_const + (1.0 - p) * (k * dt + a) / (2.0 * m)
+        if best is not None and (linear > best[0] or (k >= k_star and unconstrained > best[0])):
+            break
+        # Saves no closer than their latency: the cycle >= L_p, a memory period >= L_m.
+        floor_steps = max(1, math.ceil((per.durable_s - a) / (k * dt) - 1e-9),
+                          math.ceil((k * mem.durable_s - a) / (k * dt) - 1e-9))
+        tau = max(math.sqrt(a * m / slope) - a, 0.0) / k
+        for n in sorted(set(_rounded(tau, dt, floor_steps))):
+            w = two_level_overhead(n * dt, k, costs, m, p)
+            if best is None or w < best[0]:
+                best = (w, k, n)
+                bound_moved = n == floor_steps > max(_rounded(tau, dt, 1))
+        k += 1
+    assert best is not None
+    waste, k, n = best
+    caveats = []
+    if bound_moved:
+        caveats.append(f"interval raised to the save latency ({per.durable_s:.3g} s persisted, "
+                       f"{mem.durable_s:.3g} s in memory)")
+    if k == _MAX_PERSIST_EVERY:
+        caveats.append(f"persist_every capped at {_MAX_PERSIST_EVERY}")
+    if waste >= 1.0:
+        caveats.append("expected overhead >= 100%: the first-order model is out of range")
+    a = cycle_cost(k)
+    cycle = k * n * dt + a
+    return Advice(model=Model.TWO_LEVEL, interval_steps=n, interval_s=cycle / k, persist_every=k,
+                  overhead=min(waste, 1.0), save_overhead=a / cycle, mtbf_s=m, memory_fraction=p,
+                  work_lost_s=p * (mem.durable_s + cycle / (2.0 * k)) + (1.0 - p) * (per.durable_s + cycle / 2.0),
+                  restore_s=p * mem.restore_s + (1.0 - p) * per.restore_s, costs=costs,
+                  caveats=tuple(caveats))
+
+
+def mtbf_from_restarts(*, uptime_s: float, failures: int) -> float | None:
+    """Mean time between failures revealed by a job's restarts: ``uptime_s / failures``.
+
+    The maximum-likelihood estimate for exponential failures (SCR's ``scr_ckpt_interval.py``
+    divides run time by starts the same way). With ``n`` failures its relative standard error
+    is about ``1 / sqrt(n)``: prefer a user-given MTBF until a handful have been seen.
+    Returns None when no failure has been seen.
+
+    Raises:
+        AdviceError: ``uptime_s`` < 0 or ``failures`` < 0.
+
+    Example::
+
+        >>> mtbf_from_restarts(uptime_s=54 * 86400.0, failures=419) // 60
+        185.0
+    """
+    u = _check(uptime_s, "uptime_s")
+    n = _check_count(failures, "failures", minimum=0)
+    return u / n if n else None
+
+
+# -- measuring the costs on the running job ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Interval:
+    t0: float
+    t1: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class _Save:
+    blocked_s: float
+    t_start: float
+    t_durable: float
+    persisted: bool
+
+
+class CadenceEstimator:
+    """Estimates a running job's :class:`MeasuredCosts` from the times of its steps and saves.
+
+    Feed it ``observe_step(step, t)`` after every step and ``observe_save(...)`` once a save is
+    durable, with times from one monotonic clock. It keeps the last ``window_steps`` step
+    intervals and saves, and at query time:
+
+    * the iteration time is the median per-step duration of the intervals that no save
+      overlapped;
+    * a save's background cost is the excess of the intervals overlapping it
+      (``duration - steps x iteration time``, summed) minus its blocked time: the training
+      time it took beyond blocking the caller. Saves whose overlapping intervals touch each
+      other share their excess equally (or are left out when memory and persisted saves mix);
+    * each cost is the median over the last ``window_saves`` saves of its kind, so that a
+      stray slow iteration (evaluation, a data-loader stall) does not move it.
+
+    A save counts once the steps observed cover it; intervals of a save that is still in flight
+    count as clean until it is observed (the median shrugs off that one window). Not
+    thread-safe: the caller serialises the calls.
+
+    Example::
+
+        >>> est = CadenceEstimator(min_clean_steps=2, min_saves=1)
+        >>> for s in range(6):
+        ...     est.observe_step(s, 10.0 * s)
+        >>> est.observe_save(5, blocked_s=0.5, t_start=50.0, t_durable=75.0)
+        >>> for s, t in [(6, 61.0), (7, 72.0), (8, 82.5), (9, 92.5)]:
+        ...     est.observe_step(s, t)
+        >>> c = est.costs()
+        >>> c.step_s, c.persisted.blocked_s, round(c.persisted.background_s, 3), c.persisted.durable_s
+        (10.0, 0.5, 2.0, 25.0)
+    """
+
+    def __init__(self, *, window_steps: int = 512, window_saves: int = 16, min_clean_steps: int = 8,
+                 min_saves: int = 3) -> None:
+        for key, v in (("window_steps", window_steps), ("window_saves", window_saves),
+                       ("min_clean_steps", min_clean_steps), ("min_saves", min_saves)):
+            _check_count(v, key)
+        self.window_saves = window_saves
+        self.min_clean_steps = min_clean_steps
+        self.min_saves = min_saves
+        self._intervals: deque[_Interval] = deque(maxlen=window_steps)
+        self._saves: deque[_Save] = deque(maxlen=window_steps)
+        self._restores: dict[bool, deque[float]] = {True: deque(maxlen=window_saves),
+                                                    False: deque(maxlen=window_saves)}
+        self._last: tuple[int, float] | None = None
+        self._last_t = -math.inf
+        self._uncovered: list[float] = []  # durable times of saves no observed step has reached
+        self.version = 0
+        """Bumped by every observation that can change :meth:`costs` other than a step."""
+
+    def observe_step(self, step: int, t: float) -> None:
+        """Step ``step`` ended at time ``t``. A step not above the previous one (a reload)
+        starts a new stretch: no interval spans the two.
+
+        Raises:
+            AdviceError: ``t`` is not finite or is earlier than a time observed before.
+        """
+        t = self._check_time(t, "t")
+        if self._last is not None and step > self._last[0]:
+            self._intervals.append(_Interval(self._last[1], t, step - self._last[0]))
+        self._last = (step, t)
+        if self._uncovered and min(self._uncovered) <= t:  # a save's cost can now be measured
+            self._uncovered = [td for td in self._uncovered if td > t]
+            self.version += 1
+
+    def observe_save(self, step: int, blocked_s: float, t_start: float, t_durable: float, *,
+                     persisted: bool = True) -> None:
+        """The save of ``step`` started at ``t_start``, blocked its caller ``blocked_s`` seconds
+        and was durable at ``t_durable`` (in host memory for a memory-only save,
+        ``persisted=False``). Call it once per save, when it is durable.
+
+        Raises:
+            AdviceError: a value is not finite or negative, or ``t_durable`` is earlier than
+                the end of the blocked part.
+        """
+        b = _check(blocked_s, "blocked_s")
+        ts, td = float(t_start), float(t_durable)
+        if not (math.isfinite(ts) and math.isfinite(td)) or td < ts + b - 1e-9:
+            raise AdviceError(
+                f"save of step {step}: durable at {t_durable!r} before its blocked part ended "
+                f"({t_start!r} + {blocked_s!r})", key="t_durable")
+        self._saves.append(_Save(b, ts, td, bool(persisted)))
+        if td > self._last_t:
+            self._uncovered.append(td)
+        self.version += 1
+
+    def observe_restore(self, restore_s: float, *, persisted: bool = True) -> None:
+        """Training ran again ``restore_s`` seconds after a failure, recovering from storage
+        (``persisted=True``) or from host memory.
+
+        Raises:
+            AdviceError: ``restore_s`` is negative or not finite.
+        """
+        self._restores[bool(persisted)].append(_check(restore_s, "restore_s"))
+        self.version += 1
+
+    def _check_time(self, t: float, key: str) -> float:
+        v = float(t)
+        if not math.isfinite(v) or v < self._last_t:
+            raise AdviceError(f"{key} must be finite and never decrease (a monotonic clock), "
+                              f"got {t!r} after {self._last_t!r}", key=key)
+        self._last_t = v
+        return v
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def step_s(self) -> float | None:
+        """Median seconds per step with no save in flight; None before ``min_clean_steps``."""
+        return self._analyse()[0]
+
+    def saves_observed(self, *, persisted: bool = True) -> int:
+        """How many saves of this kind are in the window."""
+        return sum(1 for s in self._saves if s.persisted == persisted)
+
+    def slowdown(self, *, persisted: bool = True) -> float | None:
+        """Median fraction of training time lost while a save of this kind runs in the
+        background (its background cost over its background duration); None if unmeasured."""
+        ratios = [lost / (s.t_durable - s.t_start - s.blocked_s)
+                  for s, lost in self._samples(persisted, self._analyse()[1])
+                  if s.t_durable - s.t_start - s.blocked_s > 0]
+        return max(0.0, statistics.median(ratios)) if ratios else None
+
+    def costs(self) -> MeasuredCosts | None:
+        """The measured costs, or None until ``min_clean_steps`` clean intervals and
+        ``min_saves`` covered persisted saves have been seen. ``memory`` is None until
+        ``min_saves`` memory-only saves have been."""
+        step_s, lost = self._analyse()
+        if step_s is None or step_s <= 0:
+            return None
+        persisted = self._cost(True, lost)
+        if persisted is None:
+            return None
+        return MeasuredCosts(step_s=step_s, persisted=persisted, memory=self._cost(False, lost))
+
+    def _cost(self, persisted: bool, lost: dict[int, float]) -> SaveCost | None:
+        samples = self._samples(persisted, lost)
+        if len(samples) < self.min_saves:
+            return None
+        restores = self._restores[persisted]
+        return SaveCost(
+            blocked_s=statistics.median(s.blocked_s for s, _ in samples),
+            background_s=max(0.0, statistics.median(x for _, x in samples)),
+            durable_s=statistics.median(s.t_durable - s.t_start for s, _ in samples),
+            restore_s=statistics.median(restores) if restores else 0.0)
+
+    def _samples(self, persisted: bool, lost: dict[int, float]) -> list[tuple[_Save, float]]:
+        """The last ``window_saves`` measured saves of a kind, each with its background cost."""
+        kind = [(s, lost[i]) for i, s in enumerate(self._saves) if s.persisted == persisted and i in lost]
+        return kind[-self.window_saves:]
+
+    def _analyse(self) -> tuple[float | None, dict[int, float]]:
+        """Baseline seconds per step, and background cost by index into ``_saves``."""
+        ivs = list(self._intervals)
+        ends = [iv.t1 for iv in ivs]
+        touching: list[list[int]] = []  # per save, indices of the intervals it overlaps
+        covered: list[bool] = []
+        busy: set[int] = set()
+        for s in self._saves:
+            first = bisect.bisect_right(ends, s.t_start)
+            hit = []
+            j = first
+            while j < len(ivs) and ivs[j].t0 < s.t_durable:
+                hit.append(j)
+                j += 1
+            touching.append(hit)
+            busy.update(hit)
+            covered.append(bool(ivs) and ivs[0].t0 <= s.t_start and ivs[-1].t1 >= s.t_durable)
+        clean = [(iv.t1 - iv.t0) / iv.steps for j, iv in enumerate(ivs) if j not in busy]
+        if len(clean) < self.min_clean_steps:
+            return None, {}
+        base = statistics.median(clean)
+        lost: dict[int, float] = {}
+        for group in _groups(touching):
+            saves = [self._saves[i] for i in group]
+            if not all(covered[i] for i in group) or len({s.persisted for s in saves}) > 1:
+                continue
+            hit = sorted({j for i in group for j in touching[i]})
+            excess = sum(ivs[j].t1 - ivs[j].t0 - base * ivs[j].steps for j in hit)
+            share = (excess - sum(s.blocked_s for s in saves)) / len(group)
+            lost.update((i, share) for i in group)
+        return base, lost
+
+
+def _groups(touching: list[list[int]]) -> list[list[int]]:
+    """Saves linked by a shared interval, transitively (their excess cannot be told apart)."""
+    owner: dict[int, int] = {}  # interval -> group id
+    parent = list(range(len(touching)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, hit in enumerate(touching):
+        for j in hit:
+            if j in owner:
+                parent[root(i)] = root(owner[j])
+            else:
+                owner[j] = i
+    out: dict[int, list[int]] = {}
+    for i in range(len(touching)):
+        out.setdefault(root(i), []).append(i)
+    return list(out.values())
+
+
+# -- save_interval="auto" -----------------------------------------------------------------------
+
+
+class SaveKind(enum.Enum):
+    """What :meth:`AutoInterval.decide` asks for at a step."""
+
+    MEMORY = "memory"  # a memory-only save (memory tier)
+    PERSIST = "persist"  # a save that reaches storage
+
+
+class AutoInterval:
+    """The rule behind ``save_interval="auto"``: measure first, then follow :func:`advise`.
+
+    Call :meth:`decide` once per step, after feeding the step to the estimator.
+
+    * Warm-up, until the estimator has costs (and, with ``memory_tier``, memory-save costs):
+      a save starts only when nothing is in flight and ``clean_steps`` steps have passed with
+      nothing in flight since the last one, and at least ``initial_interval_steps`` after it.
+      So the iteration time without saves and each save's cost can be measured, and no save
+      waits on another. The first save comes after ``clean_steps`` steps. With the memory
+      tier, warm-up alternates persisted and memory-only saves (persisted first).
+    * Then: a save every ``advice.interval_steps`` steps, every ``advice.persist_every``-th
+      persisted, the advice recomputed whenever a new save or restore has been observed. A due
+      save waits while ``max_in_flight`` saves are in flight (it would block training).
+
+    Example::
+
+        >>> est, auto = CadenceEstimator(), AutoInterval(mtbf_s=3 * 3600.0, clean_steps=2)
+        >>> [auto.decide(s, est) for s in range(4)]
+        [None, None, <SaveKind.PERSIST: 'persist'>, None]
+    """
+
+    def __init__(self, *, mtbf_s: float, memory_tier: bool = False,
+                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, model: Model | None = None,
+                 initial_interval_steps: int = 1, clean_steps: int = 8, max_in_flight: int = 1) -> None:
+        self.mtbf_s = _check(mtbf_s, "mtbf_s", positive=True)
+        self.memory_fraction = _check_fraction(memory_fraction) if memory_tier else memory_fraction
+        for key, v in (("initial_interval_steps", initial_interval_steps), ("clean_steps", clean_steps),
+                       ("max_in_flight", max_in_flight)):
+            _check_count(v, key)
+        if model is Model.TWO_LEVEL and not memory_tier:
+            raise AdviceError("Model.TWO_LEVEL needs memory_tier=True", key="model")
+        self.memory_tier = memory_tier
+        self.model = model
+        self.initial_interval_steps = initial_interval_steps
+        self.clean_steps = clean_steps
+        self.max_in_flight = max_in_flight
+        self._advice: Advice | None = None
+        self._version = -1
+        self._last_save: int | None = None
+        self._quiet = 0  # steps with nothing in flight since the last save
+        self._since_persist = 0  # memory-only saves since the last persisted one
+        self._warmup_saves = {SaveKind.MEMORY: 0, SaveKind.PERSIST: 0}
+
+    @property
+    def advice(self) -> Advice | None:
+        """The advice being followed; None during warm-up."""
+        return self._advice
+
+    def decide(self, step: int, estimator: CadenceEstimator, *, in_flight: int = 0) -> SaveKind | None:
+        """Whether to save at ``step`` and which kind; ``in_flight``: saves not yet durable."""
+        if in_flight == 0:
+            self._quiet += 1
+        if estimator.version != self._version:
+            self._version = estimator.version
+            costs = estimator.costs()
+            needs_memory = self.memory_tier and self.model in (None, Model.TWO_LEVEL)
+            if costs is not None and (costs.memory is not None or not needs_memory):
+                m = self.model or (Model.TWO_LEVEL if self.memory_tier else Model.DALY)
+                self._advice = advise(costs, mtbf_s=self.mtbf_s, memory_fraction=self.memory_fraction, model=m)
+        since = math.inf if self._last_save is None else step - self._last_save
+        kind: SaveKind | None = None
+        if self._advice is None:
+            if in_flight == 0 and self._quiet > self.clean_steps and since >= self.initial_interval_steps:
+                kind = SaveKind.PERSIST
+                if self.memory_tier and self._warmup_saves[SaveKind.MEMORY] < self._warmup_saves[SaveKind.PERSIST]:
+                    kind = SaveKind.MEMORY
+                self._warmup_saves[kind] += 1
+        elif since >= self._advice.interval_steps and in_flight < self.max_in_flight:
+            kind = SaveKind.PERSIST
+            if self.memory_tier and self._since_persist + 1 < self._advice.persist_every:
+                kind = SaveKind.MEMORY
+            self._since_persist = self._since_persist + 1 if kind is SaveKind.MEMORY else 0
+        if kind is not None:
+            self._last_save = step
+            self._quiet = 0
+        return kind
