@@ -1,21 +1,27 @@
-"""``zerostall``: list, inspect and verify checkpoints from the shell.
+"""``zerostall``: list, inspect, verify, export and import checkpoints from the shell.
 
     zerostall list DIR          committed steps / checkpoints under DIR
     zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes
     zerostall verify PATH       read every leaf, check every checksum, name every bad key
+    zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
+    zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
 
 Each takes ``--json`` (one JSON document on stdout, errors included). Exit status: 0 when all is
 well, 1 on any failure (a bad checksum, a missing file, a malformed manifest, an I/O error), 2
 on a usage error. Failures print one line, never a traceback (``ZEROSTALL_DEBUG=1`` shows it).
 
-The CLI only reads: it starts no writer and imports no torch. It uses the read side of the
-library (manifest parsing, storage, :func:`~zerostall.restore.verify_checkpoint`) rather than
-``load_pytree``, because it must report on checkpoints it cannot or need not materialize.
+``list``, ``inspect`` and ``verify`` only read: they start no writer and import no torch. They use
+the read side of the library (manifest parsing, storage, :func:`~zerostall.restore.verify_checkpoint`)
+rather than ``load_pytree``, because they must report on checkpoints they cannot or need not
+materialize. ``export`` and ``import`` call :mod:`zerostall.interop`. ``verify``, ``export`` and
+``import`` draw a progress line on stderr when it is a terminal and the command lasts over a
+second (never under ``--json``; see :mod:`zerostall.progress`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -27,7 +33,9 @@ from typing import Any
 
 from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, step_name
 from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
+from zerostall.interop import export_checkpoint, import_checkpoint
 from zerostall.manifest import MANIFEST_NAME
+from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage, split_url
 
@@ -116,7 +124,8 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     try:
-        report = verify_checkpoint(_url(args.path))
+        with _progress(args, f"verify {args.path}"):
+            report = verify_checkpoint(_url(args.path))
     except CheckpointNotFoundError as exc:
         raise _hint_run_directory(_url(args.path), exc) from exc
     return {
@@ -127,6 +136,27 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
         "bad_keys": report.bad_keys,
         "problems": [{"kind": p.kind, "key": p.key, "file": p.file, "message": p.message} for p in report.problems],
     }
+
+
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        with _progress(args, f"export {args.out}") as progress:
+            report = export_checkpoint(_url(args.checkpoint), args.out, format=args.format, item=args.item,
+                                       overwrite=args.force, progress=progress)
+    except CheckpointNotFoundError as exc:
+        raise _hint_run_directory(_url(args.checkpoint), exc) from exc
+    return dataclasses.asdict(report)
+
+
+def cmd_import(args: argparse.Namespace) -> dict[str, Any]:
+    with _progress(args, f"import {args.src}") as progress:
+        report = import_checkpoint(args.src, _url(args.dst), format=args.format, progress=progress)
+    return dataclasses.asdict(report)
+
+
+def _progress(args: argparse.Namespace, label: str) -> Progress:
+    """A progress line on stderr: only on a terminal (Progress checks), never under --json."""
+    return Progress(label, enabled=False if args.json else None)
 
 
 # -- text output -----------------------------------------------------------------------------
@@ -174,6 +204,15 @@ def _print_verify(r: dict[str, Any]) -> None:
         _out(f"BAD {where}: {p['message']}")
     _out(f"FAILED {r['path']}: {len(r['problems'])} problem(s), {len(r['bad_keys'])} bad key(s)"
           + (f": {', '.join(r['bad_keys'])}" if r["bad_keys"] else ""))
+
+
+def _print_export(r: dict[str, Any]) -> None:
+    _out(f"exported {r['source']} to {r['path']} ({r['format']}): {r['tensors']} tensors, "
+         f"{_size(r['nbytes'])}, {r['values']} other values")
+
+
+def _print_import(r: dict[str, Any]) -> None:
+    _out(f"imported {r['source']} ({r['format']}) to {r['path']}: {r['tensors']} tensors, {_size(r['nbytes'])}")
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -230,7 +269,7 @@ def _summarize(node: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerostall", description="List, inspect and verify zerostall checkpoints.")
+    p = argparse.ArgumentParser(prog="zerostall", description="List, inspect, verify, export and import zerostall checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext, arg in (
         ("list", "list the committed checkpoints in a directory", "dir"),
@@ -240,11 +279,28 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument(arg)
         sp.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_interop_parsers(sub)
     return p
 
 
+def _add_interop_parsers(sub: Any) -> None:
+    ex = sub.add_parser("export", help="write a checkpoint as a .safetensors or torch.save file")
+    ex.add_argument("checkpoint")
+    ex.add_argument("out", help="the file to write (.safetensors, .pt)")
+    ex.add_argument("--format", choices=("safetensors", "torch"), help="default: from OUT's suffix")
+    ex.add_argument("--item", help="export this item only (default: all)")
+    ex.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    im = sub.add_parser("import", help="save a torch.save file or a DCP checkpoint as a zerostall checkpoint")
+    im.add_argument("src", help="a torch.save file (read weights_only) or a DCP directory (trusted only)")
+    im.add_argument("dst", help="the checkpoint to create")
+    im.add_argument("--format", choices=("torch", "dcp"), help="default: dcp for a directory, else torch")
+    for sp in (ex, im):
+        sp.add_argument("--json", action="store_true", help="print one JSON document")
+
+
 _COMMANDS = {"list": (cmd_list, _print_list), "inspect": (cmd_inspect, _print_inspect),
-             "verify": (cmd_verify, _print_verify)}
+             "verify": (cmd_verify, _print_verify), "export": (cmd_export, _print_export),
+             "import": (cmd_import, _print_import)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
