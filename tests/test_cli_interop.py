@@ -109,7 +109,7 @@ def test_import_torch_file_and_dcp(tmp_path: Path) -> None:
     assert p.stdout.startswith("imported ") and "(torch)" in p.stdout
     got = zerostall.load_pytree(tmp_path / "ck")
     assert torch.equal(got["w"], torch.arange(4)) and got["epoch"] == 2
-    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"))
     p = zs("import", tmp_path / "dcp", tmp_path / "ck2", "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["format"] == "dcp"

@@ -194,4 +194,4 @@ def test_writer_runs_niced_and_batch_scheduled(ckdir):
         ck.save_pytree(1, {"w": torch.ones(4)})
         pid = ck._engine.writer.pid
         assert os.sched_getscheduler(pid) == os.SCHED_BATCH
-        assert psutil.Process(pid).nice() >= psutil.Process().nice() + 10
+        assert psutil.Process(pid).nice() >= min(19, psutil.Process().nice() + 10)  # nice caps at 19

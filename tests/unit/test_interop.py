@@ -424,7 +424,7 @@ def test_import_dcp_checkpoint_without_a_process_group(tmp_path: Path) -> None:
     assert not torch.distributed.is_initialized()
     state = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)},
              "optim": {"state": {0: {"exp_avg": torch.full((3,), 0.5)}}, "lr": 0.01}, "step": 7}
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
     report = import_checkpoint(tmp_path / "dcp", tmp_path / "ck", options=THREAD)
     assert report.format == "dcp" and report.tensors == 3
     got = zerostall.load_pytree(tmp_path / "ck")
