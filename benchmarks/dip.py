@@ -47,7 +47,10 @@ PRE_S = 1.0
 POST_S = 1.0
 NONE_WINDOW_S = PRE_S + 2.0 + POST_S
 
-SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "zerostall"]
+#: Any measured system can run here: the trainer is torch, but the checkpoint is the synthetic
+#: state, handed to each system in its own array type (``System.native``: jax arrays for Orbax),
+#: so a jax checkpointer competes with the torch trainer for the cores like any other.
+SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "orbax_save", "orbax_async", "zerostall"]
 DEFAULT = ["none", "torch_save", "dcp_async_stager", "zerostall"]
 
 
@@ -91,8 +94,11 @@ def _make_system(name: str) -> measure.System | None:
         if why:
             raise RuntimeError(why)
         return Zerostall()
-    from benchmarks.peers import FACTORIES
+    from benchmarks.peers import FACTORIES, orbax_missing
 
+    why = orbax_missing() if name.startswith("orbax") else None
+    if why:
+        raise RuntimeError(why)
     return FACTORIES[name]()
 
 
@@ -172,6 +178,7 @@ def run(system_name: str, state_size: int, directory: Path, repeats: int) -> dic
         system = _make_system(system_name)
         if system is not None:
             system.setup(directory)
+            state = system.native(state)
             first = measure.scratch_path(directory, f"dip-first-{system_name}")
             system.save(first, state).wait()  # first save: allocations and process start
             measure.remove(first)

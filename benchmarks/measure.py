@@ -325,6 +325,23 @@ class System:
     def setup(self, directory: Path) -> None:
         pass
 
+    def native(self, state: Any) -> Any:
+        """The state as this system's own arrays, built once after ``setup`` and never timed;
+        ``save`` gets this. The default is the torch tree itself."""
+        return state
+
+    def template(self, state: Any) -> Any:
+        """The ``restore`` target for the torch ``state``: zero-filled tensors like it."""
+        from benchmarks.state import template_like
+
+        return template_like(state)
+
+    def equal(self, state: Any, restored: Any) -> bool:
+        """Whether ``restored`` holds exactly the torch ``state``'s keys and values (untimed)."""
+        from benchmarks.state import trees_equal
+
+        return trees_equal(state, restored)
+
     def save(self, path: Path, state: Any) -> Pending:
         raise NotImplementedError
 
@@ -358,7 +375,9 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
     Right before every save the state is also copied into a warm preallocated buffer in this
     process (``memcpy_s``): a memcpy floor paired with that save, so that the stall ratio does
     not depend on what the other users of the shared machine did between the floors child and
-    this one.
+    this one. ``state`` is the torch tree; a system with its own array type saves its
+    ``native`` copy of it (the same bytes, converted once before the first save), while the
+    memcpy floor and the correctness check keep using the torch tree.
 
     Every save goes to a new path (checkpointers refuse to overwrite); each checkpoint is deleted
     as soon as it is no longer needed so that 4 GiB runs do not fill the disk. The last one is
@@ -367,10 +386,11 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
     same files, also cold: the paired cold-read floor.
     """
     from benchmarks.floors import _flat_views
-    from benchmarks.state import nbytes, template_like, trees_equal
+    from benchmarks.state import nbytes
 
     out: dict[str, Any] = {"system": system.name, "nbytes": nbytes(state), "in_place": system.in_place}
     system.setup(directory)
+    native = system.native(state)
     saves: list[dict[str, Any]] = []
     path: Path | None = None
     flat, pairs = _flat_views(state)
@@ -389,7 +409,7 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
                 memcpy_s = now() - tm
                 with RssSampler() as mem:
                     t0 = now()
-                    pending = system.save(path, state)
+                    pending = system.save(path, native)
                     t1 = now()
                     extra = pending.wait()
                     t2 = now()
@@ -407,13 +427,13 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         del flat, pairs  # free the floor buffer before the restore template is allocated
 
         assert path is not None
-        template = template_like(state)
+        template = system.template(state)
         # The first restore of a process pays one-time costs (imports, thread pools); it is
         # what a job restarting from a checkpoint pays, so it is reported, but separately.
         t0 = now()
         restored = system.restore(path, template)
         out["restore_first_s"] = now() - t0
-        out["restore_correct"] = trees_equal(state, restored)  # untimed: a fast wrong restore is no result
+        out["restore_correct"] = system.equal(state, restored)  # untimed: a fast wrong restore is no result
         del restored
         warm, cold, raw_cold = [], [], []
         read_buf = memoryview(bytearray(64 << 20))

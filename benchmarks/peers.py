@@ -17,7 +17,25 @@ Systems (``--system``):
 * ``dcp_async_cached``: ``async_save`` with ``FileSystemWriter(cache_staged_state_dict=True)``;
   on a CPU-only torch this is expected to fail (it pins memory); the error is recorded.
 * ``dcp_async_process``: ``async_save`` with ``AsyncCheckpointerType.PROCESS`` (opt-in, slow).
-* ``orbax``: only if ``jax`` is importable; otherwise recorded as skipped.
+* ``orbax_save``: Orbax v1 ``ocp.save`` (blocking), then ``fsync`` of every file and directory
+  it wrote (Orbax fsyncs nothing itself; tensorstore's file driver may, the metadata files and
+  the commit rename are not), ZSTD compression off (``use_compression = False``, as in the
+  peer-numbers note's "Orbax without compression"); restore ``ocp.load`` into an abstract
+  template (``jax.ShapeDtypeStruct`` with the CPU device's sharding): jax arrays are immutable,
+  so the restore allocates new ones, ``in_place = False``.
+* ``orbax_async``: ``ocp.save_async``; the stall ends when it returns, the commit when
+  ``response.result()`` has returned and the files are fsynced. Before returning, Orbax has
+  taken a host copy of every array -- on the CPU backend a zero-copy, read-only numpy view
+  (``np.asarray``), so the stall contains no memcpy. That is safe because a jax array is never
+  mutated in place: a jitted step that donates it while the view is alive is silently not
+  donated (jax 0.10.2 on CPU; new output buffers instead), so the checkpoint stays intact.
+
+  Both use the v1 free functions ``save``/``save_async``/``load`` of
+  ``orbax.checkpoint.experimental.v1``, the API Orbax documents now (``save_pytree`` and
+  ``save_pytree_async`` are deprecated aliases of them in orbax-checkpoint 0.12.8). The state
+  is the torch state converted once to jax arrays on the CPU device (same dtypes, copied into
+  XLA-owned buffers, untimed); both need ``jax`` and ``orbax-checkpoint`` (the ``bench`` extra)
+  and are recorded as skipped without them.
 
 DCP needs a process group even for one process: a gloo group of world size 1 is initialised
 in-process from a ``FileStore`` (no TCP port to collide with other users of the machine).
@@ -39,14 +57,20 @@ import torch
 
 from benchmarks import measure
 from benchmarks.floors import child_args
-from benchmarks.state import build_state, flat_dict, iter_tensors, parse_size
+from benchmarks.state import (
+    build_state,
+    flat_dict,
+    iter_tensors,
+    map_tensors,
+    parse_size,
+)
 
 ALL = ["torch_save", "safetensors", "dcp_save", "dcp_async", "dcp_async_stager",
-       "dcp_async_cached", "dcp_async_process", "orbax"]
+       "dcp_async_cached", "dcp_async_process", "orbax_save", "orbax_async"]
 #: Peers measured by default; ``dcp_async_process`` is opt-in because on two cores it only adds
 #: a second copy of the state and a process start (see peer-numbers.md) at a large time cost.
 DEFAULT = ["torch_save", "safetensors", "dcp_save", "dcp_async", "dcp_async_stager",
-           "dcp_async_cached", "orbax"]
+           "dcp_async_cached", "orbax_save", "orbax_async"]
 
 
 def _fsync_file(path: Path) -> None:
@@ -214,21 +238,98 @@ class DcpAsyncProcess(DcpSave):
         return _FuturePending(_upload_future(fut))
 
 
+class OrbaxSave(measure.System):
+    """Orbax v1 free functions on jax arrays; see the module docstring."""
+
+    name = "orbax_save"
+    in_place = False  # jax arrays are immutable: ``load`` returns new ones
+
+    def setup(self, directory: Path) -> None:
+        import jax
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        self.jax, self.ocp = jax, ocp
+        self.cpu = jax.devices("cpu")[0]
+        # Options live in a Context that applies inside ``with``; an async save keeps the
+        # Context it started under, so one shared, never mutated Context serves every call.
+        self.ctx = ocp.Context()
+        self.ctx.array.saving.use_compression = False
+
+    def native(self, state: Any) -> Any:
+        import jax.numpy as jnp
+
+        # copy=True: device_put of a 64-byte aligned numpy array aliases it on CPU, and the
+        # jax state should own its buffers as a jax trainer's does.
+        return map_tensors(state, lambda t: self.jax.device_put(jnp.array(t.numpy(), copy=True), self.cpu))
+
+    def template(self, state: Any) -> Any:
+        sharding = self.jax.sharding.SingleDeviceSharding(self.cpu)
+        return map_tensors(state, lambda t: self.jax.ShapeDtypeStruct(
+            tuple(t.shape), t.numpy().dtype, sharding=sharding))
+
+    def equal(self, state: Any, restored: Any) -> bool:
+        import numpy as np
+
+        # By key, not by order: a jax pytree orders dict keys sorted, the torch tree as inserted.
+        want = dict(iter_tensors(state))
+        got = dict(iter_tensors(restored, kind=self.jax.Array))
+        return want.keys() == got.keys() and all(
+            t.numpy().dtype == got[k].dtype and np.array_equal(t.numpy(), np.asarray(got[k]))
+            for k, t in want.items())
+
+    def save(self, path: Path, state: Any) -> measure.Pending:
+        with self.ctx:
+            self.ocp.save(path, state)
+        measure.fsync_tree(path)
+        return measure.Done()
+
+    def restore(self, path: Path, template: Any) -> Any:
+        with self.ctx:
+            restored = self.ocp.load(path, template)
+        return self.jax.block_until_ready(restored)
+
+
+class _OrbaxPending(measure.Pending):
+    def __init__(self, resp: Any, path: Path) -> None:
+        self.resp, self.path = resp, path
+
+    def wait(self) -> dict[str, Any] | None:
+        self.resp.result()
+        measure.fsync_tree(self.path)
+        return None
+
+
+class OrbaxAsync(OrbaxSave):
+    name = "orbax_async"
+
+    def save(self, path: Path, state: Any) -> measure.Pending:
+        with self.ctx:
+            return _OrbaxPending(self.ocp.save_async(path, state), path)
+
+
+def orbax_missing() -> str | None:
+    """None if the Orbax peers can run here, else why not (they are then recorded as skipped)."""
+    try:
+        import jax  # noqa: F401
+        import orbax.checkpoint.experimental.v1  # noqa: F401
+    except ImportError as e:
+        return f"jax or orbax-checkpoint not importable ({e}); install the bench extra"
+    return None
+
+
 FACTORIES: dict[str, Callable[[], measure.System]] = {
     "torch_save": TorchSave, "safetensors": Safetensors, "dcp_save": DcpSave,
     "dcp_async": DcpAsync, "dcp_async_stager": DcpAsyncStager,
     "dcp_async_cached": DcpAsyncCached, "dcp_async_process": DcpAsyncProcess,
+    "orbax_save": OrbaxSave, "orbax_async": OrbaxAsync,
 }
 
 
 def run(system_name: str, state_size: int, directory: Path, repeats: int) -> dict[str, Any]:
     """Measure one peer; an exception becomes ``{"error": ...}`` so the suite goes on."""
-    if system_name == "orbax":
-        try:
-            import jax  # noqa: F401
-        except ImportError as e:
-            return {"system": "orbax", "skipped": f"jax not importable ({e}); Orbax not measured"}
-        return {"system": "orbax", "skipped": "jax importable but the Orbax adapter is not written"}
+    why = orbax_missing() if system_name.startswith("orbax") else None
+    if why:
+        return {"system": system_name, "skipped": why}
     state = build_state(state_size)
     try:
         return measure.measure_system(FACTORIES[system_name](), state, directory, repeats)

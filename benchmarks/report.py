@@ -32,7 +32,7 @@ FIRST_MAX_X_LATER = 2.0
 #: size's (either direction).
 FLAT_TOLERANCE = 1.25
 
-ASYNC_PEERS = ("dcp_async", "dcp_async_stager", "dcp_async_cached", "dcp_async_process")
+ASYNC_PEERS = ("dcp_async", "dcp_async_stager", "dcp_async_cached", "dcp_async_process", "orbax_async")
 
 
 def _div(a: float | None, b: float | None) -> float | None:

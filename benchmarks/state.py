@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,16 +122,17 @@ def build_state(target_bytes: int, seed: int = 0) -> dict[str, Any]:
     return {"model": model, "optim": {"state": moments, "step": torch.tensor(1000.0)}}
 
 
-def iter_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(dotted.key, tensor)`` for every tensor leaf, in deterministic order."""
-    if isinstance(tree, torch.Tensor):
+def iter_tensors(tree: Any, prefix: str = "", kind: type | tuple[type, ...] = torch.Tensor) -> Iterator[tuple[str, Any]]:
+    """Yield ``(dotted.key, leaf)`` for every leaf of type ``kind`` (torch tensors unless told:
+    a peer with its own array type, e.g. ``jax.Array``, walks its tree with the same keys)."""
+    if isinstance(tree, kind):
         yield prefix, tree
     elif isinstance(tree, dict):
         for k in tree:
-            yield from iter_tensors(tree[k], f"{prefix}.{k}" if prefix else str(k))
+            yield from iter_tensors(tree[k], f"{prefix}.{k}" if prefix else str(k), kind)
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
-            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i), kind)
 
 
 def flat_dict(tree: Any) -> dict[str, torch.Tensor]:
@@ -144,15 +145,20 @@ def nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(tree))
 
 
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Same structure, ``fn`` applied to every tensor leaf; other leaves are kept as they are."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tensors(v, fn) for v in tree)
+    return tree
+
+
 def template_like(tree: Any) -> Any:
     """Same structure, new zero-filled (hence already faulted-in) tensors: a restore target."""
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        return {k: template_like(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(template_like(v) for v in tree)
-    return tree
+    return map_tensors(tree, torch.zeros_like)
 
 
 def trees_equal(a: Any, b: Any) -> bool:
