@@ -73,7 +73,8 @@ class Engine:
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
                  coordinator: Coordinator | None = None) -> None:
         self.options = options or SaveOptions()
-        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice)
+        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
+                                   sched=self.options.writer_sched)
         self.pool = BufferPool(self.options.max_in_flight, pin=_cuda_present(), on_free=self.writer.forget)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()

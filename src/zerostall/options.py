@@ -111,9 +111,12 @@ class SaveOptions:
             second stream only adds kernel CPU (ext4 serializes extending direct writes).
             Object stores use ``S3Options.concurrency`` (this raises it, never lowers it).
         chunk_bytes: size of one write call.
-        writer_nice: niceness added to the writer process, so training keeps CPU priority; when
-            non-zero the writer also runs under ``SCHED_BATCH`` (it never preempts the trainer
-            when it wakes up). 0 leaves the writer's priority alone.
+        writer_nice: niceness added to the writer process, so training keeps CPU priority.
+            0 leaves the writer's niceness alone.
+        writer_sched: the writer process's Linux scheduling class: ``"batch"`` (default; a writer
+            woken by a finished I/O never preempts the trainer), ``"idle"`` (``SCHED_IDLE``: it
+            runs only on cores the trainer leaves idle, so persisting can take much longer while
+            training saturates the cores) or ``"normal"``.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
     """
@@ -125,6 +128,7 @@ class SaveOptions:
     chunk_bytes: int = 64 * MiB
     writer_nice: int = 10
     distributed: DistributedOptions | None = None
+    writer_sched: str = "batch"
 
     def __post_init__(self) -> None:
         if not isinstance(self.writer, WriterKind):
@@ -135,6 +139,8 @@ class SaveOptions:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < MiB or self.chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
+        if self.writer_sched not in ("batch", "idle", "normal"):
+            raise ValueError(f"writer_sched must be 'batch', 'idle' or 'normal', got {self.writer_sched!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

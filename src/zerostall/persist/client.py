@@ -85,9 +85,10 @@ def _committed_anyway(p: _Pending) -> bool:
 class WriterClient:
     """One background writer (process or thread) and the jobs in flight on it."""
 
-    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10) -> None:
+    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10, sched: str = "batch") -> None:
         self.kind = kind
         self.nice = nice
+        self.sched = sched
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -149,7 +150,8 @@ class WriterClient:
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice)],
+                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice),
+                 self.sched],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
