@@ -41,15 +41,30 @@ class Checkpointer:
             (default: the world); shorthand for ``distributed=DistributedOptions(process_group=...)``
             in both option sets. Saves and loads are collective whenever torch.distributed is
             initialized: every rank calls them with the same step (docs/distributed.md).
+        on_error: called with a :class:`~zerostall.errors.BackgroundSaveError` for each save that
+            fails in the background, instead of raising it later (for loops that log and go
+            on). Runs on the writer's listener thread as the failure arrives: keep it short.
+        read_only: only list and load: no writer is started, the directory is not created, and
+            ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
 
     Raises:
         ValueError: an argument is out of range.
-        StorageError: the directory cannot be created.
+        StorageError: the location cannot be reached, created or written (a missing bucket,
+            refused credentials, an unreachable endpoint, a regular file in the way, ...);
+            ``errno`` and ``path`` say which. Raised here, not at the first save.
+        CheckpointNotFoundError: ``read_only`` and the local directory does not exist.
 
-    The writer process starts here, so the first save does not pay for it. Partial saves left by
-    writers that died (on this host) are removed here. Saves are
-    unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
-    leaving it waits for in-flight saves.
+    The writer process starts here and the constructor returns once it is up (~0.3 s), so no
+    save waits for it. Partial saves left by writers that died (on this host) are removed here.
+    Saves are unconditional: call :meth:`should_save` to follow the interval. Use as a context
+    manager; leaving it waits for in-flight saves.
+
+    **Errors from background saves.** A save that fails after ``save_*_async`` returned is
+    raised by its response's ``result()``. If that never happens, the next ``save_*``,
+    :meth:`wait`, :meth:`close` or the end of the ``with`` block raises
+    :class:`~zerostall.errors.BackgroundSaveError` naming the step and the cause (once per
+    failure; a ``with`` block that is already raising keeps its own exception and the failure
+    is logged). ``on_error`` receives them instead. See docs/guarantees.md.
 
     Example::
 
@@ -137,6 +152,9 @@ class Checkpointer:
 
         Raises:
             ValueError: ``step`` is not a non-negative int.
+            BackgroundSaveError: an earlier save failed in the background and nobody received
+                its error (see the class docstring); nothing was saved by this call.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
