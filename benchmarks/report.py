@@ -101,6 +101,12 @@ def summarize_system(r: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
                                       _div(s["ckpt_first_commit_s"], s["ckpt_later_commit_s"]) or 0)
     elif ck.get("error"):
         s["ckpt_error"] = ck["error"]
+    b2b = ck.get("back_to_back_stall_s") or []
+    if len(b2b) >= 3:  # the first two saves after Checkpointer() vs the warm ones after them
+        s["ckpt_open_s"] = ck.get("open_s")
+        s["ckpt_b2b_early_s"] = max(b2b[:2])
+        s["ckpt_b2b_warm_s"] = median(b2b[2:])
+        s["ckpt_b2b_x_warm"] = _div(s["ckpt_b2b_early_s"], s["ckpt_b2b_warm_s"])
     s["trainer_rss_extra"] = max(x["trainer_rss_extra"] for x in [r["first_save"], *saves])
     # Steady state: the first save's children peak can include a process start (kept apart).
     s["children_rss_peak"] = max(x["children_rss_peak"] for x in saves)
@@ -239,6 +245,12 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                 f"Checkpointer + prepare() ({zs['ckpt_prepare_s']:.2f}s, before training): first stall "
                 f"{zs['ckpt_first_stall_s']:.3f}s / commit {zs['ckpt_first_commit_s']:.3f}s vs later "
                 f"{zs['ckpt_later_stall_s']:.3f}s / {zs['ckpt_later_commit_s']:.3f}s")
+        if zs.get("ckpt_b2b_x_warm") is not None:
+            v = zs["ckpt_b2b_x_warm"]
+            add("saves right after Checkpointer() <= 2x warm", size, v, "<= 2", v <= FIRST_MAX_X_LATER,
+                f"back to back, no result() between: worst of the first two stalls {zs['ckpt_b2b_early_s']:.3f}s "
+                f"vs warm {zs['ckpt_b2b_warm_s']:.3f}s (Checkpointer() itself {_f(zs.get('ckpt_open_s'))}s, "
+                "writer start-up included)")
         v = max(zs["first_x_later_stall"] or 0, zs["first_x_later_commit"] or 0)
         rows.append({"target": "(info) first save, free functions (no prepare)", "size": size, "value": v,
                      "limit": "-", "verdict": "info",

@@ -61,6 +61,14 @@ def _close_engines() -> None:
         eng.close()
 
 
+def _raise_shared_failures() -> None:
+    """Raise a background failure of any shared engine (whatever its options) that nobody received."""
+    with _engines_lock:
+        engines = list(_engines.values())
+    for eng in engines:
+        eng.raise_failures()
+
+
 def _path(path: str | os.PathLike[str]) -> str:
     return os.fspath(path)
 
@@ -81,7 +89,12 @@ def save_checkpointables_async(
         WriterError: no writer could take the save.
         Errors of the background part (``StorageError`` with its errno, ``WriterError``, ...) are
         raised by the returned response's ``result()``.
+        BackgroundSaveError: an earlier free-function save failed in the background and its
+            response never raised it (``result()``); it names that save's step or path and cause.
+            Nothing was saved by this call. A failure never received is warned about at
+            interpreter exit (``RuntimeWarning``).
     """
+    _raise_shared_failures()
     parent, name = split_url(_path(path))
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
 

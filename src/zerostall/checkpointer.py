@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from zerostall.api import PYTREE
-from zerostall.commit import committed_steps, remove_stale_attempts, step_name
+from zerostall.commit import check_reachable, committed_steps, remove_stale_attempts, step_name
 from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
-from zerostall.errors import CheckpointNotFoundError
+from zerostall.errors import BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
 from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
 from zerostall.response import Response, SaveStats
 from zerostall.storage import local_path, open_storage
 
 __all__ = ["Checkpointer"]
+
+log = logging.getLogger("zerostall")
+
+#: how long opening a Checkpointer waits for its writer to say hello (a slower start is not an error)
+_WRITER_READY_TIMEOUT_S = 60.0
 
 
 class Checkpointer:
@@ -33,15 +41,30 @@ class Checkpointer:
             (default: the world); shorthand for ``distributed=DistributedOptions(process_group=...)``
             in both option sets. Saves and loads are collective whenever torch.distributed is
             initialized: every rank calls them with the same step (docs/distributed.md).
+        on_error: called with a :class:`~zerostall.errors.BackgroundSaveError` for each save that
+            fails in the background, instead of raising it later (for loops that log and go
+            on). Runs on the writer's listener thread as the failure arrives: keep it short.
+        read_only: only list and load: no writer is started, the directory is not created, and
+            ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
 
     Raises:
         ValueError: an argument is out of range.
-        StorageError: the directory cannot be created.
+        StorageError: the location cannot be reached, created or written (a missing bucket,
+            refused credentials, an unreachable endpoint, a regular file in the way, ...);
+            ``errno`` and ``path`` say which. Raised here, not at the first save.
+        CheckpointNotFoundError: ``read_only`` and the local directory does not exist.
 
-    The writer process starts here, so the first save does not pay for it. Partial saves left by
-    writers that died (on this host) are removed here. Saves are
-    unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
-    leaving it waits for in-flight saves.
+    The writer process starts here and the constructor returns once it is up (~0.3 s), so no
+    save waits for it. Partial saves left by writers that died (on this host) are removed here.
+    Saves are unconditional: call :meth:`should_save` to follow the interval. Use as a context
+    manager; leaving it waits for in-flight saves.
+
+    **Errors from background saves.** A save that fails after ``save_*_async`` returned is
+    raised by its response's ``result()``. If that never happens, the next ``save_*``,
+    :meth:`wait`, :meth:`close` or the end of the ``with`` block raises
+    :class:`~zerostall.errors.BackgroundSaveError` naming the step and the cause (once per
+    failure; a ``with`` block that is already raising keeps its own exception and the failure
+    is logged). ``on_error`` receives them instead. See docs/guarantees.md.
 
     Example::
 
@@ -65,6 +88,8 @@ class Checkpointer:
         save_options: SaveOptions | None = None,
         load_options: LoadOptions | None = None,
         process_group: Any = None,
+        on_error: Callable[[BackgroundSaveError], None] | None = None,
+        read_only: bool = False,
     ) -> None:
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
@@ -72,8 +97,8 @@ class Checkpointer:
         self.directory = os.fspath(directory)
         local = local_path(self.directory)
         if local is not None:
-            os.makedirs(local, exist_ok=True)
             self.directory = local
+        self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
@@ -82,12 +107,25 @@ class Checkpointer:
             load_options = dataclasses.replace(lo, distributed=dataclasses.replace(
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
-        self._storage = open_storage(self.directory)
-        if self._storage.atomic_rename:
-            remove_stale_attempts(self._storage)  # partial saves of writers that died
         so = save_options or SaveOptions()
-        self._engine = Engine(so, prewarm=True, coordinator=DistContext(so.distributed))
+        # The writer starts first: its interpreter boots while the storage is probed below.
+        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed))
+        self._engine.on_error = on_error
+        try:
+            self._storage = open_storage(self.directory)
+            check_reachable(self._storage, write=not self.read_only, path=self.directory)
+            if self.read_only and local is not None and not os.path.isdir(local):
+                raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
+                                              path=self.directory)
+            if self._storage.atomic_rename and not self.read_only:
+                remove_stale_attempts(self._storage)  # partial saves of writers that died
+        except BaseException:
+            self._engine.close()
+            raise
         self._committed: deque[Response] = deque(maxlen=100)
+        # Wait for the writer's hello so that no save waits for the writer to boot (the first
+        # save's slot is released only once the writer has written it).
+        self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -105,6 +143,7 @@ class Checkpointer:
         """
         if (items is None) == (tree is None):
             raise ValueError("pass exactly one of items or tree=")
+        self._check_writable(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
@@ -113,10 +152,14 @@ class Checkpointer:
 
         Raises:
             ValueError: ``step`` is not a non-negative int.
+            BackgroundSaveError: an earlier save failed in the background and nobody received
+                its error (see the class docstring); nothing was saved by this call.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._check_writable(step)
         meta = dict(metadata or {}, step=step)
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
                                     retention=self.retention)
@@ -178,12 +221,23 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every in-flight save has committed or failed."""
+        """Block until every in-flight save has committed or failed.
+
+        Raises:
+            BackgroundSaveError: a save failed in the background and its response never raised
+                it (unless ``on_error`` took it); names the step and the cause.
+        """
         self._engine.wait(timeout)
+        self._engine.raise_failures()
 
     def close(self) -> None:
-        """Wait for in-flight saves, then stop the writer and free the buffers."""
+        """Wait for in-flight saves, then stop the writer and free the buffers.
+
+        Raises:
+            BackgroundSaveError: as :meth:`wait` (the writer is stopped all the same).
+        """
         self._engine.close()
+        self._engine.raise_failures()
 
     @property
     def keep_last(self) -> int | None:
@@ -196,5 +250,18 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()  # raises an unreceived background failure
+            return
+        # The block is already raising: do not replace its exception; the failure is logged.
+        self._engine.close()
+        err = self._engine.take_failures()
+        if err is not None:
+            log.error("zerostall: %s (not raised: the with block raised %s)", err, exc_type.__name__)
+
+    def _check_writable(self, step: int | None) -> None:
+        if self.read_only:
+            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
+                                errno=errno.EROFS, path=self.directory if step is None
+                                else f"{self.directory.rstrip('/')}/{step_name(step)}")

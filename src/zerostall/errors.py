@@ -230,3 +230,39 @@ def from_wire(w: WireError) -> ZerostallError:
     if issubclass(cls, StorageError):
         return cls(w.message, errno=w.errno, path=w.path, key=w.key, rank=w.rank)
     return cls(w.message, path=w.path, key=w.key, rank=w.rank)
+
+
+class BackgroundSaveError(WriterError):
+    """A save that failed in the background, raised later because nobody received it.
+
+    Raised by the next ``save_*`` call, ``wait()``, ``close()`` or the end of a ``with
+    Checkpointer(...)`` block when a save failed after its ``save_*_async`` had returned and its
+    :class:`~zerostall.Response` never raised it (``result()`` raising, or ``exception()``
+    returning it, counts as received). ``step`` and ``path`` name the first failed save,
+    ``cause`` is its error (the class it had in the writer: ``StorageError`` with its errno,
+    ``WriterError``, ...), and ``errors`` lists every failed save this one reports, oldest first,
+    as ``(step or None, path, error)``.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 rank: int | None = None, step: int | None = None, cause: BaseException | None = None,
+                 errors: tuple[tuple[int | None, str, BaseException], ...] = ()) -> None:
+        super().__init__(message, path=path, key=key, rank=rank)
+        self.step = step
+        self.cause = cause
+        self.errors = errors
+
+    @property
+    def errno(self) -> int | None:
+        """The cause's errno (``ENOSPC``, ``EIO``, ...), if it has one."""
+        value = getattr(self.cause, "errno", None)
+        return value if isinstance(value, int) else None
+
+
+class ReadOnlyError(StorageError):
+    """A save was asked of a read-only :class:`~zerostall.Checkpointer` (``errno`` is ``EROFS``)."""
+
+
+_BY_NAME["BackgroundSaveError"] = BackgroundSaveError
+_BY_NAME["ReadOnlyError"] = ReadOnlyError
+__all__ += ["BackgroundSaveError", "ReadOnlyError"]

@@ -101,6 +101,8 @@ class WriterClient:
         self._closing = False
         #: set when the writer introduced itself with another protocol: restarting cannot help
         self._incompatible: ProtocolMismatchError | None = None
+        #: set when the running writer has said hello (or its listener ended): see wait_ready()
+        self._ready = threading.Event()
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -162,6 +164,7 @@ class WriterClient:
                                             name="zerostall-writer", daemon=True)
             self._thread.start()
         self._conn = Connection(parent.detach())
+        self._ready = threading.Event()
         self._mapped = set()
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
@@ -264,6 +267,7 @@ class WriterClient:
             if isinstance(msg, Hello):
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
+                self._ready.set()
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
@@ -284,6 +288,7 @@ class WriterClient:
                     p.on_done(None, from_wire(msg.error))
         if self._incompatible is not None:
             conn.close()  # the writer exits once it sees its trainer's end close
+        self._ready.set()  # nobody waits for a writer that is gone
         self._fail_pending()
 
     def _fail_pending(self) -> None:
@@ -309,3 +314,13 @@ class WriterClient:
                 continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
                                         "nothing of this save was committed", path=p.job.path))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the running writer has introduced itself (its interpreter is up and reading).
+
+        Returns False if no writer runs, or on timeout. Jobs sent earlier are not lost: they
+        queue in the socket. Waiting here keeps the writer's start-up out of later saves' stalls.
+        """
+        if not self.alive():
+            return False
+        return self._ready.wait(timeout)

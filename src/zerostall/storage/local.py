@@ -110,6 +110,18 @@ class LocalStorage:
         else:
             _write_file(path, data)
 
+    def probe(self, *, write: bool) -> None:
+        """The root is a directory (created with ``write``) that this process can list, and write to with ``write``."""
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.root)
+        if not write:
+            if os.path.isdir(self.root):
+                with os.scandir(self.root):  # EACCES for a directory this process cannot read
+                    pass
+            return
+        os.makedirs(self.root, exist_ok=True)
+        _probe_write(self.root)
+
     # -- reading ---------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
@@ -372,3 +384,22 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _probe_write(directory: str) -> None:
+    """Create a file in ``directory`` and remove it: what a save does first (root is not exempt
+    from a read-only mount, a full quota or a missing directory, so this fails for root too)."""
+    try:
+        # An unnamed file (O_TMPFILE) leaves nothing behind even if this process dies right here.
+        fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o600)
+        os.close(fd)
+        return
+    except AttributeError:
+        pass  # no O_TMPFILE in this Python build
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    path = os.path.join(directory, f".zerostall-probe-{os.getpid()}-{threading.get_ident():x}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    os.close(fd)
+    os.unlink(path)
