@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
 
@@ -153,6 +153,14 @@ class LoadOptions:
         chunk_bytes: size of one read call.
         replicated: collective loads only; see :class:`Replicated` (a string value is accepted).
         distributed: collective behaviour under ``torch.distributed``; see :class:`DistributedOptions`.
+        atomic: whether a failed load may leave a template partly overwritten (docs/guarantees.md,
+            "All-or-nothing loads"). ``True``: every leaf is read and verified before the first
+            byte is written into a template's own memory (the local backend checks the bytes in
+            the page cache, other backends in a staging copy of the in-place bytes), so a load that
+            raises leaves every template as it was. ``"auto"`` (default): ``True`` while the bytes
+            loaded in place are at most half the memory the kernel reports available
+            (``MemAvailable``), else ``False``. ``False``: one streaming pass; a failure leaves the
+            leaves read before it, and part of the failing one, overwritten. Only with ``verify``.
     """
 
     verify: bool = True
@@ -160,8 +168,11 @@ class LoadOptions:
     chunk_bytes: int = 32 * MiB
     replicated: Replicated = Replicated.BROADCAST
     distributed: DistributedOptions | None = None
+    atomic: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.atomic, bool) or self.atomic == "auto"):
+            raise ValueError(f"atomic must be True, False or 'auto', got {self.atomic!r}")
         if not isinstance(self.replicated, Replicated):
             try:
                 object.__setattr__(self, "replicated", Replicated(self.replicated))

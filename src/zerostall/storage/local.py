@@ -20,6 +20,8 @@ _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 _DIRECT_READ_MIN = 8 << 20  # smaller ranges: the page-cache path's overhead is noise
 _BOUNCE = 8 << 20  # one O_DIRECT read; 8 MiB requests keep a virtio disk at its full rate
 _PIECE = 1 << 20  # copied into the destination and handed to on_piece while in L2
+_SCRATCH = 1 << 20  # scan: one buffered read, checksummed while it is in L2
+_MAP_MIN = 1 << 20  # scan: smaller ranges are cheaper to read than to map
 _local = threading.local()
 _LIBC: ctypes.CDLL | bool | None = False  # loaded on first use
 
@@ -200,6 +202,38 @@ class LocalStorage:
         finally:
             os.close(fd)
 
+    def scan(self, key: str, offset: int, length: int, on_piece: Callable[[memoryview], None], *,
+             chunk: int) -> None:
+        """Hand ``on_piece`` the bytes of ``key`` at ``offset``, in order, without keeping them.
+
+        What a load verifies before it writes anything into its templates. A range wholly in
+        the page cache is handed over as the cache's own pages (a read-only mapping: no copy, no
+        system call per piece); otherwise it is read with buffered reads into this thread's
+        scratch buffer, which also leaves it in the page cache for the copy that follows. Pieces
+        are valid only during the call.
+        """
+        if not length:
+            return
+        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if length >= _MAP_MIN and _resident(fd, offset, length) == 1.0:
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                with mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ, offset=start) as m, \
+                        memoryview(m) as whole:
+                    for a in range(offset - start, offset + length - start, chunk):
+                        with whole[a:min(a + chunk, offset + length - start)] as piece:
+                            on_piece(piece)
+                return
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            scratch = _scratch()
+            for a in range(offset, offset + length, len(scratch)):
+                piece = scratch[:min(len(scratch), offset + length - a)]
+                _pread_full(fd, piece, a, key)
+                on_piece(piece)
+        finally:
+            os.close(fd)
+
     def size(self, key: str) -> int:
         return os.stat(self._p(key)).st_size
 
@@ -279,26 +313,32 @@ def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: in
 
 
 def _cold(fd: int, offset: int, length: int) -> bool:
-    """Whether most of the range is missing from the page cache (``mincore`` on a mapping of it).
+    """Whether most of the range is missing from the page cache."""
+    frac = _resident(fd, offset, length)
+    return frac is not None and frac < 0.5
+
+
+def _resident(fd: int, offset: int, length: int) -> float | None:
+    """The fraction of the range's pages in the page cache (``mincore`` on a mapping of it); None
+    when that cannot be told.
 
     Mapping a file without touching it reads nothing, and ``mincore`` only looks the pages up;
     a probe read (even ``RWF_NOWAIT``) would start readahead of the very range it asks about.
     """
     libc = _libc()
     if libc is None:
-        return False
+        return None
     start = offset - offset % mmap.PAGESIZE
     size = offset + length - start
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr is None or addr == ctypes.c_void_p(-1).value:
-        return False
+        return None
     try:
         pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
         vec = np.zeros(pages, dtype=np.uint8)
         if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p)) != 0:
-            return False
-        resident = int(np.count_nonzero(vec & 1))
-        return resident * 2 < pages
+            return None
+        return int(np.count_nonzero(vec & 1)) / pages
     finally:
         libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
 
@@ -325,6 +365,14 @@ def _bounce() -> tuple[memoryview, np.ndarray]:
     if b is None:
         m = mmap.mmap(-1, _BOUNCE)
         b = _local.bounce = (memoryview(m), np.frombuffer(m, dtype=np.uint8))
+    return b
+
+
+def _scratch() -> memoryview:
+    """This thread's scan buffer, made on first use."""
+    b: memoryview | None = getattr(_local, "scratch", None)
+    if b is None:
+        b = _local.scratch = memoryview(mmap.mmap(-1, _SCRATCH))
     return b
 
 
