@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from zerostall.api import PYTREE
-from zerostall.commit import check_reachable, committed_steps, remove_stale_attempts, step_name
-from zerostall.distributed import DistContext, active, agree_step, load
+from zerostall.commit import check_reachable, committed_steps, step_name
+from zerostall.distributed import DistContext, active, agree_steps, load
 from zerostall.engine import Engine
 from zerostall.errors import BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
 from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
+from zerostall.persist.gc import collect_at_start
 from zerostall.response import Response, SaveStats
 from zerostall.storage import local_path, open_storage
 
@@ -55,7 +56,9 @@ class Checkpointer:
         CheckpointNotFoundError: ``read_only`` and the local directory does not exist.
 
     The writer process starts here and the constructor returns once it is up (~0.3 s), so no
-    save waits for it. Partial saves left by writers that died (on this host) are removed here.
+    save waits for it. Partial saves left by writers that are provably gone, on any host, are removed here
+    (:mod:`zerostall.persist.gc`; ``gc_report`` says what was removed and what was kept for live
+    writers).
     Saves are unconditional: call :meth:`should_save` to follow the interval. Use as a context
     manager; leaving it waits for in-flight saves.
 
@@ -108,6 +111,7 @@ class Checkpointer:
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         so = save_options or SaveOptions()
+        self._save_dist = so.distributed
         # The writer starts first: its interpreter boots while the storage is probed below.
         self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed))
         self._engine.on_error = on_error
@@ -117,8 +121,8 @@ class Checkpointer:
             if self.read_only and local is not None and not os.path.isdir(local):
                 raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
                                               path=self.directory)
-            if self._storage.atomic_rename and not self.read_only:
-                remove_stale_attempts(self._storage)  # partial saves of writers that died
+            # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
+            self.gc_report = collect_at_start(self._storage) if not self.read_only else None
         except BaseException:
             self._engine.close()
             raise
@@ -130,7 +134,12 @@ class Checkpointer:
     # -- saving ------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` falls on the save interval."""
+        """Whether ``step`` falls on the save interval.
+
+        A pure function of ``step`` and ``save_interval_steps`` (no storage, no collective), so
+        every rank passing the same step gets the same answer; under torch.distributed the
+        starting step comes from the collective :meth:`latest_step`.
+        """
         return self.save_interval_steps is None or step % self.save_interval_steps == 0
 
     def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
@@ -187,20 +196,27 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. In-flight and partial saves are never listed."""
-        return committed_steps(self._storage)
+        """Committed steps, ascending. In-flight and partial saves are never listed.
+
+        Under torch.distributed this is collective (every rank must call it) and every rank gets
+        the same answer: the steps committed in every rank's view of the storage.
+        """
+        local = committed_steps(self._storage)
+        dopts = self._dist_options()
+        return agree_steps(local, dopts) if active(dopts) else local
+
+    def _dist_options(self) -> DistributedOptions | None:
+        lo = self.load_options.distributed if self.load_options is not None else None
+        return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
+        """The newest committed step, or None (under torch.distributed: collective, the same on every rank)."""
         s = self.steps()
         return s[-1] if s else None
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
-            step = self.latest_step()
-            dopts = self.load_options.distributed if self.load_options is not None else None
-            if active(dopts):  # every rank loads the step rank 0 sees as latest
-                step = agree_step(step, dopts)
+            step = self.latest_step()  # collective under torch.distributed: every rank loads the same step
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step

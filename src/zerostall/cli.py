@@ -5,6 +5,7 @@
     zerostall verify PATH       read every leaf, check every checksum, name every bad key
     zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
     zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
+    zerostall gc DIR            remove partial saves whose writers are provably gone (any host)
 
 Each takes ``--json`` (one JSON document on stdout, errors included). Exit status: 0 when all is
 well, 1 on any failure (a bad checksum, a missing file, a malformed manifest, an I/O error), 2
@@ -35,6 +36,7 @@ from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, st
 from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
 from zerostall.interop import export_checkpoint, import_checkpoint
 from zerostall.manifest import MANIFEST_NAME
+from zerostall.persist.gc import collect_garbage
 from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage, split_url
@@ -152,6 +154,31 @@ def cmd_import(args: argparse.Namespace) -> dict[str, Any]:
     with _progress(args, f"import {args.src}") as progress:
         report = import_checkpoint(args.src, _url(args.dst), format=args.format, progress=progress)
     return dataclasses.asdict(report)
+
+
+def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
+    url = _url(args.dir)
+    local = local_path(url)
+    if local is not None and not os.path.isdir(local):
+        there = os.path.exists(local)
+        raise StorageError("not a directory" if there else "no such directory",
+                           errno=errno.ENOTDIR if there else errno.ENOENT, path=args.dir)
+    report = collect_garbage(open_storage(url), dry_run=args.dry_run)
+    return dict(dataclasses.asdict(report), ok=not report.errors)
+
+
+def _print_gc(r: dict[str, Any]) -> None:
+    verb = "would remove" if r["dry_run"] else "removed"
+    for n in r["removed"]:
+        _out(f"{verb} {n}")
+    for n in r["uploads_aborted"]:
+        _out(f"{'would abort' if r['dry_run'] else 'aborted'} multipart upload {n}")
+    for n in r["kept_live"]:
+        _out(f"kept {n} (a live writer holds it)")
+    for e in r["errors"]:
+        _out(f"FAILED {e}")
+    _out(f"{r['url']}: {len(r['removed'])} partial(s) {verb}, {len(r['uploads_aborted'])} upload(s), "
+         f"{len(r['leases_removed'])} dead lease(s); {len(r['live_leases'])} live writer lease(s) untouched")
 
 
 def _progress(args: argparse.Namespace, label: str) -> Progress:
@@ -280,6 +307,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument(arg)
         sp.add_argument("--json", action="store_true", help="print one JSON document")
     _add_interop_parsers(sub)
+    gc = sub.add_parser("gc", help="remove partial saves whose writers are provably gone (expired lease, or dead "
+                                   "on this host)")
+    gc.add_argument("dir")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
 
@@ -300,7 +332,7 @@ def _add_interop_parsers(sub: Any) -> None:
 
 _COMMANDS = {"list": (cmd_list, _print_list), "inspect": (cmd_inspect, _print_inspect),
              "verify": (cmd_verify, _print_verify), "export": (cmd_export, _print_export),
-             "import": (cmd_import, _print_import)}
+             "import": (cmd_import, _print_import), "gc": (cmd_gc, _print_gc)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -166,7 +166,8 @@ def check_directory(directory: Path, *, newest_at_least: int | None = None, big:
     for n in names:  # no partial step is visible: every visible step is complete
         assert (directory / n / "manifest.json").is_file(), f"{n} is visible but not committed"
     hidden = [n for n in os.listdir(directory) if n.startswith(".")]
-    assert all(".zs-tmp-" in n or ".zs-del-" in n for n in hidden), hidden
+    # partial attempts, doomed steps, and the leases of the writers that made them (zerostall.lease)
+    assert all(".zs-tmp-" in n or ".zs-del-" in n or n.startswith(".zs-lease-") for n in hidden), hidden
     with Checkpointer(directory, save_options=SaveOptions(writer=WriterKind.THREAD), keep_last=KEEP_LAST) as c:
         steps = c.steps()
         assert [step_name(s) for s in steps] == names
