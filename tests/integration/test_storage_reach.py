@@ -141,3 +141,17 @@ def test_memory_backend_opens(tmp_path: Path) -> None:
         ck.save_pytree(1, state(1))
     with Checkpointer("memory://reach-test/run", read_only=True) as ro:
         assert ro.load_pytree()["step"] == 1
+
+
+def test_a_file_in_place_of_the_run_directory_is_not_a_directory(tmp_path: Path) -> None:
+    # Python's makedirs reports it as FileExistsError, which would read as CheckpointExistsError.
+    from zerostall.storage.local import LocalStorage
+
+    blocker = tmp_path / "run"
+    blocker.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        LocalStorage(str(blocker)).put("lease.json", b"{}")  # makedirs(root): a file is there
+    with pytest.raises(StorageError) as ei:
+        zerostall.save_pytree(blocker / "ckpt", state(1))
+    assert ei.value.errno == errno.ENOTDIR
+    assert not isinstance(ei.value, FileExistsError)
