@@ -46,3 +46,7 @@ __all__ = [
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
 ]
+
+from zerostall.errors import BackgroundSaveError, ReadOnlyError
+
+__all__ += ["BackgroundSaveError", "ReadOnlyError"]

@@ -270,10 +270,10 @@ class Checkpointer:
         if exc_type is None:
             self.close()  # raises an unreceived background failure
             return
-        # The block is already raising: do not replace its exception; the failure is logged.
-        self._engine.close()
-        err = self._engine.take_failures()
-        if err is not None:
+        try:
+            self.close()
+        except BackgroundSaveError as err:
+            # The block is already raising: its exception is kept; the failure is logged.
             log.error("zerostall: %s (not raised: the with block raised %s)", err, exc_type.__name__)
 
     def _check_writable(self, step: int | None) -> None:

@@ -102,6 +102,8 @@ class Response:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
             ZerostallError: the save failed, with the class it had in the writer (``StorageError``
                 keeps its errno; ``WriterError`` if the writer died); nothing of it is committed.
+                Raising it here counts as receiving it: the next save, ``wait()`` or ``close()``
+                does not raise it again as a ``BackgroundSaveError``.
         """
         try:
             self._future.result(timeout)

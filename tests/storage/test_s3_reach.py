@@ -77,3 +77,11 @@ def test_read_only_loads_and_refuses_saves(s3_url: str) -> None:
         with pytest.raises(ReadOnlyError):
             ro.save_pytree(3, state(3))
     assert [n for n in open_storage(s3_url).list("")] == ["step_00000002"]
+
+
+def test_s3_probe(s3_url: str) -> None:
+    from zerostall.storage.s3 import S3Storage
+
+    S3Storage(s3_url).probe(write=True)  # an existing bucket, an empty prefix
+    with pytest.raises(FileNotFoundError):
+        S3Storage("s3://zs-no-such-bucket-reach/x").probe(write=False)

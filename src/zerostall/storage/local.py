@@ -47,7 +47,7 @@ class LocalStorage:
         self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool
     ) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         use_direct = direct and hasattr(os, "O_DIRECT") and _aligned(buf, length)
         fd = -1
@@ -86,7 +86,7 @@ class LocalStorage:
         back as zeros. Fails with ``FileExistsError`` if ``key`` exists.
         """
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             _pwrite_all(fd, memoryview(header), 0)
@@ -99,7 +99,7 @@ class LocalStorage:
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         if if_absent:
             # Write aside, then link: link(2) fails if the target exists, so two writers cannot
             # both win, and a reader never sees a half-written object.
@@ -121,7 +121,7 @@ class LocalStorage:
                 with os.scandir(self.root):  # EACCES for a directory this process cannot read
                     pass
             return
-        os.makedirs(self.root, exist_ok=True)
+        _makedirs(self.root)
         _probe_write(self.root)
 
     # -- reading ---------------------------------------------------------------------------
@@ -432,6 +432,18 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, except that a file in the way is ``ENOTDIR``.
+
+    ``makedirs`` reports a regular file at ``path`` as ``FileExistsError``, which would reach the
+    caller as ``CheckpointExistsError``: the truth is that the directory cannot be created.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory (a file is in the way)", path) from None
 
 
 def _probe_write(directory: str) -> None:
