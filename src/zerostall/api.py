@@ -25,15 +25,17 @@ from typing import Any
 
 from zerostall.distributed import DistContext, load
 from zerostall.engine import Engine
-from zerostall.errors import MissingKeyError
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MissingKeyError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
-from zerostall.storage import split_url
+from zerostall.restore import read_manifest
+from zerostall.storage import open_storage, split_url
+from zerostall.validate import check_instance, check_path, clean_metadata
 
 __all__ = [
     "PYTREE",
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-    "load_pytree", "load_checkpointables",
+    "load_pytree", "load_checkpointables", "load_metadata",
 ]
 
 #: the item name under which ``save_pytree`` stores its tree
@@ -70,7 +72,7 @@ def _raise_shared_failures() -> None:
 
 
 def _path(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
+    return check_path(path)
 
 
 def save_checkpointables_async(
@@ -94,8 +96,12 @@ def save_checkpointables_async(
             Nothing was saved by this call. A failure never received is warned about at
             interpreter exit (``RuntimeWarning``).
     """
+    where = _path(path)
+    _check_items(items, where)
+    check_instance("options", options, SaveOptions)
+    metadata = clean_metadata(metadata, path=where)
     _raise_shared_failures()
-    parent, name = split_url(_path(path))
+    parent, name = split_url(where)
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
 
 
@@ -147,7 +153,11 @@ def load_checkpointables(
         UnsupportedFormatError: the checkpoint is of a newer format, or names an unregistered handler.
         StorageError: an I/O failure.
     """
-    parent, name = split_url(_path(path))
+    where = _path(path)
+    if items is not None:
+        _check_items(items, where)
+    check_instance("options", options, LoadOptions)
+    parent, name = split_url(where)
     return load(parent, name, items, options)
 
 
@@ -163,3 +173,36 @@ def load_pytree(
     if PYTREE not in out:  # pragma: no cover - load_items raises first
         raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)
     return out[PYTREE]
+
+
+def _check_items(items: object, path: str) -> None:
+    if not isinstance(items, dict):
+        raise ArgumentTypeError(f"items must be a dict of name -> item, got {type(items).__name__}",
+                                argument="items", path=path)
+    for name in items:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidArgumentError(f"item names must be non-empty str without '/', got {name!r}",
+                                       argument="items", path=path)
+
+
+def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata=`` a checkpoint was saved with (a Checkpointer's step adds ``"step"``).
+
+    Reads the manifest only: no array data, no writer, no torch. ``path`` is one checkpoint
+    (for a :class:`~zerostall.Checkpointer`, one ``step_...`` directory; or use its
+    :meth:`~zerostall.Checkpointer.metadata`).
+
+    Raises:
+        CheckpointNotFoundError: nothing is committed at ``path``.
+        CorruptCheckpointError, UnsupportedFormatError: the manifest is malformed or newer.
+        StorageError: an I/O failure.
+
+    Example::
+
+        >>> zerostall.save_pytree("/tmp/zs-doc/m", {"w": 1}, metadata={"loss": 0.5})   # doctest: +SKIP
+        >>> zerostall.load_metadata("/tmp/zs-doc/m")                                   # doctest: +SKIP
+        {'loss': 0.5}
+    """
+    where = _path(path)
+    parent, name = split_url(where)
+    return dict(read_manifest(open_storage(parent), name, path=where).metadata)
