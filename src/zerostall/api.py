@@ -25,12 +25,12 @@ from typing import Any
 
 from zerostall.distributed import DistContext, load
 from zerostall.engine import Engine
-from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MissingKeyError
+from zerostall.errors import MissingKeyError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
 from zerostall.restore import read_manifest
 from zerostall.storage import open_storage, split_url
-from zerostall.validate import check_instance, check_path, clean_metadata
+from zerostall.validate import check_instance, check_items, check_path, clean_metadata
 
 __all__ = [
     "PYTREE",
@@ -97,7 +97,7 @@ def save_checkpointables_async(
             interpreter exit (``RuntimeWarning``).
     """
     where = _path(path)
-    _check_items(items, where)
+    check_items(items, where)
     check_instance("options", options, SaveOptions)
     metadata = clean_metadata(metadata, path=where)
     _raise_shared_failures()
@@ -155,7 +155,7 @@ def load_checkpointables(
     """
     where = _path(path)
     if items is not None:
-        _check_items(items, where)
+        check_items(items, where)
     check_instance("options", options, LoadOptions)
     parent, name = split_url(where)
     return load(parent, name, items, options)
@@ -173,16 +173,6 @@ def load_pytree(
     if PYTREE not in out:  # pragma: no cover - load_items raises first
         raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)
     return out[PYTREE]
-
-
-def _check_items(items: object, path: str) -> None:
-    if not isinstance(items, dict):
-        raise ArgumentTypeError(f"items must be a dict of name -> item, got {type(items).__name__}",
-                                argument="items", path=path)
-    for name in items:
-        if not isinstance(name, str) or not name or "/" in name:
-            raise InvalidArgumentError(f"item names must be non-empty str without '/', got {name!r}",
-                                       argument="items", path=path)
 
 
 def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:

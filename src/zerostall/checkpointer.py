@@ -14,7 +14,13 @@ from zerostall.api import PYTREE
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, step_name
 from zerostall.distributed import DistContext, active, agree_steps, load
 from zerostall.engine import Engine
-from zerostall.errors import BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError, StorageError
+from zerostall.errors import (
+    BackgroundSaveError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    ReadOnlyError,
+    StorageError,
+)
 from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
 from zerostall.persist.gc import collect_at_start
 from zerostall.response import Response, SaveStats
@@ -24,6 +30,8 @@ from zerostall.validate import (
     check_bool,
     check_callable,
     check_instance,
+    check_items,
+    check_number,
     check_optional_int,
     check_path,
     check_step,
@@ -164,7 +172,7 @@ class Checkpointer:
         save allocates.
         """
         if (items is None) == (tree is None):
-            raise ValueError("pass exactly one of items or tree=")
+            raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
@@ -180,6 +188,7 @@ class Checkpointer:
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
         step = check_step(step, path=self.directory)
+        check_items(items, self._step_path(step))
         self._check_writable(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -257,6 +266,8 @@ class Checkpointer:
             BackgroundSaveError: a save failed in the background and its response never raised
                 it (unless ``on_error`` took it); names the step and the cause.
         """
+        if timeout is not None:
+            check_number("timeout", timeout)
         self._engine.wait(timeout)
         self._engine.raise_failures()
 

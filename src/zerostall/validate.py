@@ -20,7 +20,7 @@ from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MetadataEr
 
 __all__ = [
     "check_int", "check_optional_int", "check_number", "check_bool", "check_choice", "check_step", "check_path",
-    "check_callable", "check_instance", "clean_metadata", "MAX_METADATA_DEPTH",
+    "check_callable", "check_instance", "check_items", "clean_metadata", "MAX_METADATA_DEPTH",
 ]
 
 #: deeper ``metadata=`` nesting is refused (also what stops a self-referencing dict)
@@ -122,6 +122,17 @@ def check_path(value: object, name: str = "path") -> str:
     if "\x00" in text:
         raise InvalidArgumentError(f"{name} must not contain a NUL character", argument=name, path=text)
     return text
+
+
+def check_items(items: object, path: str | None = None) -> None:
+    """``items=`` of the ``*_checkpointables`` functions: a dict of non-empty ``str`` names without ``/``."""
+    if not isinstance(items, dict):
+        raise ArgumentTypeError(f"items must be a dict of name -> item, got {_short(items)}", argument="items",
+                                path=path)
+    for name in items:
+        if not isinstance(name, str) or not name or "/" in name:
+            raise InvalidArgumentError(f"item names must be non-empty str without '/', got {_short(name)}",
+                                       argument="items", path=path)
 
 
 def clean_metadata(metadata: object, *, reserved: tuple[str, ...] = (), path: str | None = None) -> dict[str, Any]:
