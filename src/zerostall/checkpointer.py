@@ -67,7 +67,9 @@ class Checkpointer:
             ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
+            naming it) or of the wrong type (:class:`~zerostall.errors.ArgumentTypeError`, also a
+            ``TypeError``: ``keep_last=2.5``).
         StorageError: the location cannot be reached, created or written (a missing bucket,
             refused credentials, an unreachable endpoint, a regular file in the way, ...);
             ``errno`` and ``path`` say which. Raised here, not at the first save.

@@ -99,7 +99,7 @@ def check_step(value: object, *, path: str | None = None, name: str = "step") ->
     10
     """
     if not _is_int(value) and type(value).__module__ == "numpy" and hasattr(value, "dtype") \
-            and getattr(value.dtype, "kind", "") in "iu" and getattr(value, "ndim", 1) == 0:
+            and getattr(value.dtype, "kind", "") in ("i", "u") and getattr(value, "ndim", 1) == 0:
         value = int(value)  # type: ignore[call-overload]  # a numpy integer scalar
     if not _is_int(value):
         raise ArgumentTypeError(f"{name} must be a non-negative int, got {_short(value)}", argument=name, path=path)
