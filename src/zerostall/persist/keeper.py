@@ -177,6 +177,16 @@ def _pid_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _silence(fd: int) -> None:
+    """Point ``fd`` at /dev/null (releasing the pipe or terminal it had)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(null, fd)
+    os.close(null)
+
+
 class MemoryStep:
     """The step of a memory-only save: nothing is written; the manifest is built and kept."""
 
@@ -256,6 +266,7 @@ class Keeper:
 
     def listen(self) -> bool:
         """Bind the keeper's name; False if another keeper of this triple holds it."""
+        _silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.address)
@@ -374,6 +385,9 @@ class Keeper:
         self.persist_held()
         if closed or self._listener is None:
             return None
+        # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
+        # launcher, a test) would wait for the keeper to expire.
+        _silence(2)
         deadline = time.monotonic() + self.spec.linger_s
         with self._cond:
             while self._waiting is None:
@@ -397,7 +411,7 @@ class Keeper:
                 return
             run_save(job, held.views, lambda: None, step=SoloStep(job, storage))
             held.persisted = True
-        except BaseException as exc:  # noqa: BLE001 - nobody to report to but stderr
+        except BaseException as exc:  # nobody to report to but stderr
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             print(f"zerostall keeper: persisting {job.path} after its trainer died failed: {exc}",

@@ -104,6 +104,8 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
             elif keeper is not None and isinstance(msg, ImageQuery):
                 keeper.send_image(conn, lambda m: _send(conn, m))
             elif isinstance(msg, Close):
+                if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
+                    keeper.persist_held()
                 return True
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")
