@@ -194,10 +194,10 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 s.connect(address)
                 c = Connection(s.detach())
-                c.send_bytes(encode(first))
                 try:
+                    c.send_bytes(encode(first))
                     got = c.recv_bytes() if c.poll(30) else b"timeout"
-                except (EOFError, ConnectionResetError):  # closed unread: a reset
+                except (EOFError, ConnectionResetError, BrokenPipeError):  # closed on us (unread: a reset)
                     got = b""
                 assert got == b"", got
             code = 0
@@ -265,3 +265,23 @@ def test_persist_interval_s_persists_the_first_save_after_it(tmp_path: Path) -> 
         assert [s.tiers for s in ck.stats()] == [("memory",), ("memory", "storage"), ("memory",)]
         assert _storage_steps(tmp_path) == [2]
         assert ck.latest_step() == 3
+
+
+def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from zerostall.cli import main
+
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=2, linger_s=0)) as ck:
+        ck.save_pytree(1, state(1))
+        ck.save_pytree(2, state(2))
+        ck.save_pytree(3, state(3))
+        assert main(["list", "--json", str(tmp_path)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [r["step"] for r in doc["checkpoints"]] == [2]
+        assert doc["memory_only"] == [{"name": step_name(3), "step": 3, "rank": 0}]
+        assert main(["list", str(tmp_path)]) == 0
+        assert "in memory only" in capsys.readouterr().out
+    assert main(["list", "--json", str(tmp_path)]) == 0  # closed: step 3 persisted, the keeper gone
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in doc["checkpoints"]] == [2, 3] and doc["memory_only"] == []

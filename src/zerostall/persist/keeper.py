@@ -57,7 +57,7 @@ from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import local_path, open_storage
 
 __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
-           "ADDRESS_PREFIX"]
+           "held_steps", "ADDRESS_PREFIX"]
 
 ADDRESS_PREFIX = b"\0zerostall-keeper-"
 #: how long a new trainer waits for a keeper that accepted it to hand over (it may be persisting
@@ -165,6 +165,34 @@ def query_held(root: str, rank: int) -> Image | None:
     finally:
         conn.close()
     return msg if isinstance(msg, Image) else None
+
+
+def _listening_keepers() -> set[bytes]:
+    """The abstract names of the keepers listening on this host (any user's)."""
+    names: set[bytes] = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[-1].startswith("@zerostall-keeper-"):
+                    names.add(b"\0" + parts[-1][1:].encode())
+    except OSError:
+        pass
+    return names
+
+
+def held_steps(root: str, max_rank: int = 4096) -> list[tuple[int, Image]]:
+    """``(rank, image)`` of every keeper of this user and ``root`` on this host that holds a step."""
+    names = _listening_keepers()
+    out: list[tuple[int, Image]] = []
+    if not names:
+        return out
+    for rank in range(max_rank):
+        if keeper_address(root, rank) in names:
+            img = query_held(root, rank)
+            if img is not None and img.step is not None:
+                out.append((rank, img))
+    return out
 
 
 def _pid_running(pid: int) -> bool:
