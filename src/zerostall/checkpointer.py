@@ -6,6 +6,8 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +17,13 @@ from zerostall.commit import check_reachable, committed_steps, step_name
 from zerostall.distributed import DistContext, active, agree_steps, load
 from zerostall.engine import Engine
 from zerostall.errors import BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
-from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
+from zerostall.restore import load_items
 from zerostall.storage import local_path, open_storage
+from zerostall.storage.image import open_image
 
 __all__ = ["Checkpointer"]
 
@@ -47,6 +52,9 @@ class Checkpointer:
             on). Runs on the writer's listener thread as the failure arrives: keep it short.
         read_only: only list and load: no writer is started, the directory is not created, and
             ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
+        memory_tier: checkpoint every save into this host's memory and persist only some (see
+            :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
+            then restores the newest step from memory. Needs the process writer.
 
     Raises:
         ValueError: an argument is out of range.
@@ -93,6 +101,7 @@ class Checkpointer:
         process_group: Any = None,
         on_error: Callable[[BackgroundSaveError], None] | None = None,
         read_only: bool = False,
+        memory_tier: MemoryTier | None = None,
     ) -> None:
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
@@ -111,9 +120,20 @@ class Checkpointer:
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         so = save_options or SaveOptions()
+        self.memory_tier = memory_tier
+        keeper: KeeperSpec | None = None
+        if memory_tier is not None:
+            if not isinstance(memory_tier, MemoryTier):
+                raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
+            if so.writer is not WriterKind.PROCESS:
+                raise ValueError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                                 "the memory must outlive the trainer")
+            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
+        self._last_persist = time.monotonic()
         self._save_dist = so.distributed
         # The writer starts first: its interpreter boots while the storage is probed below.
-        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed))
+        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed),
+                              keeper=keeper)
         self._engine.on_error = on_error
         try:
             self._storage = open_storage(self.directory)
@@ -170,6 +190,14 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._check_writable(step)
         meta = dict(metadata or {}, step=step)
+        if self.memory_tier is not None:
+            persist = self._persists(step)
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention, memory=True, persist=persist)
+            if persist:
+                self._last_persist = time.monotonic()
+            r._add_before_done(self._record)
+            return r
         r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
                                     retention=self.retention)
         r._add_before_done(self._record)
@@ -184,6 +212,20 @@ class Checkpointer:
     def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
         self.save_pytree_async(step, tree, metadata=metadata).result()
 
+    def _persists(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` also goes to storage."""
+        mt = self.memory_tier
+        assert mt is not None
+        if step % mt.persist_interval_steps == 0:
+            return True
+        if mt.persist_interval_s is None:
+            return False
+        dopts = self._engine.options.distributed
+        if active(dopts):
+            raise ValueError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: the "
+                             "ranks must agree on which saves persist; use persist_interval_steps")
+        return time.monotonic() - self._last_persist >= mt.persist_interval_s
+
     def _record(self, r: Response, exc: BaseException | None) -> None:
         if exc is None:
             self._committed.append(r)
@@ -196,12 +238,17 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. In-flight and partial saves are never listed.
+        """Committed steps, ascending (with a memory tier: storage's and the one this host's memory
+        holds). In-flight and partial saves are never listed.
 
         Under torch.distributed this is collective (every rank must call it) and every rank gets
-        the same answer: the steps committed in every rank's view of the storage.
+        the same answer: the steps committed in every rank's view (so a step only in memory counts
+        only if every rank's memory holds it).
         """
         local = committed_steps(self._storage)
+        mem = self.memory_step()
+        if mem is not None and mem not in local:
+            local = sorted([*local, mem])
         dopts = self._dist_options()
         return agree_steps(local, dopts) if active(dopts) else local
 
@@ -210,9 +257,23 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None (under torch.distributed: collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None (under torch.distributed:
+        collective, the same on every rank)."""
         s = self.steps()
         return s[-1] if s else None
+
+    def memory_step(self) -> int | None:
+        """The step this host's memory tier holds (None: no memory tier, or nothing held).
+
+        Waits for the saves already handed to the writer to finish first.
+        """
+        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        return img.step
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -228,7 +289,29 @@ class Checkpointer:
             CheckpointNotFoundError: no step is committed (or not ``step``).
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
+        step = self._resolve(step)
+        if self.memory_tier is not None:
+            got = self._load_from_memory(step, items)
+            if got is not None:
+                return got
+        return load(self.directory, step_name(step), items, self.load_options)
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # the collective load is not taught to read memory yet: storage
+            return None
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        if img.step != step:
+            for fd in fds:
+                os.close(fd)
+            return None
+        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        with open_image(img.name, img.manifest.encode(), files) as image:
+            return load_items(image.url, img.name, items, self.load_options)
 
     def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
@@ -281,3 +364,15 @@ class Checkpointer:
             raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+
+def _keeper_rank(dopts: DistributedOptions | None) -> int:
+    """This process's rank for the keeper's name: torch.distributed's if initialized, else
+    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
+    torch = sys.modules.get("torch")
+    if active(dopts) and torch is not None:
+        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0

@@ -302,6 +302,7 @@ def test_public_api_is_frozen():
         "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
         "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
         "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+        "MemoryTier",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError",
