@@ -99,8 +99,13 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, now: float | Non
     report.live_leases = [ls.key for ls in live]
     dead = [ls for ls in leases if not ls.live(t, here)]
 
+    blind = [ls.key for ls in live if ls.expires is None]
+    for k in blind:
+        report.errors.append(f"{k}: unreadable lease of a writer not provably dead; nothing but deletion "
+                             "leftovers is removed while it is there (delete it by hand once its writer is gone)")
+
     def held(key: str) -> bool:
-        return any(covers(tg, key) for ls in live for tg in ls.targets)
+        return bool(blind) or any(covers(tg, key) for ls in live for tg in ls.targets)
 
     def known(key: str) -> bool:
         return any(covers(tg, key) for ls in leases for tg in ls.targets)

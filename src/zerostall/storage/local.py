@@ -108,7 +108,15 @@ class LocalStorage:
             finally:
                 os.unlink(tmp)
         else:
-            _write_file(path, data)
+            # Written aside and renamed over: a reader (a collector reading a lease being renewed)
+            # sees the old object or the new one, never half of one.
+            tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
+            _write_file(tmp, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
 
     # -- reading ---------------------------------------------------------------------------
 
