@@ -146,3 +146,15 @@ def test_writers_killed_at_every_phase_on_another_host(tmp_path: Path, capsys: p
 def test_host_env_names_partials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HOST_ENV, "node-a")
     assert host_id() == "node-a"
+
+
+def test_cli_gc_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    staging, _ = _fake_partial(run, host_id(), _dead_pid(), expires=time.time() + 3600)
+    assert cli_main(["gc", str(run), "--dry-run"]) == 0
+    assert f"would remove {staging}" in capsys.readouterr().out and (run / staging).exists()
+    assert cli_main(["gc", str(run)]) == 0
+    assert f"removed {staging}" in capsys.readouterr().out and os.listdir(run) == []
+    assert cli_main(["gc", str(tmp_path / "missing")]) == 1
+    assert "no such directory" in capsys.readouterr().err
