@@ -2,7 +2,8 @@
 
 Shared by the POSIX test (tests/integration/test_orphans.py) and the S3 one
 (tests/storage/test_s3_orphans.py). A trainer subprocess (numpy state: no torch start-up) runs
-with ``ZEROSTALL_HOST_ID=other-host`` and a 1 s lease, its writer held at one phase; the test
+with ``ZEROSTALL_HOST_ID=other-host`` and a 3 s lease (renewed every 0.75 s: slack for a loaded
+machine), its writer held at one phase; the test
 kills writer and trainer (the host is gone), so this host can prove nothing from process ids
 and must wait for the leases to expire.
 
@@ -87,7 +88,7 @@ def start_held(url: str, tmp: Path, step: int, phase: str, action: str) -> Train
 
     mark = tmp / f"mark-{step}"
     mark.mkdir()
-    t = Trainer(url, step, {HOST_ENV: OTHER, LEASE_ENV: "1", ENV: json.dumps({phase: action}),
+    t = Trainer(url, step, {HOST_ENV: OTHER, LEASE_ENV: "3", ENV: json.dumps({phase: action}),
                             MARK_ENV: str(mark), "ZEROSTALL_TEST_KEEP_LAST": "3"})
     t.mark = mark  # type: ignore[attr-defined]
     return t
