@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -104,13 +105,23 @@ class LocalStorage:
             # Write aside, then link: link(2) fails if the target exists, so two writers cannot
             # both win, and a reader never sees a half-written object.
             tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
-            _write_file(tmp, data)
             try:
+                _write_file(tmp, data)
                 os.link(tmp, path)
             finally:
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         else:
-            _write_file(path, data)
+            # Written aside and renamed over: a reader (a collector reading a lease being renewed)
+            # sees the old object or the new one, never half of one.
+            tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
+            try:
+                _write_file(tmp, data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
 
     def probe(self, *, write: bool) -> None:
         """The root is a directory (created with ``write``) that this process can list, and write to with ``write``."""
