@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections import deque
 from typing import Any
 
-from zerostall.api import PYTREE
-from zerostall.commit import committed_steps, remove_stale_attempts, step_name
+from zerostall.api import PYTREE, load_newest_valid
+from zerostall.commit import committed_steps, parse_step, remove_stale_attempts, step_name
 from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
-from zerostall.errors import CheckpointNotFoundError
+from zerostall.errors import CheckpointNotFoundError, NoValidCheckpointError, ZerostallError
 from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
 from zerostall.response import Response, SaveStats
+from zerostall.restore import verify_checkpoint
 from zerostall.storage import local_path, open_storage
 
 __all__ = ["Checkpointer"]
+
+log = logging.getLogger("zerostall")
 
 
 class Checkpointer:
@@ -88,6 +92,8 @@ class Checkpointer:
         so = save_options or SaveOptions()
         self._engine = Engine(so, prewarm=True, coordinator=DistContext(so.distributed))
         self._committed: deque[Response] = deque(maxlen=100)
+        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
+        self.last_loaded_step: int | None = None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -162,18 +168,93 @@ class Checkpointer:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step
 
-    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None, *,
+                             fallback: bool = False) -> dict[str, Any]:
         """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`.
+
+        ``fallback=True``: if that step is corrupt or gone, the next older committed step that
+        loads instead, logged (WARNING, ``zerostall`` logger); :attr:`last_loaded_step` says which.
 
         Raises:
             CheckpointNotFoundError: no step is committed (or not ``step``).
+            NoValidCheckpointError: ``fallback=True`` and no step from ``step`` down loads.
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
+        if fallback:
+            name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
+            self.last_loaded_step = parse_step(name)
+            return out
+        resolved = self._resolve(step)
+        out = load(self.directory, step_name(resolved), items, self.load_options)
+        self.last_loaded_step = resolved
+        return out
 
-    def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
-        """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
-        return self.load_checkpointables(step, {PYTREE: template})[PYTREE]
+    def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
+        """Load ``step`` (default: latest committed) into ``template`` in place, if given.
+
+        ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
+        """
+        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+
+    def _agreed_steps(self) -> list[int]:
+        steps = self.steps()
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # every rank walks the steps rank 0 sees
+            steps = agree_step(steps, dopts)
+        return list(steps)
+
+    def _fallback_names(self, step: int | None) -> list[str]:
+        steps = self._agreed_steps()
+        if step is None:
+            return [step_name(s) for s in reversed(steps)]
+        return [step_name(step), *(step_name(s) for s in reversed(steps) if s < step)]
+
+    def latest_valid_step(self) -> int | None:
+        """The newest committed step whose every file and leaf checksum verifies, or None if none is committed.
+
+        Reads every byte of each step it checks (newest first, stopping at the first good one);
+        each step skipped is logged (WARNING, ``zerostall`` logger) with what is wrong with it.
+        Under torch.distributed, rank 0 verifies and every rank gets its answer.
+
+        Raises:
+            NoValidCheckpointError: steps are committed but none verifies (the message names each
+                step and its first problem).
+
+        Example::
+
+            >>> step = ckpt.latest_valid_step()                                # doctest: +SKIP
+            >>> if step is not None:                                           # doctest: +SKIP
+            ...     ckpt.load_pytree(step, template=state)
+        """
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):
+            import torch.distributed as dist
+
+            group = dopts.process_group if dopts is not None else None
+            answer = self._verify_newest_first() if dist.get_rank(group) == 0 else None
+            agreed: tuple[int | None, list[str]] = agree_step(answer, dopts)
+            step, failures = agreed
+        else:
+            step, failures = self._verify_newest_first()
+        if step is None and failures:
+            raise NoValidCheckpointError(f"no committed step verifies ({len(failures)} checked, newest first: "
+                                         f"{'; '.join(failures)})", path=self.directory)
+        return step
+
+    def _verify_newest_first(self) -> tuple[int | None, list[str]]:
+        failures: list[str] = []
+        for s in reversed(self.steps()):
+            path = f"{self.directory.rstrip('/')}/{step_name(s)}"
+            try:
+                report = verify_checkpoint(path)
+                problem = None if report.ok else f"{len(report.problems)} problem(s), first: {report.problems[0]}"
+            except ZerostallError as exc:  # manifest gone or malformed
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                return s, failures
+            failures.append(f"step {s}: {problem}")
+            log.warning("latest_valid_step: step %d of %s does not verify: %s", s, self.directory, problem)
+        return None, failures
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -230,3 +230,14 @@ def from_wire(w: WireError) -> ZerostallError:
     if issubclass(cls, StorageError):
         return cls(w.message, errno=w.errno, path=w.path, key=w.key, rank=w.rank)
     return cls(w.message, path=w.path, key=w.key, rank=w.rank)
+
+
+class NoValidCheckpointError(CorruptCheckpointError):
+    """A fallback load or ``latest_valid_step`` found committed checkpoints, but none that verifies.
+
+    The message names every checkpoint tried and why it was skipped, newest first.
+    """
+
+
+_BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
+__all__ += ["NoValidCheckpointError"]
