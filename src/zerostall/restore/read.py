@@ -171,7 +171,7 @@ class _Reader:
 
     # -- reading into destinations -----------------------------------------------------------
 
-    def read_one(self, r: ReadRequest, want: bool, chunk: int) -> None:
+    def read_one(self, r: ReadRequest, want: bool, chunk: int, cached: bool = False) -> None:
         leaf = r.leaf
         got = 0
 
@@ -181,7 +181,8 @@ class _Reader:
 
         try:
             if self.sequential is not None:  # one open file per leaf: readahead spans the leaf
-                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None)
+                kw = {"cached": True} if cached else {}
+                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None, **kw)
             else:
                 for off in range(0, leaf.nbytes, chunk):
                     piece = r.dest[off:off + chunk]
@@ -193,10 +194,10 @@ class _Reader:
         if want:
             self.check(r, got)
 
-    def read_group(self, group: list[ReadRequest], verify: bool = True) -> None:
+    def read_group(self, group: list[ReadRequest], verify: bool = True, cached: bool = False) -> None:
         want = [verify and self.opts.verify and r.verify for r in group]
         if len(group) == 1:
-            self.read_one(group[0], want[0], self.chunk if want[0] else self.opts.chunk_bytes)
+            self.read_one(group[0], want[0], self.chunk if want[0] else self.opts.chunk_bytes, cached)
             return
         first = group[0].leaf
         bufs: list[memoryview] = []
@@ -208,7 +209,7 @@ class _Reader:
             pos = r.leaf.offset + r.leaf.nbytes
         try:
             assert self.vectored is not None
-            self.vectored(self.key(first), first.offset, bufs)
+            self.vectored(self.key(first), first.offset, bufs, **({"cached": True} if cached else {}))
         except (EOFError, OSError) as exc:
             raise self.fail(exc, first) from exc
         for r, w in zip(group, want, strict=True):
@@ -216,7 +217,8 @@ class _Reader:
                 self.check(r, checksum(r.dest))
 
     def read_unverified(self, group: list[ReadRequest]) -> None:
-        self.read_group(group, verify=False)
+        # The scan just went through the page cache (local backend): no residency checks again.
+        self.read_group(group, verify=False, cached=True)
 
     # -- verifying where the bytes lie -------------------------------------------------------
 

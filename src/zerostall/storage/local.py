@@ -126,7 +126,7 @@ class LocalStorage:
             os.close(fd)
 
     def read_sequential(self, key: str, offset: int, buf: memoryview, *, chunk: int,
-                        on_piece: Callable[[memoryview], None] | None = None) -> None:
+                        on_piece: Callable[[memoryview], None] | None = None, cached: bool = False) -> None:
         """Fill ``buf`` from ``key`` at ``offset`` through one open file, ``chunk`` bytes a call.
 
         A range that is mostly not in the page cache (``mincore``; zerostall's own
@@ -135,11 +135,14 @@ class LocalStorage:
         and is filled only to be thrown away. Otherwise one descriptor for the whole range keeps
         the kernel's readahead window growing (a fresh open per piece restarts it), and the range
         is announced up front (``POSIX_FADV_WILLNEED``). ``on_piece`` sees each piece of ``buf``,
-        in order, right after it lands, while it is still in cache.
+        in order, right after it lands, while it is still in cache. A range wholly cached, or
+        ``cached`` (the caller just read it through the cache), skips the advice: on cached pages
+        it only walks them once more.
         """
         fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            if len(buf) >= _DIRECT_READ_MIN and _cold(fd, offset, len(buf)):
+            frac = None if cached or len(buf) < _DIRECT_READ_MIN else _resident(fd, offset, len(buf))
+            if frac is not None and frac < 0.5:
                 try:
                     dfd = os.open(self._p(key), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
                 except OSError as exc:
@@ -151,7 +154,7 @@ class LocalStorage:
                             return
                     finally:
                         os.close(dfd)
-            if hasattr(os, "posix_fadvise") and len(buf):
+            if hasattr(os, "posix_fadvise") and len(buf) and not cached and frac != 1.0:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_WILLNEED)
             for off in range(0, len(buf), chunk):
                 piece = buf[off:off + chunk]
@@ -161,7 +164,7 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
+    def read_vectored(self, key: str, offset: int, bufs: list[memoryview], *, cached: bool = False) -> None:
         """Fill ``bufs`` one after the other from the contiguous range of ``key`` at ``offset``.
 
         One ``preadv`` scatters a run of neighbouring leaves straight into their destinations:
@@ -170,7 +173,7 @@ class LocalStorage:
         total = sum(len(b) for b in bufs)
         fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            if hasattr(os, "posix_fadvise") and total:
+            if hasattr(os, "posix_fadvise") and total and not cached:
                 os.posix_fadvise(fd, offset, total, os.POSIX_FADV_WILLNEED)
             done, idx, skip = 0, 0, 0
             while done < total:
@@ -298,12 +301,6 @@ def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: in
     with ThreadPoolExecutor(max_workers=min(threads, len(ranges))) as pool:
         for _ in pool.map(write_range, ranges):
             pass
-
-
-def _cold(fd: int, offset: int, length: int) -> bool:
-    """Whether most of the range is missing from the page cache."""
-    frac = _resident(fd, offset, length)
-    return frac is not None and frac < 0.5
 
 
 def _resident(fd: int, offset: int, length: int) -> float | None:
