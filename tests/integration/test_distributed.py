@@ -35,7 +35,7 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "atomic"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -178,3 +178,10 @@ def test_injected_fault_per_phase_and_rank(two, i):
 def test_refused_save_keeps_ranks_in_step(two):
     res = _ok(two[1], "faults")
     assert all(r["exists"] == "CheckpointExistsError" and r["after"] == [0, 9] for r in res)
+
+
+def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two):
+    """LoadOptions.atomic across the group: no rank writes until every rank verified."""
+    for res in _ok(two[1], "atomic"):
+        got = {k: res[k] for k in ("error", "untouched", "loaded", "good", "valid")}
+        assert got == {"error": "ChecksumMismatchError", "untouched": True, "loaded": 1, "good": True, "valid": 1}
