@@ -364,9 +364,9 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     calls = []
     orig = LocalStorage.read_vectored
 
-    def spy(self, key, offset, bufs):
+    def spy(self, key, offset, bufs, **kw):
         calls.append(len(bufs))
-        return orig(self, key, offset, bufs)
+        return orig(self, key, offset, bufs, **kw)
 
     LocalStorage.read_vectored = spy
     try:
