@@ -139,9 +139,9 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
         return orig_seq(self, key, offset, buf, **kw)
     orig_vec = LocalStorage.read_vectored
 
-    def counting_vec(self, key, offset, bufs):  # type: ignore[no-untyped-def]
+    def counting_vec(self, key, offset, bufs, **kw):  # type: ignore[no-untyped-def]
         sizes.append(sum(len(b) for b in bufs))
-        return orig_vec(self, key, offset, bufs)
+        return orig_vec(self, key, offset, bufs, **kw)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]
