@@ -22,6 +22,7 @@ from zerostall.errors import (
     CorruptCheckpointError,
     MismatchError,
     MissingKeyError,
+    NoValidCheckpointError,
     StorageError,
     UnsupportedFormatError,
     UnsupportedLeafError,
@@ -45,6 +46,7 @@ __all__ = [
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
+    "NoValidCheckpointError",
 ]
 
 from zerostall.errors import BackgroundSaveError, ReadOnlyError

@@ -19,22 +19,27 @@ Example::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from typing import Any
 
-from zerostall.distributed import DistContext, load
+from zerostall.commit import committed_steps, is_committed, parse_step, step_name
+from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
-from zerostall.errors import MissingKeyError
+from zerostall.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, NoValidCheckpointError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
-from zerostall.storage import split_url
+from zerostall.storage import open_storage, split_url
 
 __all__ = [
     "PYTREE",
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
     "load_pytree", "load_checkpointables",
+    "load_newest_valid",
 ]
+
+log = logging.getLogger("zerostall")
 
 #: the item name under which ``save_pytree`` stores its tree
 PYTREE = "pytree"
@@ -131,6 +136,7 @@ def save_pytree(
 
 def load_checkpointables(
     path: str | os.PathLike[str], items: dict[str, Any] | None = None, *, options: LoadOptions | None = None,
+    fallback: bool = False,
 ) -> dict[str, Any]:
     """Load named items. ``items`` maps a name to a template (filled in place) or ``None``.
 
@@ -146,20 +152,85 @@ def load_checkpointables(
         CorruptCheckpointError: a data file is missing, truncated or malformed.
         UnsupportedFormatError: the checkpoint is of a newer format, or names an unregistered handler.
         StorageError: an I/O failure.
+        NoValidCheckpointError: ``fallback=True`` and no candidate checkpoint loads.
+
+    ``fallback=True`` walks back to the newest checkpoint that loads and verifies: ``path`` is a
+    run directory (a :class:`~zerostall.Checkpointer`'s; its committed steps are tried newest
+    first) or one of its ``step_…`` folders (that step first, then older ones). A checkpoint
+    that is corrupt (``CorruptCheckpointError``, checksums included) or gone
+    (``CheckpointNotFoundError``) is skipped with a WARNING on the ``zerostall`` logger naming it
+    and why, and another naming the one loaded instead; other errors (a template mismatch)
+    are raised at once. In-place loads are all-or-nothing (``LoadOptions.atomic``), so a skipped
+    step leaves the templates as they were.
     """
+    if fallback:
+        root, names = _fallback_candidates(_path(path), options)
+        return load_newest_valid(root, names, items, options)[1]
     parent, name = split_url(_path(path))
     return load(parent, name, items, options)
 
 
 def load_pytree(
     path: str | os.PathLike[str], template: Any = None, *, options: LoadOptions | None = None,
+    fallback: bool = False,
 ) -> Any:
     """Load the tree saved by :func:`save_pytree`, into ``template`` in place if given.
+
+    ``fallback=True``: the newest checkpoint of a run that loads (see :func:`load_checkpointables`).
 
     Raises:
         The errors of :func:`load_checkpointables`.
     """
-    out = load_checkpointables(path, {PYTREE: template}, options=options)
+    out = load_checkpointables(path, {PYTREE: template}, options=options, fallback=fallback)
     if PYTREE not in out:  # pragma: no cover - load_items raises first
         raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)
     return out[PYTREE]
+
+
+def _fallback_candidates(path: str, options: LoadOptions | None) -> tuple[str, list[str]]:
+    """Where a fallback load looks: (root, checkpoint names under it, newest first)."""
+    parent, name = split_url(path)
+    step = parse_step(name)
+    if step is not None:  # a step of a run: it, then the older committed ones
+        older = [s for s in committed_steps(open_storage(parent)) if s < step]
+        root, names = parent, [name, *(step_name(s) for s in reversed(older))]
+    elif not is_committed(open_storage(parent), name) and (steps := committed_steps(open_storage(path))):
+        root, names = path, [step_name(s) for s in reversed(steps)]  # a run directory
+    else:
+        root, names = parent, [name]  # a lone checkpoint: nothing older to fall back to
+    dopts = (options or LoadOptions()).distributed
+    if active(dopts):  # every rank tries the same checkpoints in the same order
+        root, names = agree_step((root, names), dopts)
+    return root, names
+
+
+def load_newest_valid(root: str, names: list[str], items: dict[str, Any] | None,
+                      options: LoadOptions | None = None) -> tuple[str, dict[str, Any]]:
+    """Load the first of ``names`` (checkpoints under ``root``, newest first) that loads and verifies.
+
+    Returns its name and the loaded items. Each skipped checkpoint is logged (WARNING, the
+    ``zerostall`` logger) with the error that skipped it, and the one loaded instead as well.
+
+    Raises:
+        CheckpointNotFoundError: ``names`` is empty.
+        NoValidCheckpointError: none of them loads; the message names each and why.
+        The other errors of :func:`load_checkpointables` at once (they would recur on every step).
+    """
+    if not names:
+        raise CheckpointNotFoundError("no committed checkpoint to load", path=root)
+    failures: list[tuple[str, BaseException]] = []
+    for name in names:
+        try:
+            out = load(root, name, items, options)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            failures.append((name, exc))
+            log.warning("fallback: skipping %s/%s, it does not load: %s: %s", root.rstrip("/"), name,
+                        type(exc).__name__, exc)
+            continue
+        if failures:
+            log.warning("fallback: loaded %s/%s instead of %s (%d newer checkpoint(s) skipped)", root.rstrip("/"),
+                        name, failures[0][0], len(failures))
+        return name, out
+    tried = "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures)
+    raise NoValidCheckpointError(f"no checkpoint loads ({len(failures)} tried, newest first: {tried})",
+                                 path=root) from failures[-1][1]

@@ -12,16 +12,22 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from zerostall.api import PYTREE
-from zerostall.commit import check_reachable, committed_steps, step_name
-from zerostall.distributed import DistContext, active, agree_steps, load
+from zerostall.api import PYTREE, load_newest_valid
+from zerostall.commit import check_reachable, committed_steps, parse_step, step_name
+from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.engine import Engine
-from zerostall.errors import BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
+from zerostall.errors import (
+    BackgroundSaveError,
+    CheckpointNotFoundError,
+    NoValidCheckpointError,
+    ReadOnlyError,
+    ZerostallError,
+)
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
-from zerostall.restore import load_items
+from zerostall.restore import load_items, verify_checkpoint
 from zerostall.storage import local_path, open_storage
 from zerostall.storage.image import open_image
 
@@ -150,6 +156,8 @@ class Checkpointer:
         # Wait for the writer's hello so that no save waits for the writer to boot (the first
         # save's slot is released only once the writer has written it).
         self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
+        self.last_loaded_step: int | None = None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -282,19 +290,27 @@ class Checkpointer:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step
 
-    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None, *,
+                             fallback: bool = False) -> dict[str, Any]:
         """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`.
+
+        ``fallback=True``: if that step is corrupt or gone, the next older committed step that
+        loads instead, logged (WARNING, ``zerostall`` logger); :attr:`last_loaded_step` says which.
 
         Raises:
             CheckpointNotFoundError: no step is committed (or not ``step``).
+            NoValidCheckpointError: ``fallback=True`` and no step from ``step`` down loads.
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        step = self._resolve(step)
-        if self.memory_tier is not None:
-            got = self._load_from_memory(step, items)
-            if got is not None:
-                return got
-        return load(self.directory, step_name(step), items, self.load_options)
+        if fallback:
+            name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
+            self.last_loaded_step = parse_step(name)
+            return out
+        resolved = self._resolve(step)
+        got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
+        out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+        self.last_loaded_step = resolved
+        return out
 
     def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
         """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
@@ -313,9 +329,72 @@ class Checkpointer:
         with open_image(img.name, img.manifest.encode(), files) as image:
             return load_items(image.url, img.name, items, self.load_options)
 
-    def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
-        """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
-        return self.load_checkpointables(step, {PYTREE: template})[PYTREE]
+    def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
+        """Load ``step`` (default: latest committed) into ``template`` in place, if given.
+
+        ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
+        """
+        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+
+    def _agreed_steps(self) -> list[int]:
+        steps = self.steps()
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # every rank walks the steps rank 0 sees
+            steps = agree_step(steps, dopts)
+        return list(steps)
+
+    def _fallback_names(self, step: int | None) -> list[str]:
+        steps = self._agreed_steps()
+        if step is None:
+            return [step_name(s) for s in reversed(steps)]
+        return [step_name(step), *(step_name(s) for s in reversed(steps) if s < step)]
+
+    def latest_valid_step(self) -> int | None:
+        """The newest committed step whose every file and leaf checksum verifies, or None if none is committed.
+
+        Reads every byte of each step it checks (newest first, stopping at the first good one);
+        each step skipped is logged (WARNING, ``zerostall`` logger) with what is wrong with it.
+        Under torch.distributed, rank 0 verifies and every rank gets its answer.
+
+        Raises:
+            NoValidCheckpointError: steps are committed but none verifies (the message names each
+                step and its first problem).
+
+        Example::
+
+            >>> step = ckpt.latest_valid_step()                                # doctest: +SKIP
+            >>> if step is not None:                                           # doctest: +SKIP
+            ...     ckpt.load_pytree(step, template=state)
+        """
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):
+            import torch.distributed as dist
+
+            group = dopts.process_group if dopts is not None else None
+            answer = self._verify_newest_first() if dist.get_rank(group) == 0 else None
+            agreed: tuple[int | None, list[str]] = agree_step(answer, dopts)
+            step, failures = agreed
+        else:
+            step, failures = self._verify_newest_first()
+        if step is None and failures:
+            raise NoValidCheckpointError(f"no committed step verifies ({len(failures)} checked, newest first: "
+                                         f"{'; '.join(failures)})", path=self.directory)
+        return step
+
+    def _verify_newest_first(self) -> tuple[int | None, list[str]]:
+        failures: list[str] = []
+        for s in reversed(self.steps()):
+            path = f"{self.directory.rstrip('/')}/{step_name(s)}"
+            try:
+                report = verify_checkpoint(path)
+                problem = None if report.ok else f"{len(report.problems)} problem(s), first: {report.problems[0]}"
+            except ZerostallError as exc:  # manifest gone or malformed
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                return s, failures
+            failures.append(f"step {s}: {problem}")
+            log.warning("latest_valid_step: step %d of %s does not verify: %s", s, self.directory, problem)
+        return None, failures
 
     # -- lifecycle ---------------------------------------------------------------------------
 

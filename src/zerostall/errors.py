@@ -268,3 +268,14 @@ class ReadOnlyError(StorageError):
 _BY_NAME["BackgroundSaveError"] = BackgroundSaveError
 _BY_NAME["ReadOnlyError"] = ReadOnlyError
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+
+class NoValidCheckpointError(CorruptCheckpointError):
+    """A fallback load or ``latest_valid_step`` found committed checkpoints, but none that verifies.
+
+    The message names every checkpoint tried and why it was skipped, newest first.
+    """
+
+
+_BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
+__all__ += ["NoValidCheckpointError"]

@@ -306,7 +306,7 @@ def test_public_api_is_frozen():
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError",
-        "BackgroundSaveError", "ReadOnlyError"])
+        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
@@ -365,9 +365,9 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     calls = []
     orig = LocalStorage.read_vectored
 
-    def spy(self, key, offset, bufs):
+    def spy(self, key, offset, bufs, **kw):
         calls.append(len(bufs))
-        return orig(self, key, offset, bufs)
+        return orig(self, key, offset, bufs, **kw)
 
     LocalStorage.read_vectored = spy
     try:
