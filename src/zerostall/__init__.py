@@ -52,3 +52,8 @@ __all__ = [
 from zerostall.errors import BackgroundSaveError, ReadOnlyError
 
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+from zerostall.api import load_metadata  # noqa: E402 - added apart from the block above to keep merges simple
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, MetadataTypeError  # noqa: E402
+
+__all__ += ["load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]

@@ -30,12 +30,14 @@ from zerostall.engine import Engine
 from zerostall.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, NoValidCheckpointError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
+from zerostall.restore import read_manifest
 from zerostall.storage import open_storage, split_url
+from zerostall.validate import check_instance, check_items, check_path, clean_metadata
 
 __all__ = [
     "PYTREE",
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-    "load_pytree", "load_checkpointables",
+    "load_pytree", "load_checkpointables", "load_metadata",
     "load_newest_valid",
 ]
 
@@ -75,7 +77,7 @@ def _raise_shared_failures() -> None:
 
 
 def _path(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
+    return check_path(path)
 
 
 def save_checkpointables_async(
@@ -99,8 +101,12 @@ def save_checkpointables_async(
             Nothing was saved by this call. A failure never received is warned about at
             interpreter exit (``RuntimeWarning``).
     """
+    where = _path(path)
+    check_items(items, where)
+    check_instance("options", options, SaveOptions)
+    metadata = clean_metadata(metadata, path=where)
     _raise_shared_failures()
-    parent, name = split_url(_path(path))
+    parent, name = split_url(where)
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
 
 
@@ -163,10 +169,14 @@ def load_checkpointables(
     are raised at once. In-place loads are all-or-nothing (``LoadOptions.atomic``), so a skipped
     step leaves the templates as they were.
     """
+    where = _path(path)
+    if items is not None:
+        check_items(items, where)
+    check_instance("options", options, LoadOptions)
     if fallback:
-        root, names = _fallback_candidates(_path(path), options)
+        root, names = _fallback_candidates(where, options)
         return load_newest_valid(root, names, items, options)[1]
-    parent, name = split_url(_path(path))
+    parent, name = split_url(where)
     return load(parent, name, items, options)
 
 
@@ -234,3 +244,26 @@ def load_newest_valid(root: str, names: list[str], items: dict[str, Any] | None,
     tried = "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures)
     raise NoValidCheckpointError(f"no checkpoint loads ({len(failures)} tried, newest first: {tried})",
                                  path=root) from failures[-1][1]
+
+
+def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata=`` a checkpoint was saved with (a Checkpointer's step adds ``"step"``).
+
+    Reads the manifest only: no array data, no writer, no torch. ``path`` is one checkpoint
+    (for a :class:`~zerostall.Checkpointer`, one ``step_...`` directory; or use its
+    :meth:`~zerostall.Checkpointer.metadata`).
+
+    Raises:
+        CheckpointNotFoundError: nothing is committed at ``path``.
+        CorruptCheckpointError, UnsupportedFormatError: the manifest is malformed or newer.
+        StorageError: an I/O failure.
+
+    Example::
+
+        >>> zerostall.save_pytree("/tmp/zs-doc/m", {"w": 1}, metadata={"loss": 0.5})   # doctest: +SKIP
+        >>> zerostall.load_metadata("/tmp/zs-doc/m")                                   # doctest: +SKIP
+        {'loss': 0.5}
+    """
+    where = _path(path)
+    parent, name = split_url(where)
+    return dict(read_manifest(open_storage(parent), name, path=where).metadata)

@@ -13,23 +13,36 @@ from collections.abc import Callable
 from typing import Any
 
 from zerostall.api import PYTREE, load_newest_valid
-from zerostall.commit import check_reachable, committed_steps, parse_step, step_name
+from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.engine import Engine
 from zerostall.errors import (
     BackgroundSaveError,
     CheckpointNotFoundError,
+    InvalidArgumentError,
     NoValidCheckpointError,
     ReadOnlyError,
+    StorageError,
     ZerostallError,
 )
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
-from zerostall.restore import load_items, verify_checkpoint
+from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage
 from zerostall.storage.image import open_image
+from zerostall.validate import (
+    check_bool,
+    check_callable,
+    check_instance,
+    check_items,
+    check_number,
+    check_optional_int,
+    check_path,
+    check_step,
+    clean_metadata,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -109,6 +122,9 @@ class Checkpointer:
         read_only: bool = False,
         memory_tier: MemoryTier | None = None,
     ) -> None:
+        directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+                                save_interval_steps=save_interval_steps, save_options=save_options,
+                                load_options=load_options, on_error=on_error, read_only=read_only)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
@@ -179,7 +195,7 @@ class Checkpointer:
         save allocates.
         """
         if (items is None) == (tree is None):
-            raise ValueError("pass exactly one of items or tree=")
+            raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
@@ -194,10 +210,10 @@ class Checkpointer:
             ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step, path=self.directory)
+        check_items(items, self._step_path(step))
         self._check_writable(step)
-        meta = dict(metadata or {}, step=step)
+        meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         if self.memory_tier is not None:
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -284,6 +300,8 @@ class Checkpointer:
         return img.step
 
     def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            step = check_step(step, path=self.directory)
         if step is None:
             step = self.latest_step()  # collective under torch.distributed: every rank loads the same step
             if step is None:
@@ -405,6 +423,8 @@ class Checkpointer:
             BackgroundSaveError: a save failed in the background and its response never raised
                 it (unless ``on_error`` took it); names the step and the cause.
         """
+        if timeout is not None:
+            check_number("timeout", timeout)
         self._engine.wait(timeout)
         self._engine.raise_failures()
 
@@ -443,6 +463,82 @@ class Checkpointer:
             raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+    # -- metadata and deletion (issue 12) ----------------------------------------------------
+
+    def _step_path(self, step: int) -> str:
+        return f"{self.directory.rstrip('/')}/{step_name(step)}"
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The ``metadata=`` saved with ``step`` (default: the latest committed), ``"step"`` included.
+
+        Reads the manifest only (no array data). Not collective: any rank may call it alone
+        (with ``step=None`` it lists this rank's view of the storage, not the agreed one).
+
+        Raises:
+            CheckpointNotFoundError: no step is committed (or not ``step``).
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            CorruptCheckpointError, UnsupportedFormatError, StorageError: as a load.
+
+        Example::
+
+            >>> ckpt.save_pytree(100, state, metadata={"loss": 0.25})    # doctest: +SKIP
+            >>> ckpt.metadata(100)                                       # doctest: +SKIP
+            {'loss': 0.25, 'step': 100}
+        """
+        if step is None:
+            steps = committed_steps(self._storage)
+            if not steps:
+                raise CheckpointNotFoundError("no committed step", path=self.directory)
+            step = steps[-1]
+        step = check_step(step, path=self.directory)
+        return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def delete(self, step: int) -> None:
+        """Delete the committed ``step``: it stops being listed at once, then its files are removed.
+
+        Not collective: under torch.distributed call it on one rank (the storage is shared),
+        then make the others wait (a barrier) before they list steps. A save of ``step`` that
+        is still in flight is not a committed step: wait for it first.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed here.
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
+            StorageError: the storage failed (the step is then either whole or no longer listed).
+
+        Example::
+
+            >>> ckpt.delete(100)        # doctest: +SKIP
+        """
+        step = check_step(step, path=self.directory)
+        self._check_writable(step)
+        path = self._step_path(step)
+        if step not in committed_steps(self._storage):
+            raise CheckpointNotFoundError("no committed step to delete", path=path)
+        try:
+            delete_checkpoint(self._storage, step_name(step))
+        except OSError as exc:
+            raise StorageError(f"cannot delete: {exc.strerror or exc}", errno=exc.errno, path=path) from exc
+        log.info("zerostall: deleted %s", path)
+
+
+#: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
+RESERVED_METADATA_KEYS = ("step",)
+
+
+def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: object, save_interval_steps: object,
+                save_options: object, load_options: object, on_error: object, read_only: object) -> str:
+    """Type and range checks of the constructor's arguments, before anything starts."""
+    path = check_path(directory, "directory")
+    check_optional_int("keep_last", keep_last, lo=1, path=path)
+    check_optional_int("keep_every_n_steps", keep_every_n_steps, lo=1, path=path)
+    check_optional_int("save_interval_steps", save_interval_steps, lo=1, path=path)
+    check_instance("save_options", save_options, SaveOptions)
+    check_instance("load_options", load_options, LoadOptions)
+    check_callable("on_error", on_error)
+    check_bool("read_only", read_only, path=path)
+    return path
 
 
 def _keeper_rank(dopts: DistributedOptions | None) -> int:

@@ -279,3 +279,42 @@ class NoValidCheckpointError(CorruptCheckpointError):
 
 _BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
 __all__ += ["NoValidCheckpointError"]
+
+
+class InvalidArgumentError(ZerostallError, ValueError):
+    """An argument of a public function or option is out of range (``step=-1``, ``keep_last=0``).
+
+    ``argument`` names the parameter (``"keep_last"``, ``"SaveOptions.io_threads"``); ``path``
+    and ``key`` say where, when there is a where.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 rank: int | None = None, argument: str | None = None) -> None:
+        super().__init__(message, path=path, key=key, rank=rank)
+        self.argument = argument
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (``keep_last=2.5``, ``step="10"``, ``path=None``).
+
+    Also a ``ValueError`` (as :class:`InvalidArgumentError`), so code that caught the
+    ``ValueError`` zerostall raised for such arguments before keeps working.
+    """
+
+
+class MetadataError(InvalidArgumentError):
+    """``metadata=`` cannot be stored as given; ``key`` names the offending entry (``"a/b/0"``).
+
+    Raised on the training thread before anything is staged: a NaN or infinite float (manifests
+    are strict JSON, RFC 8259, readable by any parser), a reserved key (``"step"`` in a
+    :class:`~zerostall.Checkpointer`), or nesting deeper than 64 levels.
+    """
+
+
+class MetadataTypeError(MetadataError, TypeError):
+    """A ``metadata=`` value or key has a type JSON cannot hold (a tensor, an object, a non-str key)."""
+
+
+for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
+    _BY_NAME[_cls.__name__] = _cls
+__all__ += ["InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]

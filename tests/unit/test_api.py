@@ -306,7 +306,8 @@ def test_public_api_is_frozen():
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError",
-        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError"])
+        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
+        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
