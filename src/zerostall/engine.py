@@ -75,11 +75,13 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
         self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
                                    sched=self.options.writer_sched)
-        self.pool = BufferPool(self.options.max_in_flight, pin=_cuda_present(), on_free=self.writer.forget)
+        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines)
+        self.pool = BufferPool(self.options.max_in_flight, pin=_cuda_present(), on_free=self.writer.forget,
+                               cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
@@ -136,7 +138,7 @@ class Engine:
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
         try:
             for slot in slots:
-                self.pool.fit(slot, [f.alloc for f in plan.files])
+                self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
                 prepare_slot(flat, plan, slot)
                 total += slot.nbytes
         finally:
@@ -181,7 +183,7 @@ class Engine:
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         slot = self.pool.acquire()
         try:
-            self.pool.fit(slot, [f.alloc for f in plan.files])
+            self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
             t_copy = time.perf_counter()
             stage(flat, plan, slot)
             copy_s = time.perf_counter() - t_copy
@@ -241,6 +243,11 @@ class Engine:
         self._closed = True
         self.writer.close()
         self.pool.close()
+
+    def idle(self) -> bool:
+        """Whether no save is in flight."""
+        with self._lock:
+            return not self._inflight
 
     def writer_ready(self, timeout: float | None = None) -> bool:
         """Wait until the writer is up (see :meth:`WriterClient.wait_ready`); False if it is not."""
