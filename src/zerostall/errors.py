@@ -266,3 +266,12 @@ class ReadOnlyError(StorageError):
 _BY_NAME["BackgroundSaveError"] = BackgroundSaveError
 _BY_NAME["ReadOnlyError"] = ReadOnlyError
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+
+class AdviceError(ZerostallError, ValueError):
+    """An input to the checkpoint-interval advisor is out of range (an MTBF <= 0, a negative cost,
+    time running backwards), or advice was asked for before the costs could be measured.
+    ``key`` names the argument."""
+
+
+__all__ += ["AdviceError"]
