@@ -274,4 +274,5 @@ class AdviceError(ZerostallError, ValueError):
     ``key`` names the argument."""
 
 
+_BY_NAME["AdviceError"] = AdviceError
 __all__ += ["AdviceError"]

@@ -109,3 +109,54 @@ def test_auto_measures_then_follows_the_advice(tmp_path: Path) -> None:
         prev = s
     assert a.costs.step_s > 0 and a.costs.persisted.durable_s > 0 and a.interval_steps >= 1
     assert a.costs.persisted.blocked_s <= a.costs.persisted.durable_s
+
+
+RANK_SCRIPT = """
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+from zerostall import Checkpointer, SaveOptions
+from zerostall.options import DistributedOptions
+rank, port, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+saved, advised = [], []
+opts = SaveOptions(distributed=DistributedOptions(timeout_s=30))
+with Checkpointer(f"{d}/ck", save_interval="auto", mtbf_s=0.5, keep_last=1, save_options=opts) as ck:
+    for step in range(1, 301):
+        time.sleep(0.002 if rank == 0 else 0.006)  # the ranks measure different iteration times
+        if ck.should_save(step):
+            ck.save_pytree(step, {"w": torch.full((1000,), float(step)), "rank": rank})
+            saved.append(step)
+    a = ck._cadence.auto.advice
+    advised = a.interval_steps if a is not None else None
+json.dump({"saved": saved, "advised": advised}, open(f"{d}/out-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+def test_auto_under_torch_distributed_every_rank_saves_the_same_steps(tmp_path: Path) -> None:
+    """Two gloo ranks whose own measurements differ: rank 0's decisions are followed by both."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(port), str(tmp_path)], env=env)
+             for r in range(2)]
+    try:
+        rcs = [p.wait(240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert rcs == [0, 0]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    assert out[0]["saved"] == out[1]["saved"] and len(out[0]["saved"]) >= 4
+    assert out[0]["saved"][0] == 9  # warm-up as on one process
