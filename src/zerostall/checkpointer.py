@@ -157,6 +157,12 @@ class Checkpointer:
         A pure function of ``step`` and ``save_interval_steps`` (no storage, no collective), so
         every rank passing the same step gets the same answer; under torch.distributed the
         starting step comes from the collective :meth:`latest_step`.
+
+        Call it once per step, after the step: it also times the steps for :meth:`advice`.
+        With ``save_interval="auto"`` the answer follows the advisor (a warm-up that measures,
+        then the advised interval; a due save waits while ``max_in_flight`` saves are in
+        flight); under torch.distributed it is then rank 0's answer, broadcast to the group at
+        every call, so every rank must call it at every step.
         """
         if self._cadence.auto is not None:
             return self._should_save_auto(step)
