@@ -154,7 +154,8 @@ class BufferPool:
 
     With ``cache_bytes`` > 0, buffers a slot gives up for another layout are parked instead of
     freed, and a later save of their layout takes them back with its headers and typed views
-    still in place (no allocation, no page faults, no re-planning of views). Parked sets are
+    still in place (no allocation, no page faults, no re-planning of views). A layout with no
+    parked set of its own takes the smallest parked set large enough, if any, before allocating. Parked sets are
     evicted least recently used first whenever all the pool's buffers (in slots and parked)
     exceed ``cache_bytes``; buffers in a slot are never evicted, so one layout larger than the
     bound still saves. ``cache_bytes=0`` (the default) parks nothing.
@@ -213,15 +214,12 @@ class BufferPool:
         return True
 
     def _pick(self, sizes: list[int], signature: tuple[object, ...] | None) -> int | None:
-        """The parked set to use: the layout's own; else, unless a new set fits the bound
-        beside every parked one (so each layout keeps its own), the smallest one large enough."""
+        """The parked set to use: the layout's own, else the smallest one large enough (its
+        headers and views are rewritten: cheaper than allocating and faulting new pages)."""
         if signature is not None and self.cache_bytes > 0:
             for key, p in self._parked.items():
                 if p.signature == signature and p.fits(sizes):
                     return key
-            held = sum(s.nbytes for s in self._all) + sum(p.nbytes for p in self._parked.values())
-            if held + sum(sizes) <= self.cache_bytes:
-                return None
         best = [(p.nbytes, key) for key, p in self._parked.items() if p.fits(sizes)]
         return min(best)[1] if best else None
 
