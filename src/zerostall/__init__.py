@@ -9,6 +9,8 @@ from zerostall._version import __version__
 from zerostall.api import (
     load_checkpointables,
     load_pytree,
+    prepare,
+    release_buffers,
     save_checkpointables,
     save_checkpointables_async,
     save_pytree,
@@ -38,6 +40,7 @@ __all__ = [
     # saving and loading
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
     "load_pytree", "load_checkpointables",
+    "prepare", "release_buffers",
     "Checkpointer", "Response", "SaveStats",
     # configuration and extension
     "SaveOptions", "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler",

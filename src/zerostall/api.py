@@ -39,6 +39,7 @@ __all__ = [
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
     "load_pytree", "load_checkpointables", "load_metadata",
     "load_newest_valid",
+    "prepare", "release_buffers", "set_buffer_cache_limit",
 ]
 
 log = logging.getLogger("zerostall")
@@ -50,12 +51,24 @@ _engines: dict[SaveOptions, Engine] = {}
 _engines_lock = threading.Lock()
 
 
+def _default_cache_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError):  # pragma: no cover - no sysconf: 4 GiB
+        return 4 << 30
+
+
+#: the bound on the staging memory each shared engine keeps (see set_buffer_cache_limit)
+_cache_bytes = _default_cache_bytes()
+
+
 def _engine(options: SaveOptions | None) -> Engine:
     opts = options or SaveOptions()
     with _engines_lock:
         eng = _engines.get(opts)
         if eng is None or eng.closed:
-            eng = _engines[opts] = Engine(opts, coordinator=DistContext(opts.distributed))
+            eng = _engines[opts] = Engine(opts, coordinator=DistContext(opts.distributed),
+                                          buffer_cache_bytes=_cache_bytes)
         return eng
 
 
@@ -267,3 +280,95 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     where = _path(path)
     parent, name = split_url(where)
     return dict(read_manifest(open_storage(parent), name, path=where).metadata)
+
+
+# -- the shared engines' buffers ---------------------------------------------------------------
+
+
+def prepare(tree: Any = None, *, items: dict[str, Any] | None = None, options: SaveOptions | None = None) -> int:
+    """Get the free functions ready to save ``tree`` (or ``items``) cheaply, without saving it.
+
+    Plans the layout, allocates and pre-faults the staging buffers for it (every in-flight slot
+    of ``options.max_in_flight``) and starts the background writer, returning once it is up; the
+    first :func:`save_pytree` (or :func:`save_checkpointables` for ``items``) of that layout with
+    the same ``options`` then only copies and writes, like a later one. Call it once the state
+    has its final layout (optimizers create their state at their first step). Returns the bytes
+    of staging memory allocated for the layout; they stay until :func:`release_buffers`, the
+    cache's bound or interpreter exit.
+
+    Raises:
+        ValueError: neither or both of ``tree`` and ``items`` were given.
+        UnsupportedLeafError: a leaf zerostall cannot save (the error names its key).
+
+    Example::
+
+        >>> zerostall.prepare(state)                          # doctest: +SKIP
+        >>> zerostall.save_pytree("/tmp/zs-doc/a", state)     # as cheap as a later save  # doctest: +SKIP
+    """
+    if (tree is None) == (items is None):
+        raise ValueError("pass exactly one of tree or items=")
+    eng = _engine(options)
+    nbytes = eng.prepare(dict(items) if items is not None else {PYTREE: tree})
+    eng.writer_ready(_WRITER_READY_TIMEOUT_S)
+    return nbytes
+
+
+#: how long prepare() waits for the writer to say hello (a slower start is not an error)
+_WRITER_READY_TIMEOUT_S = 60.0
+
+
+def release_buffers() -> int:
+    """Free the free functions' staging buffers and stop their writers; returns the bytes freed.
+
+    Waits for the free functions' in-flight saves to commit first. The next free-function save
+    (or :func:`prepare`) allocates and starts again. Also done at interpreter exit. A
+    :class:`~zerostall.Checkpointer` owns its own buffers and is not affected. Do not call it
+    while another thread is in a free-function save.
+
+    Raises:
+        BackgroundSaveError: a free-function save failed in the background and nobody received
+            its error (names its path and cause); the buffers are freed all the same.
+
+    Example::
+
+        >>> zerostall.save_pytree("/tmp/zs-doc/b", state)   # doctest: +SKIP
+        >>> zerostall.release_buffers() > 0                 # doctest: +SKIP
+        True
+    """
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    freed = 0
+    failures = []
+    for eng in engines:
+        if not eng.closed:
+            freed += eng.pool.held_bytes()
+            eng.close()
+        err = eng.take_failures()
+        if err is not None:
+            failures.append(err)
+    if failures:
+        raise failures[0] from failures[0].cause
+    return freed
+
+
+def set_buffer_cache_limit(nbytes: int) -> None:
+    """Bound the staging memory each set of :class:`SaveOptions` keeps for the free functions.
+
+    The free functions keep staging buffers per layout, so alternating saves of different
+    layouts (a model alone, then model and optimizer) each find theirs ready. Idle buffer sets
+    are freed, least recently used first, when one engine's buffers exceed ``nbytes``; the
+    buffers of the save being staged are always kept, so a state larger than the bound still
+    saves (it only loses its spares). Default: a quarter of physical memory. Running engines
+    follow the new bound from their next save on; ``0`` keeps only the buffers in use.
+
+    Raises:
+        ValueError: ``nbytes`` < 0.
+    """
+    global _cache_bytes
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    with _engines_lock:
+        _cache_bytes = int(nbytes)
+        for eng in _engines.values():
+            eng.pool.cache_bytes = _cache_bytes

@@ -7,16 +7,19 @@ import errno
 import logging
 import os
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
+from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCosts, Model, advise
 from zerostall.api import PYTREE, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.engine import Engine
 from zerostall.errors import (
+    AdviceError,
     BackgroundSaveError,
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -74,6 +77,16 @@ class Checkpointer:
         memory_tier: checkpoint every save into this host's memory and persist only some (see
             :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
             then restores the newest step from memory. Needs the process writer.
+        save_interval: ``"auto"``: :meth:`should_save` follows the interval advisor
+            (:meth:`advice`; docs/advice.md): a warm-up that measures what saves cost this job,
+            then the interval that minimises the expected time lost for ``mtbf_s``, recomputed
+            as the measured costs drift. Excludes ``save_interval_steps``.
+        mtbf_s: the job's mean time between failures in seconds (the whole job's: a node's MTBF
+            over the number of nodes); needed by ``save_interval="auto"``, the default of
+            :meth:`advice`.
+        costs: with ``save_interval="auto"``, use these costs (a :class:`~zerostall.advice.MeasuredCosts`,
+            say a previous run's ``advice().costs``) instead of measuring them: no warm-up, the
+            interval is fixed by them and ``mtbf_s``.
 
     Raises:
         ValueError: an argument is out of range.
@@ -121,6 +134,9 @@ class Checkpointer:
         on_error: Callable[[BackgroundSaveError], None] | None = None,
         read_only: bool = False,
         memory_tier: MemoryTier | None = None,
+        save_interval: Literal["auto"] | None = None,
+        mtbf_s: float | None = None,
+        costs: MeasuredCosts | None = None,
     ) -> None:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
@@ -134,6 +150,8 @@ class Checkpointer:
             self.directory = local
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
+        so0 = save_options or SaveOptions()
+        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -183,7 +201,16 @@ class Checkpointer:
         A pure function of ``step`` and ``save_interval_steps`` (no storage, no collective), so
         every rank passing the same step gets the same answer; under torch.distributed the
         starting step comes from the collective :meth:`latest_step`.
+
+        Call it once per step, after the step: it also times the steps for :meth:`advice`.
+        With ``save_interval="auto"`` the answer follows the advisor (a warm-up that measures,
+        then the advised interval; a due save waits while ``max_in_flight`` saves are in
+        flight); under torch.distributed it is then rank 0's answer, broadcast to the group at
+        every call, so every rank must call it at every step.
         """
+        if self._cadence.auto is not None:
+            return self._should_save_auto(step)
+        self._cadence.observe_step(step)
         return self.save_interval_steps is None or step % self.save_interval_steps == 0
 
     def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
@@ -214,17 +241,19 @@ class Checkpointer:
         check_items(items, self._step_path(step))
         self._check_writable(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
+        t_start = self._cadence.clock()
         if self.memory_tier is not None:
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
                                         retention=self.retention, memory=True, persist=persist)
             if persist:
                 self._last_persist = time.monotonic()
-            r._add_before_done(self._record)
-            return r
-        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                    retention=self.retention)
+        else:
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention)
+        self._cadence.started()
         r._add_before_done(self._record)
+        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc))
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -523,6 +552,62 @@ class Checkpointer:
         log.info("zerostall: deleted %s", path)
 
 
+    # -- the interval advisor ------------------------------------------------------------------
+
+    def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
+               model: Model | None = None) -> Advice:
+        """How often this job should save, and what that is expected to cost (docs/advice.md).
+
+        Works from the costs measured on this Checkpointer: the iteration time between
+        :meth:`should_save` calls with no save in flight, and per save the time the training
+        thread was blocked (``SaveStats.stall_s``), the time until it was committed, and the
+        training lost while it persisted (the slowdown of the iterations it overlapped). Call
+        :meth:`should_save` once per step (after the step), whatever the interval, so the steps
+        are timed.
+
+        Args:
+            mtbf_s: the job's mean time between failures (default: the constructor's ``mtbf_s``).
+            costs: use these instead of the measured (or constructor-given) costs.
+            model: ``None`` picks Daly's; ``Model.YOUNG`` for the first-order one.
+
+        Returns:
+            The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
+            ``overhead``, ``save_overhead``, ``work_lost_s`` and the ``costs`` used.
+
+        Raises:
+            AdviceError: no ``mtbf_s`` (key ``mtbf_s``), or not enough measured yet: at least 8
+                steps with no save in flight and 3 saves whose persisting the steps covered (key
+                ``costs``).
+
+        Example::
+
+            >>> a = ckpt.advice(mtbf_s=3 * 3600)        # doctest: +SKIP
+            >>> a.interval_steps, a.summary()           # doctest: +SKIP
+            (21, 'save every 21 steps (212 s); expected overhead 7.77%, ...')
+        """
+        m = mtbf_s if mtbf_s is not None else self._cadence.mtbf_s
+        if m is None:
+            raise AdviceError("advice() needs mtbf_s (here or in Checkpointer(mtbf_s=...))", key="mtbf_s",
+                              path=self.directory)
+        c = costs if costs is not None else self._cadence.costs()
+        if c is None:
+            est = self._cadence.estimator
+            raise AdviceError(
+                f"not enough measured yet to advise: {est.saves_observed()} save(s) observed, iteration time "
+                f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
+                "after every step and save a few times (at least 8 steps without a save in flight and 3 "
+                "saves covered by later steps)", key="costs", path=self.directory)
+        return advise(c, mtbf_s=m, model=model)
+
+    def _should_save_auto(self, step: int) -> bool:
+        decide = self._cadence.decide(step)
+        dopts = self._save_dist
+        if active(dopts):
+            # Every rank must save the same steps: rank 0's measurements decide (one broadcast per call).
+            decide = bool(agree_step(decide, dopts))
+        return decide
+
+
 #: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
 RESERVED_METADATA_KEYS = ("step",)
 
@@ -551,3 +636,80 @@ def _keeper_rank(dopts: DistributedOptions | None) -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+class _Cadence:
+    """The Checkpointer's side of the advisor: times its steps and saves, decides ``"auto"`` saves.
+
+    Steps are observed on the training thread (``should_save``); a save becomes durable on the
+    writer's listener thread, so it is queued and handed to the (single-threaded) estimator by
+    the training thread's next call.
+    """
+
+    def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
+                 costs: MeasuredCosts | None, max_in_flight: int) -> None:
+        if save_interval not in (None, "auto"):
+            raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
+                             f"interval), got {save_interval!r}")
+        if save_interval == "auto" and save_interval_steps is not None:
+            raise ValueError("pass save_interval='auto' or save_interval_steps, not both")
+        if save_interval == "auto" and mtbf_s is None:
+            raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
+                              key="mtbf_s")
+        #: the clock every observation uses (monotonic; seconds)
+        self.clock: Callable[[], float] = time.monotonic
+        self.mtbf_s = mtbf_s
+        self.fixed = costs
+        self.estimator = CadenceEstimator()
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight) if save_interval == "auto" \
+            and mtbf_s is not None else None
+        self._durable: deque[tuple[int, float, float, float]] = deque()  # appended by the listener thread
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._fixed_est = _FixedCosts(costs) if costs is not None else None
+
+    def observe_step(self, step: int) -> None:
+        self._drain()
+        self.estimator.observe_step(step, self.clock())
+
+    def decide(self, step: int) -> bool:
+        assert self.auto is not None
+        self.observe_step(step)
+        with self._lock:
+            in_flight = self._in_flight
+        est = self._fixed_est if self._fixed_est is not None else self.estimator
+        return self.auto.decide(step, est, in_flight=in_flight) is not None
+
+    def costs(self) -> MeasuredCosts | None:
+        if self.fixed is not None:
+            return self.fixed
+        self._drain()
+        return self.estimator.costs()
+
+    def started(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None) -> None:
+        t_durable = self.clock()
+        with self._lock:
+            self._in_flight -= 1
+        if exc is None:
+            blocked = min(r.stats.stall_s, t_durable - t_start)
+            self._durable.append((step, blocked, t_start, t_durable))
+
+    def _drain(self) -> None:
+        while self._durable:
+            step, blocked, t_start, t_durable = self._durable.popleft()
+            self.estimator.observe_save(step, blocked, t_start, t_durable)
+
+
+class _FixedCosts(CadenceEstimator):
+    """An estimator that answers given costs (``Checkpointer(costs=...)``)."""
+
+    def __init__(self, costs: MeasuredCosts) -> None:
+        super().__init__()
+        self._fixed = costs
+
+    def costs(self) -> MeasuredCosts | None:
+        return self._fixed

@@ -76,14 +76,17 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None) -> None:
+                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None,
+                 buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
         self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
                                    sched=self.options.writer_sched, keeper=keeper)
         # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
         # memory: one more slot than in flight, so a save never waits for the held one.
+        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines).
         slots = self.options.max_in_flight + (1 if keeper is not None else 0)
-        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget)
+        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
+                               cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
@@ -145,7 +148,7 @@ class Engine:
                 pass
         try:
             for slot in slots:
-                self.pool.fit(slot, [f.alloc for f in plan.files])
+                self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
                 prepare_slot(flat, plan, slot)
                 total += slot.nbytes
         finally:
@@ -197,7 +200,7 @@ class Engine:
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         slot = self.pool.acquire()
         try:
-            self.pool.fit(slot, [f.alloc for f in plan.files])
+            self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
             t_copy = time.perf_counter()
             stage(flat, plan, slot)
             copy_s = time.perf_counter() - t_copy
@@ -257,6 +260,11 @@ class Engine:
         self._closed = True
         self.writer.close()
         self.pool.close()
+
+    def idle(self) -> bool:
+        """Whether no save is in flight."""
+        with self._lock:
+            return not self._inflight
 
     def writer_ready(self, timeout: float | None = None) -> bool:
         """Wait until the writer is up (see :meth:`WriterClient.wait_ready`); False if it is not."""

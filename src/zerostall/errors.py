@@ -318,3 +318,13 @@ class MetadataTypeError(MetadataError, TypeError):
 for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
     _BY_NAME[_cls.__name__] = _cls
 __all__ += ["InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
+
+
+class AdviceError(ZerostallError, ValueError):
+    """An input to the checkpoint-interval advisor is out of range (an MTBF <= 0, a negative cost,
+    time running backwards), or advice was asked for before the costs could be measured.
+    ``key`` names the argument."""
+
+
+_BY_NAME["AdviceError"] = AdviceError
+__all__ += ["AdviceError"]

@@ -300,7 +300,8 @@ class TestCheckpointer:
 def test_public_api_is_frozen():
     assert sorted(zerostall.__all__) == sorted([
         "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-        "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
+        "load_pytree", "load_checkpointables", "prepare", "release_buffers",
+        "Checkpointer", "Response", "SaveStats", "SaveOptions",
         "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
         "MemoryTier",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
