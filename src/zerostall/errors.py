@@ -274,6 +274,17 @@ _BY_NAME["ReadOnlyError"] = ReadOnlyError
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
 
 
+class NoValidCheckpointError(CorruptCheckpointError):
+    """A fallback load or ``latest_valid_step`` found committed checkpoints, but none that verifies.
+
+    The message names every checkpoint tried and why it was skipped, newest first.
+    """
+
+
+_BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
+__all__ += ["NoValidCheckpointError"]
+
+
 class InvalidArgumentError(ZerostallError, ValueError):
     """An argument of a public function or option is out of range (``step=-1``, ``keep_last=0``).
 
@@ -311,3 +322,13 @@ class MetadataTypeError(MetadataError, TypeError):
 for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
     _BY_NAME[_cls.__name__] = _cls
 __all__ += ["InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
+
+
+class AdviceError(ZerostallError, ValueError):
+    """An input to the checkpoint-interval advisor is out of range (an MTBF <= 0, a negative cost,
+    time running backwards), or advice was asked for before the costs could be measured.
+    ``key`` names the argument."""
+
+
+_BY_NAME["AdviceError"] = AdviceError
+__all__ += ["AdviceError"]

@@ -29,6 +29,8 @@ class SaveStats:
         persist_gbps: ``nbytes`` over the writer's write time.
         commit_s: seconds spent writing the manifest, syncing and renaming.
         writer_peak_rss: the writer process's peak resident memory in bytes.
+        tiers: where the save is committed: ``("storage",)``, or with a memory tier
+            ``("memory",)`` (memory only) or ``("memory", "storage")``; empty until committed.
     """
 
     path: str
@@ -39,6 +41,7 @@ class SaveStats:
     persist_gbps: float | None = None
     commit_s: float | None = None
     writer_peak_rss: int | None = None
+    tiers: tuple[str, ...] = ()
 
     def summary(self) -> str:
         mib = self.nbytes / (1 << 20)
@@ -90,6 +93,7 @@ class Response:
             persist_gbps=(w.nbytes / write_s / 1e9) if write_s > 0 else None,
             commit_s=w.commit_s,
             writer_peak_rss=w.writer_peak_rss,
+            tiers=w.tiers,
         )
 
     def done(self) -> bool:

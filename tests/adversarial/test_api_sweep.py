@@ -194,6 +194,13 @@ def _checkpointer_cases(d: Path, ck: Checkpointer) -> list[Case]:
         ("Checkpointer(on_error=3)", lambda: Checkpointer(d, on_error=3), ArgumentTypeError, TypeError, "on_error"),  # type: ignore[arg-type]
         ("Checkpointer(read_only='yes')", lambda: Checkpointer(d, read_only="yes"), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
          "read_only"),
+        ("Checkpointer(memory_tier=1)", lambda: Checkpointer(d, memory_tier=1), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
+         "memory_tier"),
+        ("Checkpointer(save_interval='often')", lambda: Checkpointer(d, save_interval="often"),  # type: ignore[arg-type]
+         InvalidArgumentError, ValueError, "save_interval"),
+        ("Checkpointer(mtbf_s=-1)", lambda: Checkpointer(d, save_interval="auto", mtbf_s=-1), InvalidArgumentError,
+         ValueError, "mtbf_s"),
+        ("Checkpointer(costs=1)", lambda: Checkpointer(d, costs=1), ArgumentTypeError, TypeError, "costs"),  # type: ignore[arg-type]
         ("save_pytree(step=-1)", lambda: ck.save_pytree(-1, tree), InvalidArgumentError, ValueError, "step"),
         ("save_pytree(step=1.0)", lambda: ck.save_pytree(1.0, tree), ArgumentTypeError, TypeError, "step"),  # type: ignore[arg-type]
         ("save_pytree(step='3')", lambda: ck.save_pytree("3", tree), ArgumentTypeError, TypeError, "step"),  # type: ignore[arg-type]

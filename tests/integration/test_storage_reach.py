@@ -155,3 +155,12 @@ def test_a_file_in_place_of_the_run_directory_is_not_a_directory(tmp_path: Path)
         zerostall.save_pytree(blocker / "ckpt", state(1))
     assert ei.value.errno == errno.ENOTDIR
     assert not isinstance(ei.value, FileExistsError)
+
+
+def test_writer_is_up_when_the_constructor_returns(tmp_path: Path) -> None:
+    # The first save's slot is freed only once the writer has written it: a writer still booting
+    # would add its start-up to the second save's stall (benchmarks/first_save.py measures it).
+    with Checkpointer(tmp_path / "run") as ck:
+        writer = ck._engine.writer
+        assert writer.alive() and writer.pid in writer_children()
+        assert writer.wait_ready(timeout=0)  # said hello already: no waiting left

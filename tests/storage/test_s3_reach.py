@@ -55,6 +55,9 @@ def test_bad_credentials(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
         Checkpointer(s3_url)
     assert ei.value.errno == errno.EACCES
     assert ei.value.path == s3_url
+    with pytest.raises(StorageError) as ei:
+        zerostall.load_pytree(s3_url + "/step_00000001")
+    assert ei.value.errno == errno.EACCES and not isinstance(ei.value, CheckpointNotFoundError)
 
 
 def test_unreachable_endpoint(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +68,9 @@ def test_unreachable_endpoint(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("ZEROSTALL_S3_CONNECT_TIMEOUT", "2")
     with pytest.raises(StorageError) as ei:
         Checkpointer(s3_url, read_only=True)
+    assert ei.value.errno == errno.ECONNREFUSED
+    with pytest.raises(StorageError) as ei:
+        zerostall.load_pytree(s3_url + "/step_00000001")
     assert ei.value.errno == errno.ECONNREFUSED
 
 
