@@ -28,6 +28,7 @@ from zerostall.errors import (
     StorageError,
     ZerostallError,
 )
+from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
@@ -520,13 +521,28 @@ class Checkpointer:
             >>> ckpt.metadata(100)                                       # doctest: +SKIP
             {'loss': 0.25, 'step': 100}
         """
+        mem = self._memory_metadata() if self.memory_tier is not None else None
         if step is None:
-            steps = committed_steps(self._storage)
+            steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
             if not steps:
                 raise CheckpointNotFoundError("no committed step", path=self.directory)
-            step = steps[-1]
+            step = max(steps)
         step = check_step(step, path=self.directory)
+        if mem is not None and mem[0] == step:
+            return mem[1]
         return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        if img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step``: it stops being listed at once, then its files are removed.
