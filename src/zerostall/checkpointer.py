@@ -281,8 +281,9 @@ class Checkpointer:
             return False
         dopts = self._engine.options.distributed
         if active(dopts):
-            raise ValueError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: the "
-                             "ranks must agree on which saves persist; use persist_interval_steps")
+            raise InvalidArgumentError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: "
+                                       "the ranks must agree on which saves persist; use persist_interval_steps",
+                                       argument="memory_tier", path=self.directory)
         return time.monotonic() - self._last_persist >= mt.persist_interval_s
 
     def _record(self, r: Response, exc: BaseException | None) -> None:
@@ -684,10 +685,10 @@ class _Cadence:
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
                  costs: MeasuredCosts | None, max_in_flight: int) -> None:
         if save_interval not in (None, "auto"):
-            raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
+            raise InvalidArgumentError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
         if save_interval == "auto" and save_interval_steps is not None:
-            raise ValueError("pass save_interval='auto' or save_interval_steps, not both")
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both")
         if save_interval == "auto" and mtbf_s is None:
             raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
                               key="mtbf_s")
