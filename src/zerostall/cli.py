@@ -1,8 +1,9 @@
 """``zerostall``: list, inspect, verify, export and import checkpoints from the shell.
 
     zerostall list DIR          committed steps / checkpoints under DIR (and memory-only steps held here)
-    zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes
-    zerostall verify PATH       read every leaf, check every checksum, name every bad key
+    zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes, Python values, ranks
+    zerostall verify PATH       read every leaf, check every checksum, name every bad key (a run DIR: every
+                                step, or --latest)
     zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
     zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
     zerostall gc DIR            remove partial saves whose writers are provably gone (any host)
