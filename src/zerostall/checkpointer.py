@@ -550,12 +550,15 @@ class Checkpointer:
 
         Not collective: under torch.distributed call it on one rank (the storage is shared),
         then make the others wait (a barrier) before they list steps. A save of ``step`` that
-        is still in flight is not a committed step: wait for it first.
+        is still in flight is not a committed step: wait for it first. The step this host's
+        memory tier holds cannot be deleted (it would stay listed and loadable from memory);
+        the next save replaces it.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed here.
             InvalidArgumentError: ``step`` is not a non-negative int.
             ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
+            InvalidArgumentError: the memory tier holds ``step``.
             StorageError: the storage failed (the step is then either whole or no longer listed).
 
         Example::
@@ -565,6 +568,9 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         self._check_writable(step)
         path = self._step_path(step)
+        if self.memory_tier is not None and self.memory_step() == step:
+            raise InvalidArgumentError("this host's memory tier holds this step; it cannot be deleted until a newer "
+                                       "step replaces it", argument="step", path=path)
         if step not in committed_steps(self._storage):
             raise CheckpointNotFoundError("no committed step to delete", path=path)
         try:
