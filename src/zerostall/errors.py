@@ -13,7 +13,8 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
     ├── StorageError(OSError)                        an I/O failure, errno preserved
-    └── WriterError(RuntimeError)                    the background writer died or was closed
+    ├── WriterError(RuntimeError)                    the background writer died or was closed
+    └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
 class and errno they had in the writer.
@@ -36,6 +37,7 @@ __all__ = [
     "UnsupportedLeafError",
     "StorageError",
     "WriterError",
+    "TornSnapshotError",
     "WireError",
     "to_wire",
     "from_wire",
@@ -148,6 +150,15 @@ class WriterError(ZerostallError, RuntimeError):
     """The background writer died (killed, crashed) or was closed before the save committed."""
 
 
+class TornSnapshotError(ZerostallError, RuntimeError):
+    """A tensor staged in the background (overlapped staging) was modified in place before its copy
+    was done, outside ``optimizer.step()``. ``key`` names the leaf; nothing of the save is committed.
+
+    Call ``response.wait_staged()`` before such in-place changes, or save with
+    ``SaveOptions(staging="blocking")``.
+    """
+
+
 _BY_NAME: dict[str, type[ZerostallError]] = {
     cls.__name__: cls
     for cls in (
@@ -162,6 +173,7 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
         UnsupportedLeafError,
         StorageError,
         WriterError,
+        TornSnapshotError,
     )
 }
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
+__all__ = ["WriterKind", "Staging", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
 
 MiB = 1 << 20
 
@@ -22,6 +22,20 @@ class WriterKind(enum.Enum):
 
     PROCESS = "process"
     THREAD = "thread"
+
+
+class Staging(enum.Enum):
+    """When ``save_*_async`` returns relative to the copy of the state (docs/guarantees.md).
+
+    ``OVERLAP`` (default): tensors that only an optimizer's ``step()`` modifies (its parameters
+    and its ``state``) are copied in the background while training goes on; the next
+    ``step()`` of any optimizer waits for that copy first (zerostall installs the guard).
+    Everything else is copied before the call returns. ``BLOCKING``: everything is copied
+    before the call returns. A string value (``"overlap"``, ``"blocking"``) is accepted.
+    """
+
+    OVERLAP = "overlap"
+    BLOCKING = "blocking"
 
 
 class Replicated(enum.Enum):
@@ -119,6 +133,7 @@ class SaveOptions:
             training saturates the cores) or ``"normal"``.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
+        staging: ``"overlap"`` (default) or ``"blocking"``; see :class:`Staging`.
     """
 
     writer: WriterKind = WriterKind.PROCESS
@@ -129,8 +144,14 @@ class SaveOptions:
     writer_nice: int = 10
     distributed: DistributedOptions | None = None
     writer_sched: str = "batch"
+    staging: Staging = Staging.OVERLAP
 
     def __post_init__(self) -> None:
+        if not isinstance(self.staging, Staging):
+            try:
+                object.__setattr__(self, "staging", Staging(self.staging))
+            except ValueError:
+                raise ValueError(f"staging must be 'overlap' or 'blocking', got {self.staging!r}") from None
         if not isinstance(self.writer, WriterKind):
             raise TypeError(f"writer must be a WriterKind, got {self.writer!r}")
         if self.max_in_flight < 1:

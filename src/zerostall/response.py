@@ -27,6 +27,8 @@ class SaveStats:
         persist_gbps: ``nbytes`` over the writer's write time.
         commit_s: seconds spent writing the manifest, syncing and renaming.
         writer_peak_rss: the writer process's peak resident memory in bytes.
+        staged_s: seconds from the call until every byte was in host memory (with overlapped
+            staging, later than ``stall_s``; None until then).
     """
 
     path: str
@@ -37,6 +39,7 @@ class SaveStats:
     persist_gbps: float | None = None
     commit_s: float | None = None
     writer_peak_rss: int | None = None
+    staged_s: float | None = None
 
     def summary(self) -> str:
         mib = self.nbytes / (1 << 20)
@@ -66,6 +69,10 @@ class Response:
         self._hooks_lock = threading.Lock()
         self._finished = False
         self._error: BaseException | None = None
+        # set once every byte is in host memory; the engine clears it for an overlapped save
+        self._staged = threading.Event()
+        self._staged.set()
+        self._staged_s: float | None = None
 
     @property
     def stats(self) -> SaveStats:
@@ -73,7 +80,7 @@ class Response:
         w = self._writer
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
-                             staging_gbps=self._staging_gbps)
+                             staging_gbps=self._staging_gbps, staged_s=self._staged_s)
         write_s = w.write_s or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
@@ -84,6 +91,7 @@ class Response:
             persist_gbps=(w.nbytes / write_s / 1e9) if write_s > 0 else None,
             commit_s=w.commit_s,
             writer_peak_rss=w.writer_peak_rss,
+            staged_s=self._staged_s,
         )
 
     def done(self) -> bool:
@@ -100,6 +108,32 @@ class Response:
         """
         self._future.result(timeout)
         return self.stats
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once every byte of this save is in host memory (the state may then be changed freely).
+
+        With overlapped staging (the default), ``save_*_async`` returns before the tensors that
+        only ``optimizer.step()`` modifies are copied, and the next ``step()`` waits for them by
+        itself. Call this before modifying such tensors in place *outside* ``step()`` (weight
+        clipping, an EMA written into the parameters, ``load_state_dict``); otherwise the save
+        fails with :class:`~zerostall.errors.TornSnapshotError`. A failed copy is reported by
+        :meth:`result`, not here.
+
+        Example::
+
+            >>> r = ckpt.save_pytree_async(step, {"model": model, "optim": opt})  # doctest: +SKIP
+            >>> r.wait_staged()                                                   # doctest: +SKIP
+            >>> with torch.no_grad(): model.weight.clamp_(-1, 1)                  # doctest: +SKIP
+
+        Raises:
+            TimeoutError: the copy did not finish within ``timeout`` seconds (it goes on).
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"{self._path}: staging did not finish within {timeout} s")
+
+    def staged(self) -> bool:
+        """True once every byte of this save is in host memory (see :meth:`wait_staged`)."""
+        return self._staged.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
