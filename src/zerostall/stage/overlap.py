@@ -42,6 +42,9 @@ log = logging.getLogger("zerostall")
 #: bytes per memmove call: large enough to run at memory bandwidth, small enough that the GIL
 #: is taken back often (other Python threads are never held up for long)
 CHUNK = 64 << 20
+#: niceness of the copier thread (Linux: per thread). 0: the copy competes with training as an
+#: equal, which finishes it soonest when the step waits for it; benchmarks/overlap.py measures others
+COPIER_NICE = 0
 
 
 @dataclass
@@ -244,13 +247,13 @@ GUARD = Guard()
 class Copier:
     """One background thread that runs an engine's overlapped copies and hand-offs, in order."""
 
-    def __init__(self, name: str = "zerostall-copier", nice: int = 0) -> None:
+    def __init__(self, name: str = "zerostall-copier", nice: int | None = None) -> None:
         self._queue: collections.deque[OverlapTask | Callable[[], None]] = collections.deque()
         self._cond = threading.Condition()
         self._busy = 0  # queued or running items
         self._thread: threading.Thread | None = None
         self._name = name
-        self._nice = nice
+        self._nice = COPIER_NICE if nice is None else nice
         self._closed = False
 
     def submit(self, task: OverlapTask) -> None:
