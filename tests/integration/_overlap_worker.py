@@ -12,11 +12,11 @@ import threading
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import _dist_worker as worker  # noqa: E402
-import torch  # noqa: E402
+import _dist_worker as worker
+import torch
 
-from zerostall import Checkpointer, SaveOptions, ZerostallError  # noqa: E402
-from zerostall.distributed import DistributedOptions  # noqa: E402
+from zerostall import Checkpointer, SaveOptions, ZerostallError
+from zerostall.distributed import DistributedOptions
 
 
 def _gate(ck: Checkpointer, delay: float = 0.3) -> None:
