@@ -23,12 +23,13 @@ from zerostall.errors import (
     MismatchError,
     MissingKeyError,
     StorageError,
+    TornSnapshotError,
     UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
 )
-from zerostall.options import DistributedOptions, LoadOptions, Replicated, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -45,4 +46,6 @@ __all__ = [
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
+    # overlapped staging
+    "Staging", "TornSnapshotError",
 ]

@@ -52,8 +52,10 @@ class SaveStats:
 class Response:
     """Handle of an asynchronous save.
 
-    When ``save_*_async`` returns, the state has been copied: the caller may modify its
-    tensors at once. ``result()`` waits until the checkpoint is committed and returns its
+    When ``save_*_async`` returns, the state has been copied, except, with overlapped staging
+    (the default), the tensors only ``optimizer.step()`` modifies, whose copy the next ``step()``
+    waits for by itself; before changing those in place outside ``step()``, call
+    :meth:`wait_staged`. ``result()`` waits until the checkpoint is committed and returns its
     :class:`SaveStats`, or raises the background error with its original type.
     """
 

@@ -22,12 +22,14 @@ before the copy was done (an in-place change outside ``step()``) fails the save 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,6 +244,19 @@ class Guard:
 
 
 GUARD = Guard()
+_COPIERS: weakref.WeakSet[Copier] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_all() -> None:
+    """At interpreter exit, finish the copies and hand-offs of saves that already returned.
+
+    The copier threads are daemons (an exiting interpreter would not wait for them); without
+    this, a save whose ``save_*_async`` returned just before a normal exit would never reach the
+    writer, which commits everything it was handed even after the trainer has gone.
+    """
+    for copier in list(_COPIERS):
+        copier.drain(timeout=600)
 
 
 class Copier:
@@ -254,7 +269,7 @@ class Copier:
         self._thread: threading.Thread | None = None
         self._name = name
         self._nice = COPIER_NICE if nice is None else nice
-        self._closed = False
+        _COPIERS.add(self)
 
     def submit(self, task: OverlapTask) -> None:
         """Run ``task`` in the background after everything submitted before it."""
