@@ -310,3 +310,68 @@ def test_free_function_and_process_writer(tmp_path):
     r.result()
     loaded = zerostall.load_pytree(tmp_path / "ck")
     _equal(expected["model"], loaded["model"])
+
+
+class _StandInEvent:
+    """Stands in for ``torch.cuda.Event`` (no CUDA here): completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.complete = threading.Event()
+
+    def synchronize(self) -> None:
+        self.complete.wait(10)
+
+
+class _StandInStream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def _cuda_task(t: torch.Tensor):
+    from zerostall.stage.overlap import OverlapTask, _CudaPart
+
+    event = _StandInEvent()
+    task = OverlapTask("mem://x")
+    task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
+    task.cpu_done.set()  # as build_task does when nothing is copied by the host
+    outcome: list[BaseException | None] = []
+    task.on_staged = outcome.append
+    return task, event, outcome
+
+
+@pytest.mark.parametrize("scenario", ["step_first", "mutated_then_step", "mutated_no_step"])
+def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monkeypatch, scenario):
+    """The CUDA branch of the guard with stand-ins for the stream and event (the logic only)."""
+    from zerostall.stage.overlap import GUARD, _run_task
+
+    stream = _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.5)
+    w.grad = torch.ones(4)
+    task, event, outcome = _cuda_task(w.detach())
+    GUARD.add(task)
+    copier = threading.Thread(target=_run_task, args=(task,))
+    copier.start()
+    try:
+        if scenario != "step_first":
+            with torch.no_grad():
+                w.mul_(3)  # outside step(), before the copy is done
+        if scenario != "mutated_no_step":
+            opt.step()  # returns although the copy's event has not completed: nothing blocks
+            assert stream.waited == [event] and not event.complete.is_set()
+            opt.step()  # sealed: not waited again
+            assert stream.waited == [event]
+    finally:
+        event.complete.set()
+        copier.join(10)
+        GUARD.tidy()
+    assert len(outcome) == 1
+    if scenario == "step_first":
+        assert outcome[0] is None  # the step's own changes are ordered after the copy
+    else:
+        assert isinstance(outcome[0], TornSnapshotError) and outcome[0].key == "w"
+    assert not GUARD.installed

@@ -181,6 +181,10 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
             done = torch.cuda.Event()
             done.record(stream)
             task.cuda.append(_CudaPart(device, done, [(k, t, s, v) for k, t, s, v, _ in entries]))
+    if not task.cpu:
+        # Nothing for the host to wait for: a guard must not block until the copier thread
+        # reaches this task (it may still be busy with an earlier one).
+        task.cpu_done.set()
     return task
 
 
