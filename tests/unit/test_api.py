@@ -304,7 +304,8 @@ def test_public_api_is_frozen():
         "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
-        "UnsupportedLeafError", "StorageError", "WriterError"])
+        "UnsupportedLeafError", "StorageError", "WriterError",
+        "Staging", "TornSnapshotError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
