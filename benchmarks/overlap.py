@@ -47,7 +47,7 @@ from benchmarks.dip import Trainer  # noqa: E402
 from benchmarks.state import build_state, format_size, parse_size  # noqa: E402
 
 SYSTEMS = ["overlap", "overlap_nice10", "blocking"]
-BASE_ITERS = 15
+BASE_ITERS = 8
 POST_S = 0.5
 
 

@@ -82,11 +82,6 @@ class OverlapTask:
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cpu) + sum(int(t.numel() * t.element_size())
-                                                      for p in self.cuda for _, t, _, _ in p.entries)
-
     def order_step(self) -> None:
         """Order an optimizer step about to run after this copy (the guard; training thread)."""
         self.cpu_done.wait()
