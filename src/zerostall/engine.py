@@ -176,15 +176,16 @@ class Engine:
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
-        defer = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        split = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        defer = split[0] if split is not None else None
         slot = self.pool.acquire()
         task: OverlapTask | None = None
         try:
             self.pool.fit(slot, [f.alloc for f in plan.files])
             t_copy = time.perf_counter()
             views = stage(flat, plan, slot, skip=defer)
-            if defer is not None:
-                task = build_task(path, flat.leaves, views, defer, self._streams)
+            if split is not None:
+                task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1])
             elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
                 GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy

@@ -234,6 +234,22 @@ def test_optimizer_outside_the_saved_tree_is_guarded_once_seen(ckdir):
             assert r.stats.staged_s is not None
 
 
+def test_an_optimizer_owning_nothing_in_flight_does_not_wait(ckdir):
+    case = _Case("sgd")
+    case.step()
+    other = torch.nn.Parameter(torch.ones(3))
+    other_opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones(3)
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        opened = threading.Event()
+        ckpt._engine._copier._put(lambda: opened.wait(10))
+        r = ckpt.save_pytree_async(0, case.tree())
+        other_opt.step()  # would deadlock here (the gate opens only below) if it waited
+        assert not r.staged()
+        opened.set()
+        r.result()
+
+
 def test_blocking_staging_copies_everything_before_return(ckdir):
     assert SaveOptions(staging="blocking").staging is Staging.BLOCKING
     assert SaveOptions().staging is Staging.OVERLAP
@@ -334,7 +350,9 @@ def _cuda_task(t: torch.Tensor):
     from zerostall.stage.overlap import OverlapTask, _CudaPart
 
     event = _StandInEvent()
-    task = OverlapTask("mem://x")
+    from zerostall.stage.ownership import storage_key
+
+    task = OverlapTask("mem://x", storages={storage_key(t)})  # an owner judged by memory
     task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
     task.cpu_done.set()  # as build_task does when nothing is copied by the host
     outcome: list[BaseException | None] = []

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerostall.errors import TornSnapshotError
-from zerostall.stage.ownership import note_optimizer
+from zerostall.stage.ownership import note_optimizer, optimizer_tensors, storage_key
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK"]
 
@@ -81,6 +81,28 @@ class OverlapTask:
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ids of the optimizers owning the deferred leaves: their steps wait for this copy
+    owners: set[int] = field(default_factory=set)
+    #: storages of the deferred leaves, to judge an optimizer not among ``owners``
+    storages: set[tuple[str, int]] = field(default_factory=set)
+    _verdicts: dict[int, bool] = field(default_factory=dict)
+
+    def concerns(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step()`` can change a tensor this task has not copied yet."""
+        oid = id(optimizer)
+        if oid in self.owners:
+            return True
+        verdict = self._verdicts.get(oid)
+        if verdict is None:
+            # Another optimizer over the same tensors (not known at the call): judged by memory,
+            # once per task. An optimizer whose tensors cannot be listed is assumed to concern it.
+            try:
+                keys = {storage_key(t) for t in optimizer_tensors(optimizer)}
+                verdict = not keys.isdisjoint(self.storages)
+            except Exception:  # noqa: BLE001 - a foreign optimizer-like object: be safe
+                verdict = True
+            self._verdicts[oid] = verdict
+        return verdict
 
     def order_step(self) -> None:
         """Order an optimizer step about to run after this copy (the guard; training thread)."""
@@ -141,12 +163,13 @@ def _memmove(dst: int, src: int, nbytes: int) -> None:
 
 
 def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool],
-               streams: dict[Any, Any] | None = None) -> OverlapTask:
+               streams: dict[Any, Any] | None = None, owners: list[Any] | None = None) -> OverlapTask:
     """Describe (and on CUDA, enqueue) the copies of the deferred leaves; run on the training thread.
 
-    ``streams`` caches one side stream per CUDA device across saves.
+    ``streams`` caches one side stream per CUDA device across saves; ``owners`` are the
+    optimizers whose steps must wait (see :meth:`OverlapTask.concerns`).
     """
-    task = OverlapTask(path)
+    task = OverlapTask(path, owners={id(o) for o in owners or ()})
     by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
     for leaf, dst, d in zip(leaves, views, defer, strict=True):
         if not d or dst is None:
@@ -154,6 +177,9 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         t = leaf.value
         version = int(t._version)
         storage = t.untyped_storage()
+        key = storage_key(t)
+        if key is not None:
+            task.storages.add(key)
         if t.device.type == "cuda":
             by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
         else:
@@ -239,7 +265,8 @@ class Guard:
         with self._lock:
             tasks = list(self._tasks)
         for task in tasks:
-            task.order_step()
+            if task.concerns(optimizer):
+                task.order_step()
 
 
 GUARD = Guard()

@@ -22,7 +22,8 @@ from typing import Any
 
 from zerostall.tree import ArrayLeaf
 
-__all__ = ["find_optimizers", "note_optimizer", "known_optimizers", "owned_leaves", "deferrable"]
+__all__ = ["find_optimizers", "note_optimizer", "known_optimizers", "owned_leaves", "owners_of", "deferrable",
+           "optimizer_tensors", "storage_key"]
 
 _KNOWN: weakref.WeakSet[Any] = weakref.WeakSet()
 _MAX_WALK = 100_000  # containers and leaves looked at when searching the tree for optimizers
@@ -82,44 +83,53 @@ def _extent(t: Any) -> tuple[int, int, int] | None:
     return base, base, base + int(storage.nbytes())  # a strided view: claim its whole storage
 
 
-def _owned_extents(optimizers: Iterable[Any]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+def optimizer_tensors(opt: Any) -> list[Any]:
+    """The tensors ``opt.step()`` updates: its parameters (a DTensor's local shard) and its state."""
     torch = sys.modules["torch"]
-    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    out = [_local(p) for group in opt.param_groups for p in group["params"] if isinstance(p, torch.Tensor)]
+    for st in opt.state.values():
+        if isinstance(st, dict):
+            out += [_local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
 
-    def add(t: Any) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        t = _local(t)
-        ext = _extent(t)
-        if ext is not None:
-            out.setdefault((t.device.type, ext[0]), []).append((ext[1], ext[2]))
 
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                add(p)
-        for st in opt.state.values():
-            if isinstance(st, dict):
-                for v in st.values():
-                    add(v)
+def storage_key(t: Any) -> tuple[str, int] | None:
+    """``(device type, storage address)`` of ``t``; None if it has no memory."""
+    ext = _extent(t)
+    return (t.device.type, ext[0]) if ext is not None else None
+
+
+def _owned_extents(optimizers: list[Any]) -> dict[tuple[str, int], list[tuple[int, int, int]]]:
+    """Per storage: the byte ranges of the optimizers' tensors, each with its optimizer's index."""
+    out: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    for i, opt in enumerate(optimizers):
+        for t in optimizer_tensors(opt):
+            ext = _extent(t)
+            if ext is not None:
+                out.setdefault((t.device.type, ext[0]), []).append((ext[1], ext[2], i))
+    return out
+
+
+def owners_of(leaves: list[ArrayLeaf], optimizers: list[Any]) -> list[int | None]:
+    """Per leaf: the index in ``optimizers`` of one whose parameter or state tensor holds its bytes."""
+    extents = _owned_extents(optimizers)
+    if not extents:
+        return [None] * len(leaves)
+    out: list[int | None] = []
+    for leaf in leaves:
+        owner = None
+        if leaf.kind == "torch" and leaf.nbytes > 0:
+            ext = _extent(leaf.value)
+            ranges = extents.get((leaf.value.device.type, ext[0])) if ext is not None else None
+            if ranges is not None and ext is not None:
+                owner = next((i for lo, hi, i in ranges if lo <= ext[1] and ext[2] <= hi), None)
+        out.append(owner)
     return out
 
 
 def owned_leaves(leaves: list[ArrayLeaf], optimizers: Iterable[Any]) -> list[bool]:
     """Per leaf: True if its bytes lie inside a parameter or state tensor of ``optimizers``."""
-    extents = _owned_extents(optimizers)
-    if not extents:
-        return [False] * len(leaves)
-    out: list[bool] = []
-    for leaf in leaves:
-        owned = False
-        if leaf.kind == "torch" and leaf.nbytes > 0:
-            ext = _extent(leaf.value)
-            ranges = extents.get((leaf.value.device.type, ext[0])) if ext is not None else None
-            if ranges is not None and ext is not None:
-                owned = any(lo <= ext[1] and ext[2] <= hi for lo, hi in ranges)
-        out.append(owned)
-    return out
+    return [o is not None for o in owners_of(leaves, list(optimizers))]
 
 
 def _version_of(t: Any) -> int | None:
@@ -129,10 +139,11 @@ def _version_of(t: Any) -> int | None:
         return None
 
 
-def deferrable(items: Any, leaves: list[ArrayLeaf]) -> list[bool] | None:
-    """Per leaf: whether it may be copied after the save returns; None when no leaf may.
+def deferrable(items: Any, leaves: list[ArrayLeaf]) -> tuple[list[bool], list[Any]] | None:
+    """Per leaf: whether it may be copied after the save returns, and the optimizers owning
+    those leaves (whose steps must wait for the copy); None when no leaf may.
 
-    Owned (see :func:`owned_leaves`), with a readable version counter (how a change before
+    Owned (see :func:`owners_of`), with a readable version counter (how a change before
     the copy is detected), and copyable by the background copier: a dense CPU tensor whose
     bytes are exactly its values (contiguous, no lazy conjugate or negative bit), or a CUDA
     tensor (copied on a side stream).
@@ -146,9 +157,13 @@ def deferrable(items: Any, leaves: list[ArrayLeaf]) -> list[bool] | None:
         return None
     for o in optimizers:
         note_optimizer(o)
-    owned = owned_leaves(leaves, optimizers)
-    out = [o and _copyable(leaf.value) and _version_of(leaf.value) is not None for o, leaf in zip(owned, leaves, strict=True)]
-    return out if any(out) else None
+    owners = owners_of(leaves, optimizers)
+    defer = [o is not None and _copyable(leaf.value) and _version_of(leaf.value) is not None
+             for o, leaf in zip(owners, leaves, strict=True)]
+    if not any(defer):
+        return None
+    used = sorted({o for o, d in zip(owners, defer, strict=True) if d and o is not None})
+    return defer, [optimizers[i] for i in used]
 
 
 def _copyable(t: Any) -> bool:
