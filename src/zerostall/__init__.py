@@ -26,12 +26,13 @@ from zerostall.errors import (
     MissingKeyError,
     NoValidCheckpointError,
     StorageError,
+    TornSnapshotError,
     UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
 )
-from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -50,6 +51,8 @@ __all__ = [
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
     "NoValidCheckpointError",
+    # overlapped staging
+    "Staging", "TornSnapshotError",
 ]
 
 from zerostall.errors import BackgroundSaveError, ReadOnlyError

@@ -308,7 +308,8 @@ def test_public_api_is_frozen():
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError",
         "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
-        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"])
+        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
+        "Staging", "TornSnapshotError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
