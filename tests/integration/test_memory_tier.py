@@ -285,3 +285,51 @@ def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.Capture
     assert main(["list", "--json", str(tmp_path)]) == 0  # closed: step 3 persisted, the keeper gone
     doc = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in doc["checkpoints"]] == [2, 3] and doc["memory_only"] == []
+
+
+def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", str(Path(__file__).parent / "_memory_ddp.py"), str(d), str(steps),
+                        str(every), str(kill_step)], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [line for line in p.stdout.splitlines() if "RESUME" in line]
+
+
+def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import zerostall
+
+    plain, crashed = tmp_path / "plain", tmp_path / "crashed"
+    _torchrun(plain, 12, 4, 0)
+    lines = _torchrun(crashed, 12, 4, 6)
+    resumed = sorted(line.split("RESUME ")[1] for line in lines if "attempt=1" in line)
+    # Step 6 was in memory only (storage had step 4): both ranks adopted their keepers and resumed there.
+    assert resumed == ["rank=0 attempt=1 start=6 held=6 adopted=1", "rank=1 attempt=1 start=6 held=6 adopted=1"]
+    for name in ("step_00000012",):
+        a = zerostall.load_pytree(plain / name)
+        b = zerostall.load_pytree(crashed / name)
+        flat_a, flat_b = _flatten(a), _flatten(b)
+        assert flat_a.keys() == flat_b.keys()
+        for k, v in flat_a.items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == flat_b[k].dtype and torch.equal(v, flat_b[k]), k
+            else:
+                assert v == flat_b[k], k
+    for d in (plain, crashed):
+        for rank in (0, 1):
+            _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}/{k}"))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}/{i}"))
+        return out
+    return {prefix: tree}
