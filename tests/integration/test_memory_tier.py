@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
 
 TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "torchrun_ddp.py")
 DEADLINE_S = 120.0  # generous: only a hung keeper takes this long
 
 
@@ -290,10 +291,11 @@ def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.Capture
 def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "--max-restarts", "1", str(Path(__file__).parent / "_memory_ddp.py"), str(d), str(steps),
-                        str(every), str(kill_step)], env=env, capture_output=True, text=True, timeout=600)
+                        "--max-restarts", "1", EXAMPLE, "--dir", str(d), "--steps", str(steps),
+                        "--persist-every", str(every), "--fail-at-step", str(kill_step)],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [line for line in p.stdout.splitlines() if "RESUME" in line]
+    return [line for line in p.stdout.splitlines() if "resumed" in line]
 
 
 def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> None:
@@ -303,9 +305,9 @@ def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> Non
     plain, crashed = tmp_path / "plain", tmp_path / "crashed"
     _torchrun(plain, 12, 4, 0)
     lines = _torchrun(crashed, 12, 4, 6)
-    resumed = sorted(line.split("RESUME ")[1] for line in lines if "attempt=1" in line)
     # Step 6 was in memory only (storage had step 4): both ranks adopted their keepers and resumed there.
-    assert resumed == ["rank=0 attempt=1 start=6 held=6 adopted=1", "rank=1 attempt=1 start=6 held=6 adopted=1"]
+    assert sorted(line.split(", data")[0] for line in lines) == [
+        "rank 0: resumed at step 6 from memory", "rank 1: resumed at step 6 from memory"]
     for name in ("step_00000012",):
         a = zerostall.load_pytree(plain / name)
         b = zerostall.load_pytree(crashed / name)
