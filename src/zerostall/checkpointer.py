@@ -229,7 +229,9 @@ class Checkpointer:
 
         Waits for the saves already handed to the writer to finish first.
         """
-        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
+            return None
+        got = self._engine.writer.query_image()
         if got is None:
             return None
         img, fds = got
@@ -292,7 +294,7 @@ class Checkpointer:
         """
         if not collective and active(self._load_dopts()):
             return None
-        got = self._engine.writer.query_image()
+        got = self._engine.writer.query_image() if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got

@@ -335,3 +335,19 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(v, f"{prefix}/{i}"))
         return out
     return {prefix: tree}
+
+
+def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=3, linger_s=0)) as ck:
+        for s in range(1, 5):
+            ck.save_pytree(s, state(s))
+        keeper = ck._engine.writer.pid
+        assert keeper is not None and ck.memory_step() == 4
+        os.kill(keeper, signal.SIGKILL)
+        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
+        # Step 4 lived only in the dead keeper's memory: storage's newest is what is left.
+        assert ck.memory_step() is None and ck.latest_step() == 3
+        _assert_state(ck.load_pytree(), state(3))
+        ck.save_pytree(5, state(5))  # a new keeper takes the next save
+        assert ck._engine.writer.pid != keeper and ck.memory_step() == 5
+    assert ck.memory_step() is None and ck.steps() == [3, 5]
