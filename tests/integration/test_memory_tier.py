@@ -351,3 +351,17 @@ def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
         ck.save_pytree(5, state(5))  # a new keeper takes the next save
         assert ck._engine.writer.pid != keeper and ck.memory_step() == 5
     assert ck.memory_step() is None and ck.steps() == [3, 5]
+
+
+def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), \
+            Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        ck.save_pytree(1, state(1))
+        keeper = ck._engine.writer.pid
+        raise RuntimeError("boom")
+    assert keeper is not None and _running(keeper)  # lingering, as after a crash
+    _wait(lambda: 1 in _storage_steps(tmp_path), "step 1 persisted by the keeper")
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
+        _assert_state(ck.load_pytree(), state(1))
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
