@@ -316,16 +316,19 @@ class Keeper:
             except OSError:
                 return
             try:
-                self._greet(sock)
-            except Exception:  # noqa: BLE001 - one bad client must not stop the keeper
+                _, uid, _ = peer_credentials(sock)
+            except OSError:
+                uid = -1
+            if uid != os.getuid():  # only the same user may see or claim the memory
                 sock.close()
+                continue
+            conn = Connection(sock.detach())
+            try:
+                self._greet(conn)
+            except Exception:  # noqa: BLE001 - one bad client must not stop the keeper
+                conn.close()
 
-    def _greet(self, sock: socket.socket) -> None:
-        _, uid, _ = peer_credentials(sock)
-        if uid != os.getuid():  # only the same user may see or claim the memory
-            sock.close()
-            return
-        conn = Connection(sock.detach())
+    def _greet(self, conn: Connection) -> None:
         if not conn.poll(_HELLO_TIMEOUT_S):
             conn.close()
             return
