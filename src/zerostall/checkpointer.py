@@ -17,6 +17,7 @@ from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCos
 from zerostall.api import PYTREE, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
+from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
 from zerostall.errors import (
     AdviceError,
@@ -310,17 +311,43 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step (in either tier), or None (under torch.distributed:
-        collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None.
+
+        Under torch.distributed this is collective (every rank calls it) and every rank gets the
+        same answer. With a memory tier: the memory tier's step if every rank holds it and it is
+        not older than storage's newest, else storage's newest.
+        """
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._agree(None)[0]
         s = self.steps()
         return s[-1] if s else None
+
+    def _load_dopts(self) -> DistributedOptions | None:
+        return self.load_options.distributed if self.load_options is not None else None
+
+    def _agree(self, step: int | None) -> tuple[int | None, bool]:
+        """Collectively: which step to load (``step``, or the latest) and whether every rank
+        reads it from its memory tier (only if every rank holds it; else storage for all)."""
+        dopts = self._load_dopts()
+        stored = committed_steps(self._storage)
+        gathered = gather_objects((self.memory_step(), stored[-1] if stored else None), dopts)
+        held = [g[0] for g in gathered]
+        everywhere = held[0] if held[0] is not None and all(h == held[0] for h in held) else None
+        newest_stored = gathered[0][1]  # rank 0's view of the shared storage, as agree_step
+        if step is None:
+            if everywhere is not None and (newest_stored is None or everywhere >= newest_stored):
+                return everywhere, True
+            return newest_stored, False
+        return step, everywhere == step
 
     def memory_step(self) -> int | None:
         """The step this host's memory tier holds (None: no memory tier, or nothing held).
 
         Waits for the saves already handed to the writer to finish first.
         """
-        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
+            return None
+        got = self._engine.writer.query_image()
         if got is None:
             return None
         img, fds = got
@@ -353,18 +380,44 @@ class Checkpointer:
             name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
             self.last_loaded_step = parse_step(name)
             return out
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._load_collective(step, items)
         resolved = self._resolve(step)
         got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
         out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
         self.last_loaded_step = resolved
         return out
 
-    def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
-        dopts = self.load_options.distributed if self.load_options is not None else None
-        if active(dopts):  # the collective load is not taught to read memory yet: storage
+    def _load_collective(self, step: int | None, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load with a memory tier: every rank from its own memory, or all from storage."""
+        agreed, from_memory = self._agree(step)
+        if agreed is None:
+            raise CheckpointNotFoundError("no committed step to load", path=self.directory)
+        if not from_memory:
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        out: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            out = self._load_from_memory(agreed, items, collective=True)
+            if out is None:  # the keeper let go of it since we agreed (it died)
+                raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                              path=f"{self.directory}/{step_name(agreed)}")
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            err = exc
+        raise_together(err, self._load_dopts(), f"{self.directory}/{step_name(agreed)}")
+        assert out is not None
+        return out
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage).
+
+        Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
+        rank then restores the tree it saved from its own memory, with no collective traffic.
+        """
+        if not collective and active(self._load_dopts()):
             return None
-        got = self._engine.writer.query_image()
+        got = self._engine.writer.query_image() if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got
@@ -478,6 +531,11 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and self.memory_tier is not None and not self._engine.closed:
+            # Leaving on an error (torchrun's SIGTERM included) is a crash to the memory tier: the
+            # keeper keeps the newest step for a restart instead of persisting it and exiting.
+            self._engine.wait()
+            self._engine.writer.abandon()
         if exc_type is None:
             self.close()  # raises an unreceived background failure
             return
