@@ -90,6 +90,8 @@ class Step(Protocol):
 
     #: whether this writer deletes old steps once the save is committed
     applies_retention: bool
+    #: called right before the commit becomes visible: raises if the writer's lease lapsed
+    check_lease: Callable[[], None]
 
     def begin(self) -> None:
         """Start the attempt; raises ``CheckpointExistsError`` if the checkpoint exists."""
@@ -125,6 +127,8 @@ class SoloStep:
     def __init__(self, job: SaveJob, storage: Storage) -> None:
         self.job = job
         self.protocol: CommitProtocol = protocol_for(storage)
+        #: set by run_save: raises if the writer's lease lapsed (its partial may be gone)
+        self.check_lease: Callable[[], None] = _no_check
 
     def begin(self) -> None:
         self.attempt = self.protocol.begin(self.job.name)
@@ -141,6 +145,7 @@ class SoloStep:
             items=self.job.items, leaves=written, metadata=self.job.metadata, library_version=__version__,
             files=[{"path": f"{self.attempt.data_dir}/{f['name']}", "size": f["size"]} for f in files])
         faults.hit("commit")
+        self.check_lease()
         self.protocol.commit(self.attempt, manifest)
 
     def fail(self, exc: BaseException) -> BaseException:
@@ -183,6 +188,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         step.begin()
         # Before anything of the attempt exists: a collector on any host leaves it alone while renewed.
         lease = Lease(storage, step.lease_targets()).acquire()
+        held = lease
+        step.check_lease = lambda: held.check(job.path)
         mine = step.owned(views, lambda lf: lf.shared)
         crcs: list[int] = [0] * len(mine)
         crc_error: list[BaseException] = []
@@ -213,7 +220,6 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         for lf, c in zip(written, crcs, strict=True):
             lf["crc32c"] = c
         t_commit = time.perf_counter()
-        lease.check(job.path)
         step.commit(written, files)
         commit_s = time.perf_counter() - t_commit
     except BaseException as exc:
@@ -246,6 +252,10 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         rank=job.collective.rank if job.collective is not None else None,
         leaves_written=len(mine) if job.collective is not None else None,
     )
+
+
+def _no_check() -> None:
+    return None
 
 
 def _release_after_failure(lease: Lease, storage: Storage) -> None:
