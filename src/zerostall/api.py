@@ -108,6 +108,10 @@ def save_checkpointables_async(
     Raises:
         CheckpointExistsError: ``path`` already holds something (a committed checkpoint or not).
         UnsupportedLeafError: a leaf zerostall cannot save (the error names its key).
+        MetadataError: ``metadata`` holds NaN or infinity, or (``MetadataTypeError``) a value JSON
+            cannot hold; the error names the key. Checked before anything is staged; numpy
+            scalars are converted (see :func:`zerostall.validate.clean_metadata`).
+        ArgumentTypeError, InvalidArgumentError: ``path``, ``items`` or ``options`` is malformed.
         WriterError: no writer could take the save.
         Errors of the background part (``StorageError`` with its errno, ``WriterError``,
         ``TornSnapshotError``, ...) are raised by the returned response's ``result()``.

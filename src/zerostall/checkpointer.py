@@ -29,6 +29,7 @@ from zerostall.errors import (
     StorageError,
     ZerostallError,
 )
+from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
@@ -39,6 +40,7 @@ from zerostall.storage.image import open_image
 from zerostall.validate import (
     check_bool,
     check_callable,
+    check_choice,
     check_instance,
     check_items,
     check_number,
@@ -90,7 +92,9 @@ class Checkpointer:
             interval is fixed by them and ``mtbf_s``.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
+            naming it) or of the wrong type (:class:`~zerostall.errors.ArgumentTypeError`, also a
+            ``TypeError``: ``keep_last=2.5``).
         StorageError: the location cannot be reached, created or written (a missing bucket,
             refused credentials, an unreachable endpoint, a regular file in the way, ...);
             ``errno`` and ``path`` say which. Raised here, not at the first save.
@@ -142,6 +146,8 @@ class Checkpointer:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
                                 load_options=load_options, on_error=on_error, read_only=read_only)
+        _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
+                            save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
@@ -167,7 +173,7 @@ class Checkpointer:
             if not isinstance(memory_tier, MemoryTier):
                 raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
             if so.writer is not WriterKind.PROCESS:
-                raise ValueError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
                                  "the memory must outlive the trainer")
             keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
         self._last_persist = time.monotonic()
@@ -573,13 +579,28 @@ class Checkpointer:
             >>> ckpt.metadata(100)                                       # doctest: +SKIP
             {'loss': 0.25, 'step': 100}
         """
+        mem = self._memory_metadata() if self.memory_tier is not None else None
         if step is None:
-            steps = committed_steps(self._storage)
+            steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
             if not steps:
                 raise CheckpointNotFoundError("no committed step", path=self.directory)
-            step = steps[-1]
+            step = max(steps)
         step = check_step(step, path=self.directory)
+        if mem is not None and mem[0] == step:
+            return mem[1]
         return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        if img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step``: it stops being listed at once, then its files are removed.
@@ -682,6 +703,20 @@ def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: obj
     check_callable("on_error", on_error)
     check_bool("read_only", read_only, path=path)
     return path
+
+
+def _check_cadence_args(*, memory_tier: object, save_interval: object, save_interval_steps: object,
+                        mtbf_s: object, costs: object) -> None:
+    """The memory-tier and save-interval arguments, typed (``_Cadence`` checks how they combine)."""
+    check_instance("memory_tier", memory_tier, MemoryTier)
+    if save_interval is not None:
+        check_choice("save_interval", save_interval, ("auto",))
+        if save_interval_steps is not None:
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both",
+                                       argument="save_interval")
+    if mtbf_s is not None:
+        check_number("mtbf_s", mtbf_s, positive=True)
+    check_instance("costs", costs, MeasuredCosts)
 
 
 def _keeper_rank(dopts: DistributedOptions | None) -> int:

@@ -12,6 +12,10 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── MismatchError(ValueError)                    template and checkpoint disagree (shape, dtype, kind)
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
+    ├── InvalidArgumentError(ValueError)             an argument out of range (.argument names it)
+    │   ├── ArgumentTypeError(+TypeError)            an argument of the wrong type
+    │   └── MetadataError                            metadata= cannot be stored (NaN, reserved key)
+    │       └── MetadataTypeError(+TypeError)        metadata= holds a non-JSON type
     ├── StorageError(OSError)                        an I/O failure, errno preserved
     │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
     ├── WriterError(RuntimeError)                    the background writer died or was closed

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerostall.messages import WriterStats
+from zerostall.validate import check_number
 
 __all__ = ["Response", "SaveStats"]
 
@@ -119,6 +120,8 @@ class Response:
                 Raising it here counts as receiving it: the next save, ``wait()`` or ``close()``
                 does not raise it again as a ``BackgroundSaveError``.
         """
+        if timeout is not None:
+            check_number("timeout", timeout)
         try:
             self._future.result(timeout)
         except BaseException:
@@ -155,6 +158,8 @@ class Response:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed); returning it counts as receiving it."""
+        if timeout is not None:
+            check_number("timeout", timeout)
         exc = self._future.exception(timeout)
         if exc is not None:
             self._received = True
