@@ -30,7 +30,7 @@ from zerostall.errors import (
     WriterError,
     ZerostallError,
 )
-from zerostall.options import DistributedOptions, LoadOptions, Replicated, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -43,9 +43,13 @@ __all__ = [
     "Checkpointer", "Response", "SaveStats",
     # configuration and extension
     "SaveOptions", "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler",
-    "unregister_handler",
+    "unregister_handler", "MemoryTier",
     # errors
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
 ]
+
+from zerostall.errors import BackgroundSaveError, ReadOnlyError
+
+__all__ += ["BackgroundSaveError", "ReadOnlyError"]

@@ -6,22 +6,35 @@ import dataclasses
 import errno
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCosts, Model, advise
+from zerostall.advice import (
+    DEFAULT_MEMORY_FRACTION,
+    Advice,
+    AutoInterval,
+    CadenceEstimator,
+    MeasuredCosts,
+    Model,
+    SaveKind,
+    advise,
+)
 from zerostall.api import PYTREE
 from zerostall.commit import check_reachable, committed_steps, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.engine import Engine
 from zerostall.errors import AdviceError, BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
-from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
+from zerostall.restore import load_items
 from zerostall.storage import local_path, open_storage
+from zerostall.storage.image import open_image
 
 __all__ = ["Checkpointer"]
 
@@ -50,6 +63,9 @@ class Checkpointer:
             on). Runs on the writer's listener thread as the failure arrives: keep it short.
         read_only: only list and load: no writer is started, the directory is not created, and
             ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
+        memory_tier: checkpoint every save into this host's memory and persist only some (see
+            :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
+            then restores the newest step from memory. Needs the process writer.
         save_interval: ``"auto"``: :meth:`should_save` follows the interval advisor
             (:meth:`advice`; docs/advice.md): a warm-up that measures what saves cost this job,
             then the interval that minimises the expected time lost for ``mtbf_s``, recomputed
@@ -106,6 +122,7 @@ class Checkpointer:
         process_group: Any = None,
         on_error: Callable[[BackgroundSaveError], None] | None = None,
         read_only: bool = False,
+        memory_tier: MemoryTier | None = None,
         save_interval: Literal["auto"] | None = None,
         mtbf_s: float | None = None,
         costs: MeasuredCosts | None = None,
@@ -120,7 +137,8 @@ class Checkpointer:
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
         so0 = save_options or SaveOptions()
-        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight)
+        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
+                                 memory_tier=memory_tier is not None)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -129,9 +147,20 @@ class Checkpointer:
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         so = save_options or SaveOptions()
+        self.memory_tier = memory_tier
+        keeper: KeeperSpec | None = None
+        if memory_tier is not None:
+            if not isinstance(memory_tier, MemoryTier):
+                raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
+            if so.writer is not WriterKind.PROCESS:
+                raise ValueError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                                 "the memory must outlive the trainer")
+            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
+        self._last_persist = time.monotonic()
         self._save_dist = so.distributed
         # The writer starts first: its interpreter boots while the storage is probed below.
-        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed))
+        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed),
+                              keeper=keeper)
         self._engine.on_error = on_error
         try:
             self._storage = open_storage(self.directory)
@@ -198,11 +227,19 @@ class Checkpointer:
         self._check_writable(step)
         meta = dict(metadata or {}, step=step)
         t_start = self._cadence.clock()
-        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                    retention=self.retention)
+        persist = True
+        if self.memory_tier is not None:
+            persist = self._persists(step)
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention, memory=True, persist=persist)
+            if persist:
+                self._last_persist = time.monotonic()
+        else:
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention)
         self._cadence.started()
         r._add_before_done(self._record)
-        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc))
+        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc, persisted=persist))
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -213,6 +250,22 @@ class Checkpointer:
 
     def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
         self.save_pytree_async(step, tree, metadata=metadata).result()
+
+    def _persists(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` also goes to storage."""
+        mt = self.memory_tier
+        assert mt is not None
+        if self._cadence.auto is not None:  # save_interval="auto": the advisor chose the kind
+            return self._cadence.persist_at(step)
+        if step % mt.persist_interval_steps == 0:
+            return True
+        if mt.persist_interval_s is None:
+            return False
+        dopts = self._engine.options.distributed
+        if active(dopts):
+            raise ValueError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: the "
+                             "ranks must agree on which saves persist; use persist_interval_steps")
+        return time.monotonic() - self._last_persist >= mt.persist_interval_s
 
     def _record(self, r: Response, exc: BaseException | None) -> None:
         if exc is None:
@@ -226,12 +279,17 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. In-flight and partial saves are never listed.
+        """Committed steps, ascending (with a memory tier: storage's and the one this host's memory
+        holds). In-flight and partial saves are never listed.
 
         Under torch.distributed this is collective (every rank must call it) and every rank gets
-        the same answer: the steps committed in every rank's view of the storage.
+        the same answer: the steps committed in every rank's view (so a step only in memory counts
+        only if every rank's memory holds it).
         """
         local = committed_steps(self._storage)
+        mem = self.memory_step()
+        if mem is not None and mem not in local:
+            local = sorted([*local, mem])
         dopts = self._dist_options()
         return agree_steps(local, dopts) if active(dopts) else local
 
@@ -240,9 +298,23 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None (under torch.distributed: collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None (under torch.distributed:
+        collective, the same on every rank)."""
         s = self.steps()
         return s[-1] if s else None
+
+    def memory_step(self) -> int | None:
+        """The step this host's memory tier holds (None: no memory tier, or nothing held).
+
+        Waits for the saves already handed to the writer to finish first.
+        """
+        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        return img.step
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -258,7 +330,29 @@ class Checkpointer:
             CheckpointNotFoundError: no step is committed (or not ``step``).
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
+        step = self._resolve(step)
+        if self.memory_tier is not None:
+            got = self._load_from_memory(step, items)
+            if got is not None:
+                return got
+        return load(self.directory, step_name(step), items, self.load_options)
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # the collective load is not taught to read memory yet: storage
+            return None
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        if img.step != step:
+            for fd in fds:
+                os.close(fd)
+            return None
+        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        with open_image(img.name, img.manifest.encode(), files) as image:
+            return load_items(image.url, img.name, items, self.load_options)
 
     def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
@@ -300,10 +394,10 @@ class Checkpointer:
         if exc_type is None:
             self.close()  # raises an unreceived background failure
             return
-        # The block is already raising: do not replace its exception; the failure is logged.
-        self._engine.close()
-        err = self._engine.take_failures()
-        if err is not None:
+        try:
+            self.close()
+        except BackgroundSaveError as err:
+            # The block is already raising: its exception is kept; the failure is logged.
             log.error("zerostall: %s (not raised: the with block raised %s)", err, exc_type.__name__)
 
     def _check_writable(self, step: int | None) -> None:
@@ -315,7 +409,7 @@ class Checkpointer:
     # -- the interval advisor ------------------------------------------------------------------
 
     def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
-               model: Model | None = None) -> Advice:
+               model: Model | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> Advice:
         """How often this job should save, and what that is expected to cost (docs/advice.md).
 
         Works from the costs measured on this Checkpointer: the iteration time between
@@ -328,7 +422,10 @@ class Checkpointer:
         Args:
             mtbf_s: the job's mean time between failures (default: the constructor's ``mtbf_s``).
             costs: use these instead of the measured (or constructor-given) costs.
-            model: ``None`` picks Daly's; ``Model.YOUNG`` for the first-order one.
+            model: ``None`` picks Daly's, or the two-level model once memory-only saves of the
+                memory tier are measured; ``Model.YOUNG`` for the first-order one.
+            memory_fraction: with the memory tier, the share of failures a restart on the same
+                hosts recovers from memory (docs/advice.md).
 
         Returns:
             The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
@@ -357,15 +454,18 @@ class Checkpointer:
                 f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
                 "after every step and save a few times (at least 8 steps without a save in flight and 3 "
                 "saves covered by later steps)", key="costs", path=self.directory)
-        return advise(c, mtbf_s=m, model=model)
+        return advise(c, mtbf_s=m, model=model, memory_fraction=memory_fraction)
 
     def _should_save_auto(self, step: int) -> bool:
-        decide = self._cadence.decide(step)
+        kind = self._cadence.decide(step)
         dopts = self._save_dist
         if active(dopts):
-            # Every rank must save the same steps: rank 0's measurements decide (one broadcast per call).
-            decide = bool(agree_step(decide, dopts))
-        return decide
+            # Every rank must save the same steps (and persist the same ones): rank 0's
+            # measurements decide (one broadcast per call).
+            got = agree_step(kind.value if kind is not None else None, dopts)
+            kind = SaveKind(got) if got is not None else None
+        self._cadence.decided = (step, kind)
+        return kind is not None
 
 
 class _Cadence:
@@ -377,7 +477,7 @@ class _Cadence:
     """
 
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
-                 costs: MeasuredCosts | None, max_in_flight: int) -> None:
+                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
         if save_interval not in (None, "auto"):
             raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
@@ -386,14 +486,20 @@ class _Cadence:
         if save_interval == "auto" and mtbf_s is None:
             raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
                               key="mtbf_s")
+        if save_interval == "auto" and memory_tier and costs is not None and costs.memory is None:
+            raise AdviceError("with the memory tier, given costs need the memory-only saves' costs "
+                              "(MeasuredCosts(memory=...))", key="costs")
         #: the clock every observation uses (monotonic; seconds)
         self.clock: Callable[[], float] = time.monotonic
         self.mtbf_s = mtbf_s
         self.fixed = costs
         self.estimator = CadenceEstimator()
-        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight) if save_interval == "auto" \
-            and mtbf_s is not None else None
-        self._durable: deque[tuple[int, float, float, float]] = deque()  # appended by the listener thread
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier) \
+            if save_interval == "auto" and mtbf_s is not None else None
+        self.memory_tier = memory_tier
+        #: the last "auto" decision: (step, kind); a save of that step persists unless it is MEMORY
+        self.decided: tuple[int, SaveKind | None] | None = None
+        self._durable: deque[tuple[int, float, float, float, bool]] = deque()  # appended by the listener thread
         self._lock = threading.Lock()
         self._in_flight = 0
         self._fixed_est = _FixedCosts(costs) if costs is not None else None
@@ -402,13 +508,18 @@ class _Cadence:
         self._drain()
         self.estimator.observe_step(step, self.clock())
 
-    def decide(self, step: int) -> bool:
+    def decide(self, step: int) -> SaveKind | None:
         assert self.auto is not None
         self.observe_step(step)
         with self._lock:
             in_flight = self._in_flight
         est = self._fixed_est if self._fixed_est is not None else self.estimator
-        return self.auto.decide(step, est, in_flight=in_flight) is not None
+        return self.auto.decide(step, est, in_flight=in_flight)
+
+    def persist_at(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` persists: unless the advisor asked for a memory-only
+        save at that step (a save at a step it did not choose persists)."""
+        return not (self.decided is not None and self.decided == (step, SaveKind.MEMORY))
 
     def costs(self) -> MeasuredCosts | None:
         if self.fixed is not None:
@@ -420,18 +531,19 @@ class _Cadence:
         with self._lock:
             self._in_flight += 1
 
-    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None) -> None:
+    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None, *,
+                persisted: bool = True) -> None:
         t_durable = self.clock()
         with self._lock:
             self._in_flight -= 1
         if exc is None:
             blocked = min(r.stats.stall_s, t_durable - t_start)
-            self._durable.append((step, blocked, t_start, t_durable))
+            self._durable.append((step, blocked, t_start, t_durable, persisted))
 
     def _drain(self) -> None:
         while self._durable:
-            step, blocked, t_start, t_durable = self._durable.popleft()
-            self.estimator.observe_save(step, blocked, t_start, t_durable)
+            step, blocked, t_start, t_durable, persisted = self._durable.popleft()
+            self.estimator.observe_save(step, blocked, t_start, t_durable, persisted=persisted)
 
 
 class _FixedCosts(CadenceEstimator):
@@ -443,3 +555,14 @@ class _FixedCosts(CadenceEstimator):
 
     def costs(self) -> MeasuredCosts | None:
         return self._fixed
+
+def _keeper_rank(dopts: DistributedOptions | None) -> int:
+    """This process's rank for the keeper's name: torch.distributed's if initialized, else
+    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
+    torch = sys.modules.get("torch")
+    if active(dopts) and torch is not None:
+        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0

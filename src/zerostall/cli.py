@@ -1,6 +1,6 @@
 """``zerostall``: list, inspect, verify, export and import checkpoints from the shell.
 
-    zerostall list DIR          committed steps / checkpoints under DIR
+    zerostall list DIR          committed steps / checkpoints under DIR (and memory-only steps held here)
     zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes
     zerostall verify PATH       read every leaf, check every checksum, name every bad key
     zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
@@ -37,6 +37,7 @@ from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallErr
 from zerostall.interop import export_checkpoint, import_checkpoint
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
+from zerostall.persist.keeper import held_steps
 from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage, split_url
@@ -80,8 +81,12 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
         except ZerostallError as exc:
             row.update(ok=False, error=str(exc))
         rows.append(row)
+    # The memory tier: steps a keeper on this host holds that storage does not (yet) have.
+    memory_only = [{"name": step_name(img.step), "step": img.step, "rank": rank}
+                   for rank, img in held_steps(storage.url)
+                   if img.step is not None and img.step not in steps]
     return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
-            "unfinished": unfinished}
+            "unfinished": unfinished, "memory_only": memory_only}
 
 
 def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
@@ -197,6 +202,8 @@ def _print_list(r: dict[str, Any]) -> None:
             _out(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
         else:
             _out(f"{row['name']:<24} UNREADABLE: {row['error']}")
+    for row in r.get("memory_only", ()):
+        _out(f"{row['name']:<24} in memory only (the memory tier's keeper of rank {row['rank']} on this host)")
     if r["unfinished"]:
         _out(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
               f"{', '.join(r['unfinished'])})")

@@ -28,6 +28,7 @@ from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptio
 from zerostall.options import RetentionPolicy, SaveOptions
 from zerostall.persist.client import OnDone, WriterClient
 from zerostall.persist.job import storage_env
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.stager import prepare_slot
@@ -75,12 +76,16 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None, buffer_cache_bytes: int = 0) -> None:
+                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None,
+                 buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
         self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
-                                   sched=self.options.writer_sched)
+                                   sched=self.options.writer_sched, keeper=keeper)
+        # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
+        # memory: one more slot than in flight, so a save never waits for the held one.
+        slots = self.options.max_in_flight + (1 if keeper is not None else 0)
         # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines)
-        self.pool = BufferPool(self.options.max_in_flight, pin=_cuda_present(), on_free=self.writer.forget,
+        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()
@@ -136,6 +141,11 @@ class Engine:
         plan, _ = self._plan(flat, rank)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
+        if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
+            try:
+                slots.append(self.pool.acquire(timeout=0))
+            except TimeoutError:
+                pass
         try:
             for slot in slots:
                 self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
@@ -156,8 +166,14 @@ class Engine:
         metadata: dict[str, Any] | None = None,
         step: int | None = None,
         retention: RetentionPolicy | None = None,
+        memory: bool = False,
+        persist: bool = True,
     ) -> Response:
-        """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`."""
+        """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`.
+
+        ``memory``: commit to the memory tier (the engine's writer must be a keeper); ``persist``:
+        also write to storage.
+        """
         t0 = time.perf_counter()
         if self._closed:
             raise WriterError("this saver is closed")
@@ -166,7 +182,8 @@ class Engine:
         coordinator = self._coordinator if self._collective() else None
         info = coordinator.begin(root_url, name) if coordinator is not None else None
         try:
-            return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention)
+            return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention,
+                                    memory=memory, persist=persist)
         except BaseException as exc:
             if coordinator is not None and info is not None:
                 # the other ranks' writers learn of it now, not at their timeout
@@ -175,7 +192,7 @@ class Engine:
 
     def _save_async(self, root_url: str, name: str, path: str, items: dict[str, Any], t0: float,
                     info: Collective | None, metadata: dict[str, Any] | None, step: int | None,
-                    retention: RetentionPolicy | None) -> Response:
+                    retention: RetentionPolicy | None, *, memory: bool = False, persist: bool = True) -> Response:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise exists_error(storage, name, path)
@@ -194,7 +211,7 @@ class Engine:
             id=0, root=root_url, name=name, path=path,
             files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers, strict=True)),
             leaves=rows, items=flat.items, metadata=metadata or {}, step=step, retention=retention,
-            env=storage_env(), write=self._write, collective=info,
+            env=storage_env(), write=self._write, collective=info, memory=memory, persist=persist,
         )
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)

@@ -13,7 +13,9 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
     ├── StorageError(OSError)                        an I/O failure, errno preserved
+    │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
     └── WriterError(RuntimeError)                    the background writer died or was closed
+        └── BackgroundSaveError                      a save that failed in the background, raised later
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
 class and errno they had in the writer.

@@ -25,6 +25,7 @@ Runs in the writer process (holding) and wherever garbage is collected (reading)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -94,9 +95,12 @@ def lease_seconds() -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{LEASE_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{LEASE_ENV} must be > 0, got {raw!r}")
+        value = 0.0
+    if not 0 < value < float("inf"):
+        # Read in the writer, mid-save: a typo must not fail saves, but it must be seen.
+        logging.getLogger("zerostall").warning("zerostall: %s=%r is not a positive number of seconds; "
+                                               "using %g", LEASE_ENV, raw, DEFAULT_LEASE_S)
+        return DEFAULT_LEASE_S
     return value
 
 

@@ -6,7 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
+__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy",
+           "MemoryTier"]
 
 MiB = 1 << 20
 
@@ -182,3 +183,47 @@ class LoadOptions:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryTier:
+    """Checkpoint every save into this host's memory; persist only some saves to storage.
+
+    Passed to :class:`~zerostall.Checkpointer` as ``memory_tier=``. Every save commits to the
+    memory tier (the staged bytes, checksummed, with the same manifest as on storage), held by a
+    *keeper*: the writer process, which outlives the trainer. A save is also persisted to the
+    Checkpointer's directory when its step is a multiple of ``persist_interval_steps`` or, if
+    ``persist_interval_s`` is set, when that many seconds have passed since the last persisted
+    save. A restarted trainer on the same host (same user, directory and rank) adopts the
+    keeper and restores the newest step from memory (docs/guarantees.md, "Memory tier").
+
+    Attributes:
+        persist_interval_steps: persist steps divisible by this (1: every save; the memory tier
+            then only speeds up restarts).
+        persist_interval_s: also persist the first save after this many seconds without one
+            (None: steps only). Single-process only: under ``torch.distributed`` ranks must agree
+            on which saves persist, and clocks differ.
+        linger_s: how long a keeper whose trainer died waits for a new trainer before it exits
+            and frees the memory (after persisting the newest memory-only step).
+
+    Raises:
+        ValueError: a field is out of range.
+
+    Example::
+
+        >>> MemoryTier(persist_interval_steps=10).persist_interval_steps
+        10
+    """
+
+    persist_interval_steps: int = 1
+    persist_interval_s: float | None = None
+    linger_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if type(self.persist_interval_steps) is not int or self.persist_interval_steps < 1:
+            raise ValueError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
+        if self.persist_interval_s is not None and not (
+                isinstance(self.persist_interval_s, (int, float)) and self.persist_interval_s > 0):
+            raise ValueError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
+        if not (isinstance(self.linger_s, (int, float)) and self.linger_s >= 0):
+            raise ValueError(f"linger_s must be >= 0, got {self.linger_s!r}")

@@ -28,6 +28,8 @@ class SaveStats:
         persist_gbps: ``nbytes`` over the writer's write time.
         commit_s: seconds spent writing the manifest, syncing and renaming.
         writer_peak_rss: the writer process's peak resident memory in bytes.
+        tiers: where the save is committed: ``("storage",)``, or with a memory tier
+            ``("memory",)`` (memory only) or ``("memory", "storage")``; empty until committed.
     """
 
     path: str
@@ -38,6 +40,7 @@ class SaveStats:
     persist_gbps: float | None = None
     commit_s: float | None = None
     writer_peak_rss: int | None = None
+    tiers: tuple[str, ...] = ()
 
     def summary(self) -> str:
         mib = self.nbytes / (1 << 20)
@@ -89,6 +92,7 @@ class Response:
             persist_gbps=(w.nbytes / write_s / 1e9) if write_s > 0 else None,
             commit_s=w.commit_s,
             writer_peak_rss=w.writer_peak_rss,
+            tiers=w.tiers,
         )
 
     def done(self) -> bool:
@@ -102,6 +106,8 @@ class Response:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
             ZerostallError: the save failed, with the class it had in the writer (``StorageError``
                 keeps its errno; ``WriterError`` if the writer died); nothing of it is committed.
+                Raising it here counts as receiving it: the next save, ``wait()`` or ``close()``
+                does not raise it again as a ``BackgroundSaveError``.
         """
         try:
             self._future.result(timeout)

@@ -289,6 +289,56 @@ def scenario_s3env(rank: int, world: int, d: str) -> dict:
     return {"errors": errors, "steps": steps, "same_writer": same_writer}
 
 
+_HIDDEN: set[str] = set()  # step folders missing from this rank's view of the storage
+
+
+def scenario_views(rank: int, world: int, d: str) -> dict:
+    """Ranks whose views of the storage differ (the last rank does not see some step folders):
+    steps() / latest_step() / load(step=None) agree on what every rank sees, and retention keeps
+    keep_last steps that every rank can load."""
+    from zerostall import WriterKind
+    from zerostall.storage import register_scheme
+    from zerostall.storage.local import LocalStorage
+
+    class RankView(LocalStorage):
+        def __init__(self, url: str) -> None:
+            super().__init__(url.split("://", 1)[1])
+            self.url = url
+
+        def list(self, prefix: str) -> list[str]:
+            return [n for n in super().list(prefix) if prefix or n not in _HIDDEN]
+
+        def exists(self, key: str) -> bool:
+            return key.split("/", 1)[0] not in _HIDDEN and super().exists(key)
+
+    register_scheme("rankview", RankView)  # in this process: the writer runs as a thread here
+    opts = SaveOptions(writer=WriterKind.THREAD, distributed=DistributedOptions(timeout_s=60))
+    real = f"{d}/ck"
+    out: dict = {}
+    with Checkpointer(f"rankview://{real}", save_options=opts, keep_last=2) as ck:
+        for step in (1, 2, 3):
+            ck.save_pytree(step, {"w": torch.full((64,), float(step)), "rank": per_rank(rank, step)})
+        out["steps_same_view"] = ck.steps()
+        if rank == world - 1:
+            _HIDDEN.add("step_00000003")  # gone from this rank's view only
+        out["local_view"] = sorted(int(n[5:]) for n in ck._storage.list("") if n.startswith("step_"))
+        out["steps"] = ck.steps()
+        out["latest"] = ck.latest_step()
+        out["should_save"] = [ck.should_save(s) for s in range(4)]
+        got = ck.load_pytree()
+        out["loaded"] = int(got["w"][0])
+        ck.save_pytree(4, {"w": torch.full((64,), 4.0), "rank": per_rank(rank, 4)})
+        dist.barrier()
+        out["on_disk_after_4"] = sorted(n for n in os.listdir(real) if not n.startswith("."))
+        out["steps_after_4"] = ck.steps()
+        _HIDDEN.clear()
+        ck.save_pytree(5, {"w": torch.full((64,), 5.0), "rank": per_rank(rank, 5)})
+        dist.barrier()
+        out["on_disk_after_5"] = sorted(n for n in os.listdir(real) if not n.startswith("."))
+        out["steps_after_5"] = ck.steps()
+    return out
+
+
 FAULT_TABLE = [("begin", 1), ("write", 1), ("checksum", 0), ("manifest", 0), ("commit", 0)]
 
 

@@ -10,6 +10,7 @@ call and the warning at interpreter exit, and that an error already received is 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -24,8 +25,9 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import Checkpointer, Response, StorageError
+from zerostall import Checkpointer, Response, SaveOptions, StorageError
 from zerostall.errors import BackgroundSaveError, WriterError, ZerostallError
+from zerostall.persist.faults import ENV as FAULTS_ENV
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -107,16 +109,28 @@ def test_leaving_the_with_block_raises(tmp_path: Path) -> None:
     d = tmp_path / "run"
     with pytest.raises(BackgroundSaveError) as ei, Checkpointer(d) as ck:
         break_dir(d)
-        for step in range(1, 4):  # the quickstart's loop: nobody keeps the responses
-            ck.save_pytree_async(step, state(step))
-        steps_seen = True
-    assert steps_seen
+        ck.save_pytree_async(1, state(1))  # the quickstart's loop: nobody keeps the response
+    assert_names_failure(ei.value, 1, str(d))
+
+
+def test_every_failure_is_reported_in_one_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The writer holds each job at its start until `go` exists, so that all three saves are
+    # staged before the first fails (three slots: none waits for another).
+    go = tmp_path / "go"
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"begin": f"wait:{go}"}))
+    d = tmp_path / "run"
+    ck = Checkpointer(d, save_options=SaveOptions(max_in_flight=3))
+    break_dir(d)
+    for step in (1, 2, 3):
+        ck.save_pytree_async(step, state(step))
+    go.touch()
+    with pytest.raises(BackgroundSaveError) as ei:
+        ck.close()
     err = ei.value
-    # Every failed save is reported, in order; the first names the error.
-    reported = [s for s, _, _ in err.errors]
-    assert reported[0] == err.step
-    assert reported == sorted(reported) and set(reported) <= {1, 2, 3}
-    assert_names_failure(err, err.step, str(d))
+    assert_names_failure(err, 1, str(d))
+    assert [s for s, _, _ in err.errors] == [1, 2, 3]
+    assert all(isinstance(e, StorageError) and e.errno == errno.ENOTDIR for _, _, e in err.errors)
+    assert "2 later save(s) failed too (step 2, step 3)" in str(err)
 
 
 def test_with_block_error_is_not_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -332,6 +332,12 @@ def test_commit_order_survives_power_loss(tmp_path: Path, monkeypatch: pytest.Mo
         c.save_pytree(1, state(1))
         calls.clear()
         c.save_pytree(2, state(2))
+    # The writer's lease (zerostall.lease) is put before anything of the attempt exists and
+    # deleted once the rename is durable, before retention.
+    lease = [c for c in calls if c[1].startswith(".zs-lease-")]
+    assert [op for op, _ in lease] == ["put", "delete"] and lease[0][1] == lease[1][1], lease
+    assert calls[0] == lease[0] and calls[7] == lease[1], calls
+    calls = [c for c in calls if c not in lease]
     ops = [op for op, _ in calls]
     keys = [k for _, k in calls]
     tmp = keys[0].split("/")[0]

@@ -115,3 +115,52 @@ def test_load_under_a_file_is_a_storage_error(tmp_path: Path) -> None:
         zerostall.load_pytree(blocker / "run" / "ckpt")
     assert not isinstance(ei.value, CheckpointNotFoundError)
     assert ei.value.errno == errno.ENOTDIR
+
+
+def test_local_probe(tmp_path: Path) -> None:
+    from zerostall.storage.local import LocalStorage
+
+    fresh = tmp_path / "a" / "b"
+    LocalStorage(str(fresh)).probe(write=False)  # missing: nothing committed, not unreachable
+    assert not fresh.exists()
+    LocalStorage(str(fresh)).probe(write=True)
+    assert fresh.is_dir() and os.listdir(fresh) == []  # created, and the probe left nothing
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    for write in (False, True):
+        with pytest.raises(NotADirectoryError):
+            LocalStorage(str(blocker)).probe(write=write)
+    with pytest.raises(NotADirectoryError):
+        LocalStorage(str(blocker / "sub")).probe(write=True)
+
+
+def test_memory_backend_opens(tmp_path: Path) -> None:
+    from zerostall import SaveOptions, WriterKind
+
+    with Checkpointer("memory://reach-test/run", save_options=SaveOptions(writer=WriterKind.THREAD)) as ck:
+        ck.save_pytree(1, state(1))
+    with Checkpointer("memory://reach-test/run", read_only=True) as ro:
+        assert ro.load_pytree()["step"] == 1
+
+
+def test_a_file_in_place_of_the_run_directory_is_not_a_directory(tmp_path: Path) -> None:
+    # Python's makedirs reports it as FileExistsError, which would read as CheckpointExistsError.
+    from zerostall.storage.local import LocalStorage
+
+    blocker = tmp_path / "run"
+    blocker.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError):
+        LocalStorage(str(blocker)).put("lease.json", b"{}")  # makedirs(root): a file is there
+    with pytest.raises(StorageError) as ei:
+        zerostall.save_pytree(blocker / "ckpt", state(1))
+    assert ei.value.errno == errno.ENOTDIR
+    assert not isinstance(ei.value, FileExistsError)
+
+
+def test_writer_is_up_when_the_constructor_returns(tmp_path: Path) -> None:
+    # The first save's slot is freed only once the writer has written it: a writer still booting
+    # would add its start-up to the second save's stall (benchmarks/first_save.py measures it).
+    with Checkpointer(tmp_path / "run") as ck:
+        writer = ck._engine.writer
+        assert writer.alive() and writer.pid in writer_children()
+        assert writer.wait_ready(timeout=0)  # said hello already: no waiting left

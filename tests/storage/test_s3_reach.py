@@ -55,6 +55,9 @@ def test_bad_credentials(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
         Checkpointer(s3_url)
     assert ei.value.errno == errno.EACCES
     assert ei.value.path == s3_url
+    with pytest.raises(StorageError) as ei:
+        zerostall.load_pytree(s3_url + "/step_00000001")
+    assert ei.value.errno == errno.EACCES and not isinstance(ei.value, CheckpointNotFoundError)
 
 
 def test_unreachable_endpoint(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +68,9 @@ def test_unreachable_endpoint(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("ZEROSTALL_S3_CONNECT_TIMEOUT", "2")
     with pytest.raises(StorageError) as ei:
         Checkpointer(s3_url, read_only=True)
+    assert ei.value.errno == errno.ECONNREFUSED
+    with pytest.raises(StorageError) as ei:
+        zerostall.load_pytree(s3_url + "/step_00000001")
     assert ei.value.errno == errno.ECONNREFUSED
 
 
@@ -77,3 +83,11 @@ def test_read_only_loads_and_refuses_saves(s3_url: str) -> None:
         with pytest.raises(ReadOnlyError):
             ro.save_pytree(3, state(3))
     assert [n for n in open_storage(s3_url).list("")] == ["step_00000002"]
+
+
+def test_s3_probe(s3_url: str) -> None:
+    from zerostall.storage.s3 import S3Storage
+
+    S3Storage(s3_url).probe(write=True)  # an existing bucket, an empty prefix
+    with pytest.raises(FileNotFoundError):
+        S3Storage("s3://zs-no-such-bucket-reach/x").probe(write=False)

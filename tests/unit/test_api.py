@@ -303,9 +303,11 @@ def test_public_api_is_frozen():
         "load_pytree", "load_checkpointables", "prepare", "release_buffers",
         "Checkpointer", "Response", "SaveStats", "SaveOptions",
         "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+        "MemoryTier",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
-        "UnsupportedLeafError", "StorageError", "WriterError"])
+        "UnsupportedLeafError", "StorageError", "WriterError",
+        "BackgroundSaveError", "ReadOnlyError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):

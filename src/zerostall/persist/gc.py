@@ -99,8 +99,13 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, now: float | Non
     report.live_leases = [ls.key for ls in live]
     dead = [ls for ls in leases if not ls.live(t, here)]
 
+    blind = [ls.key for ls in live if ls.expires is None]
+    for k in blind:
+        report.errors.append(f"{k}: unreadable lease of a writer not provably dead; nothing but deletion "
+                             "leftovers is removed while it is there (delete it by hand once its writer is gone)")
+
     def held(key: str) -> bool:
-        return any(covers(tg, key) for ls in live for tg in ls.targets)
+        return bool(blind) or any(covers(tg, key) for ls in live for tg in ls.targets)
 
     def known(key: str) -> bool:
         return any(covers(tg, key) for ls in leases for tg in ls.targets)
@@ -190,8 +195,17 @@ def _uploads(storage: Storage, report: GcReport) -> list[tuple[str, str]]:
 
 
 def _legacy_live(key: str, here: str) -> bool:
+    """Whether a partial that no lease covers may still be written by a writer from before leases.
+
+    Writers that take leases never leave an unleased partial (the lease goes first and is
+    released only once the partial is gone or committed), so this costs nothing for them. A
+    solo attempt's name carries its writer's host and pid: kept if that pid lives on this host,
+    or if it is another host's (nothing proves it dead).
+    """
     m = _SOLO_RE.match(key)
-    return m is not None and m.group("host") == here and pid_alive(int(m.group("pid")))
+    if m is None:
+        return False
+    return m.group("host") != here or pid_alive(int(m.group("pid")))
 
 
 def collect_at_start(storage: Storage) -> GcReport | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -47,7 +48,7 @@ class LocalStorage:
         self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool
     ) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         use_direct = direct and hasattr(os, "O_DIRECT") and _aligned(buf, length)
         fd = -1
@@ -86,7 +87,7 @@ class LocalStorage:
         back as zeros. Fails with ``FileExistsError`` if ``key`` exists.
         """
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             _pwrite_all(fd, memoryview(header), 0)
@@ -99,18 +100,28 @@ class LocalStorage:
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         if if_absent:
             # Write aside, then link: link(2) fails if the target exists, so two writers cannot
             # both win, and a reader never sees a half-written object.
             tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
-            _write_file(tmp, data)
             try:
+                _write_file(tmp, data)
                 os.link(tmp, path)
             finally:
-                os.unlink(tmp)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         else:
-            _write_file(path, data)
+            # Written aside and renamed over: a reader (a collector reading a lease being renewed)
+            # sees the old object or the new one, never half of one.
+            tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
+            try:
+                _write_file(tmp, data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
 
     def probe(self, *, write: bool) -> None:
         """The root is a directory (created with ``write``) that this process can list, and write to with ``write``."""
@@ -121,7 +132,7 @@ class LocalStorage:
                 with os.scandir(self.root):  # EACCES for a directory this process cannot read
                     pass
             return
-        os.makedirs(self.root, exist_ok=True)
+        _makedirs(self.root)
         _probe_write(self.root)
 
     # -- reading ---------------------------------------------------------------------------
@@ -432,6 +443,18 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, except that a file in the way is ``ENOTDIR``.
+
+    ``makedirs`` reports a regular file at ``path`` as ``FileExistsError``, which would reach the
+    caller as ``CheckpointExistsError``: the truth is that the directory cannot be created.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory (a file is in the way)", path) from None
 
 
 def _probe_write(directory: str) -> None:
