@@ -50,3 +50,16 @@ __all__ = [
 from zerostall.errors import BackgroundSaveError, ReadOnlyError
 
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+import importlib as _importlib  # noqa: E402
+
+from zerostall.tree import register_lazy_integration as _register_lazy  # noqa: E402
+
+
+# JAX arrays and pytrees work without an explicit import: the integration loads at the first save or
+# load after jax itself has been imported (so `import zerostall` never imports jax).
+def _load_jax_integration() -> None:
+    _importlib.import_module("zerostall.integrations.jax")
+
+
+_register_lazy("jax", _load_jax_integration)
