@@ -13,10 +13,20 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCosts, Model, advise
+from zerostall.advice import (
+    DEFAULT_MEMORY_FRACTION,
+    Advice,
+    AutoInterval,
+    CadenceEstimator,
+    MeasuredCosts,
+    Model,
+    SaveKind,
+    advise,
+)
 from zerostall.api import PYTREE, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
+from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
 from zerostall.errors import (
     AdviceError,
@@ -157,7 +167,8 @@ class Checkpointer:
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
         so0 = save_options or SaveOptions()
-        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight)
+        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
+                                 memory_tier=memory_tier is not None)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -248,6 +259,7 @@ class Checkpointer:
         self._check_writable(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
+        persist = True
         if self.memory_tier is not None:
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -259,7 +271,7 @@ class Checkpointer:
                                         retention=self.retention)
         self._cadence.started()
         r._add_before_done(self._record)
-        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc))
+        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc, persisted=persist))
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -275,6 +287,8 @@ class Checkpointer:
         """Whether a memory-tier save of ``step`` also goes to storage."""
         mt = self.memory_tier
         assert mt is not None
+        if self._cadence.auto is not None:  # save_interval="auto": the advisor chose the kind
+            return self._cadence.persist_at(step)
         if step % mt.persist_interval_steps == 0:
             return True
         if mt.persist_interval_s is None:
@@ -317,17 +331,43 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step (in either tier), or None (under torch.distributed:
-        collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None.
+
+        Under torch.distributed this is collective (every rank calls it) and every rank gets the
+        same answer. With a memory tier: the memory tier's step if every rank holds it and it is
+        not older than storage's newest, else storage's newest.
+        """
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._agree(None)[0]
         s = self.steps()
         return s[-1] if s else None
+
+    def _load_dopts(self) -> DistributedOptions | None:
+        return self.load_options.distributed if self.load_options is not None else None
+
+    def _agree(self, step: int | None) -> tuple[int | None, bool]:
+        """Collectively: which step to load (``step``, or the latest) and whether every rank
+        reads it from its memory tier (only if every rank holds it; else storage for all)."""
+        dopts = self._load_dopts()
+        stored = committed_steps(self._storage)
+        gathered = gather_objects((self.memory_step(), stored[-1] if stored else None), dopts)
+        held = [g[0] for g in gathered]
+        everywhere = held[0] if held[0] is not None and all(h == held[0] for h in held) else None
+        newest_stored = gathered[0][1]  # rank 0's view of the shared storage, as agree_step
+        if step is None:
+            if everywhere is not None and (newest_stored is None or everywhere >= newest_stored):
+                return everywhere, True
+            return newest_stored, False
+        return step, everywhere == step
 
     def memory_step(self) -> int | None:
         """The step this host's memory tier holds (None: no memory tier, or nothing held).
 
         Waits for the saves already handed to the writer to finish first.
         """
-        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
+            return None
+        got = self._engine.writer.query_image()
         if got is None:
             return None
         img, fds = got
@@ -360,18 +400,44 @@ class Checkpointer:
             name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
             self.last_loaded_step = parse_step(name)
             return out
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._load_collective(step, items)
         resolved = self._resolve(step)
         got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
         out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
         self.last_loaded_step = resolved
         return out
 
-    def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
-        dopts = self.load_options.distributed if self.load_options is not None else None
-        if active(dopts):  # the collective load is not taught to read memory yet: storage
+    def _load_collective(self, step: int | None, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load with a memory tier: every rank from its own memory, or all from storage."""
+        agreed, from_memory = self._agree(step)
+        if agreed is None:
+            raise CheckpointNotFoundError("no committed step to load", path=self.directory)
+        if not from_memory:
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        out: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            out = self._load_from_memory(agreed, items, collective=True)
+            if out is None:  # the keeper let go of it since we agreed (it died)
+                raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                              path=f"{self.directory}/{step_name(agreed)}")
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            err = exc
+        raise_together(err, self._load_dopts(), f"{self.directory}/{step_name(agreed)}")
+        assert out is not None
+        return out
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage).
+
+        Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
+        rank then restores the tree it saved from its own memory, with no collective traffic.
+        """
+        if not collective and active(self._load_dopts()):
             return None
-        got = self._engine.writer.query_image()
+        got = self._engine.writer.query_image() if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got
@@ -485,6 +551,11 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and self.memory_tier is not None and not self._engine.closed:
+            # Leaving on an error (torchrun's SIGTERM included) is a crash to the memory tier: the
+            # keeper keeps the newest step for a restart instead of persisting it and exiting.
+            self._engine.wait()
+            self._engine.writer.abandon()
         if exc_type is None:
             self.close()  # raises an unreceived background failure
             return
@@ -583,7 +654,7 @@ class Checkpointer:
     # -- the interval advisor ------------------------------------------------------------------
 
     def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
-               model: Model | None = None) -> Advice:
+               model: Model | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> Advice:
         """How often this job should save, and what that is expected to cost (docs/advice.md).
 
         Works from the costs measured on this Checkpointer: the iteration time between
@@ -596,7 +667,10 @@ class Checkpointer:
         Args:
             mtbf_s: the job's mean time between failures (default: the constructor's ``mtbf_s``).
             costs: use these instead of the measured (or constructor-given) costs.
-            model: ``None`` picks Daly's; ``Model.YOUNG`` for the first-order one.
+            model: ``None`` picks Daly's, or the two-level model once memory-only saves of the
+                memory tier are measured; ``Model.YOUNG`` for the first-order one.
+            memory_fraction: with the memory tier, the share of failures a restart on the same
+                hosts recovers from memory (docs/advice.md).
 
         Returns:
             The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
@@ -625,15 +699,18 @@ class Checkpointer:
                 f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
                 "after every step and save a few times (at least 8 steps without a save in flight and 3 "
                 "saves covered by later steps)", key="costs", path=self.directory)
-        return advise(c, mtbf_s=m, model=model)
+        return advise(c, mtbf_s=m, model=model, memory_fraction=memory_fraction)
 
     def _should_save_auto(self, step: int) -> bool:
-        decide = self._cadence.decide(step)
+        kind = self._cadence.decide(step)
         dopts = self._save_dist
         if active(dopts):
-            # Every rank must save the same steps: rank 0's measurements decide (one broadcast per call).
-            decide = bool(agree_step(decide, dopts))
-        return decide
+            # Every rank must save the same steps (and persist the same ones): rank 0's
+            # measurements decide (one broadcast per call).
+            got = agree_step(kind.value if kind is not None else None, dopts)
+            kind = SaveKind(got) if got is not None else None
+        self._cadence.decided = (step, kind)
+        return kind is not None
 
 
 #: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
@@ -689,7 +766,7 @@ class _Cadence:
     """
 
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
-                 costs: MeasuredCosts | None, max_in_flight: int) -> None:
+                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
         if save_interval not in (None, "auto"):
             raise InvalidArgumentError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
@@ -698,14 +775,20 @@ class _Cadence:
         if save_interval == "auto" and mtbf_s is None:
             raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
                               key="mtbf_s")
+        if save_interval == "auto" and memory_tier and costs is not None and costs.memory is None:
+            raise AdviceError("with the memory tier, given costs need the memory-only saves' costs "
+                              "(MeasuredCosts(memory=...))", key="costs")
         #: the clock every observation uses (monotonic; seconds)
         self.clock: Callable[[], float] = time.monotonic
         self.mtbf_s = mtbf_s
         self.fixed = costs
         self.estimator = CadenceEstimator()
-        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight) if save_interval == "auto" \
-            and mtbf_s is not None else None
-        self._durable: deque[tuple[int, float, float, float]] = deque()  # appended by the listener thread
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier) \
+            if save_interval == "auto" and mtbf_s is not None else None
+        self.memory_tier = memory_tier
+        #: the last "auto" decision: (step, kind); a save of that step persists unless it is MEMORY
+        self.decided: tuple[int, SaveKind | None] | None = None
+        self._durable: deque[tuple[int, float, float, float, bool]] = deque()  # appended by the listener thread
         self._lock = threading.Lock()
         self._in_flight = 0
         self._fixed_est = _FixedCosts(costs) if costs is not None else None
@@ -714,13 +797,18 @@ class _Cadence:
         self._drain()
         self.estimator.observe_step(step, self.clock())
 
-    def decide(self, step: int) -> bool:
+    def decide(self, step: int) -> SaveKind | None:
         assert self.auto is not None
         self.observe_step(step)
         with self._lock:
             in_flight = self._in_flight
         est = self._fixed_est if self._fixed_est is not None else self.estimator
-        return self.auto.decide(step, est, in_flight=in_flight) is not None
+        return self.auto.decide(step, est, in_flight=in_flight)
+
+    def persist_at(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` persists: unless the advisor asked for a memory-only
+        save at that step (a save at a step it did not choose persists)."""
+        return not (self.decided is not None and self.decided == (step, SaveKind.MEMORY))
 
     def costs(self) -> MeasuredCosts | None:
         if self.fixed is not None:
@@ -732,18 +820,19 @@ class _Cadence:
         with self._lock:
             self._in_flight += 1
 
-    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None) -> None:
+    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None, *,
+                persisted: bool = True) -> None:
         t_durable = self.clock()
         with self._lock:
             self._in_flight -= 1
         if exc is None:
             blocked = min(r.stats.stall_s, t_durable - t_start)
-            self._durable.append((step, blocked, t_start, t_durable))
+            self._durable.append((step, blocked, t_start, t_durable, persisted))
 
     def _drain(self) -> None:
         while self._durable:
-            step, blocked, t_start, t_durable = self._durable.popleft()
-            self.estimator.observe_save(step, blocked, t_start, t_durable)
+            step, blocked, t_start, t_durable, persisted = self._durable.popleft()
+            self.estimator.observe_save(step, blocked, t_start, t_durable, persisted=persisted)
 
 
 class _FixedCosts(CadenceEstimator):
