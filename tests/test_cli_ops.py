@@ -133,7 +133,7 @@ _COLLECTIVE = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, zerostall
     rank = int(sys.argv[2])
     dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=rank, world_size=2)
-    state = {"shared": torch.ones(4), "mine": torch.full((2 + rank,), float(rank))}
+    state = {"shared": torch.ones(4), "mine": torch.full((2 + rank,), float(rank)), "lr": 0.5, "seed": 100 + rank}
     zerostall.save_pytree(sys.argv[1], state, options=zerostall.SaveOptions(writer=zerostall.WriterKind.THREAD))
     dist.barrier()
     dist.destroy_process_group()
@@ -158,6 +158,9 @@ def test_inspect_rank_column_of_a_collective_save(tmp_path: Path) -> None:
     assert head.rstrip().endswith("ranks")
     shared = next(line for line in p.stdout.splitlines() if "pytree/shared" in line)
     assert shared.rstrip().endswith("all")
+    values = sorted((v["key"], v["value"], tuple(v["ranks"])) for v in doc["values"])
+    assert values == [("pytree/lr", 0.5, (0, 1)), ("pytree/seed", 100, (0,)), ("pytree/seed", 101, (1,))]
+    assert "= 0.5  (rank all)" in p.stdout and "= 101  (rank 1)" in p.stdout
     shutil.rmtree(rdv, ignore_errors=True)
 
 

@@ -27,12 +27,18 @@ from typing import Any
 from zerostall.commit import committed_steps, is_committed, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
-from zerostall.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, NoValidCheckpointError
+from zerostall.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    MissingKeyError,
+    NoValidCheckpointError,
+)
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
 from zerostall.restore import read_manifest
 from zerostall.storage import open_storage, split_url
-from zerostall.validate import check_instance, check_items, check_path, clean_metadata
+from zerostall.validate import check_instance, check_int, check_items, check_path, clean_metadata
 
 __all__ = [
     "PYTREE",
@@ -312,7 +318,7 @@ def prepare(tree: Any = None, *, items: dict[str, Any] | None = None, options: S
         >>> zerostall.save_pytree("/tmp/zs-doc/a", state)     # as cheap as a later save  # doctest: +SKIP
     """
     if (tree is None) == (items is None):
-        raise ValueError("pass exactly one of tree or items=")
+        raise InvalidArgumentError("pass exactly one of tree or items=", argument="items")
     eng = _engine(options)
     nbytes = eng.prepare(dict(items) if items is not None else {PYTREE: tree})
     eng.writer_ready(_WRITER_READY_TIMEOUT_S)
@@ -372,8 +378,7 @@ def set_buffer_cache_limit(nbytes: int) -> None:
         ValueError: ``nbytes`` < 0.
     """
     global _cache_bytes
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    check_int("nbytes", nbytes, lo=0)
     with _engines_lock:
         _cache_bytes = int(nbytes)
         for eng in _engines.values():

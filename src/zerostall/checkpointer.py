@@ -295,8 +295,9 @@ class Checkpointer:
             return False
         dopts = self._engine.options.distributed
         if active(dopts):
-            raise ValueError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: the "
-                             "ranks must agree on which saves persist; use persist_interval_steps")
+            raise InvalidArgumentError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: "
+                                       "the ranks must agree on which saves persist; use persist_interval_steps",
+                                       argument="memory_tier", path=self.directory)
         return time.monotonic() - self._last_persist >= mt.persist_interval_s
 
     def _record(self, r: Response, exc: BaseException | None) -> None:
@@ -620,12 +621,15 @@ class Checkpointer:
 
         Not collective: under torch.distributed call it on one rank (the storage is shared),
         then make the others wait (a barrier) before they list steps. A save of ``step`` that
-        is still in flight is not a committed step: wait for it first.
+        is still in flight is not a committed step: wait for it first. The step this host's
+        memory tier holds cannot be deleted (it would stay listed and loadable from memory);
+        the next save replaces it.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed here.
             InvalidArgumentError: ``step`` is not a non-negative int.
             ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
+            InvalidArgumentError: the memory tier holds ``step``.
             StorageError: the storage failed (the step is then either whole or no longer listed).
 
         Example::
@@ -635,6 +639,9 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         self._check_writable(step)
         path = self._step_path(step)
+        if self.memory_tier is not None and self.memory_step() == step:
+            raise InvalidArgumentError("this host's memory tier holds this step; it cannot be deleted until a newer "
+                                       "step replaces it", argument="step", path=path)
         if step not in committed_steps(self._storage):
             raise CheckpointNotFoundError("no committed step to delete", path=path)
         try:
@@ -761,10 +768,10 @@ class _Cadence:
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
                  costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
         if save_interval not in (None, "auto"):
-            raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
+            raise InvalidArgumentError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
         if save_interval == "auto" and save_interval_steps is not None:
-            raise ValueError("pass save_interval='auto' or save_interval_steps, not both")
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both")
         if save_interval == "auto" and mtbf_s is None:
             raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
                               key="mtbf_s")

@@ -1,8 +1,9 @@
 """``zerostall``: list, inspect, verify, export and import checkpoints from the shell.
 
     zerostall list DIR          committed steps / checkpoints under DIR (and memory-only steps held here)
-    zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes
-    zerostall verify PATH       read every leaf, check every checksum, name every bad key
+    zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes, Python values, ranks
+    zerostall verify PATH       read every leaf, check every checksum, name every bad key (a run DIR: every
+                                step, or --latest)
     zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
     zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
     zerostall gc DIR            remove partial saves whose writers are provably gone (any host)
@@ -134,7 +135,7 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
         "items": {k: _summarize(v) for k, v in m.items.items()},
         "files": [{"path": f.path, "size": f.size} for f in m.files],
         "leaves": leaves,
-        "values": _values(m.items),
+        "values": _values_by_rank(m.items, m.ranks),
         "saving_ranks": len(m.ranks) or None,
         "totals": {"leaves": len(m.leaves), "nbytes": sum(lf.nbytes for lf in m.leaves),
                    "file_bytes": sum(f.size for f in m.files), "by_dtype": dict(sorted(by_dtype.items()))},
@@ -250,7 +251,7 @@ def _print_inspect(r: dict[str, Any]) -> None:
             shape = "x".join(map(str, lf["shape"])) or "()"
             rank_col = f" {_rank_label(lf.get('ranks'), r['saving_ranks']):<8}" if per_rank else ""
             _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}{rank_col}")
-    _print_values(r.get("values", []))
+    _print_values(r.get("values", []), r.get("saving_ranks"))
 
 
 def _print_verify(r: dict[str, Any]) -> None:
@@ -564,17 +565,38 @@ def _values(items: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _values_by_rank(items: dict[str, Any], rank_trees: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """:func:`_values`; for a collective save, per key: one row if every rank saved the same value
+    (``ranks`` all of them), else one row per rank (per-rank state: seeds, data positions)."""
+    if not rank_trees:
+        return _values(items)
+    by_key: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r, tree in enumerate(rank_trees):
+        for row in _values(tree):
+            by_key.setdefault(row["key"], []).append((r, row))
+    out: list[dict[str, Any]] = []
+    for rows in by_key.values():
+        first = rows[0][1]
+        if len(rows) == len(rank_trees) and all(row["type"] == first["type"] and row["value"] == first["value"]
+                                                 for _, row in rows):
+            out.append(dict(first, ranks=[r for r, _ in rows]))
+        else:
+            out.extend(dict(row, ranks=[r]) for r, row in rows)
+    return out
+
+
 _MAX_VALUES_SHOWN = 200
 
 
-def _print_values(values: list[dict[str, Any]]) -> None:
+def _print_values(values: list[dict[str, Any]], saving: int | None = None) -> None:
     if not values:
         return
     _out(f"values ({len(values)}, not arrays):")
     width = min(60, max(len(v["key"]) for v in values))
     for v in values[:_MAX_VALUES_SHOWN]:
         text = repr(v["value"]) if v["type"] != "none" else "None"
-        _out(f"  {v['key']:<{width}} = {text[:200]}")
+        where = f"  (rank {_rank_label(v['ranks'], saving)})" if "ranks" in v else ""
+        _out(f"  {v['key']:<{width}} = {text[:200]}{where}")
     if len(values) > _MAX_VALUES_SHOWN:
         _out(f"  ... {len(values) - _MAX_VALUES_SHOWN} more (--json lists them all)")
 

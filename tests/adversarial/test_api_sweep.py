@@ -77,6 +77,17 @@ OPTION_CASES: list[Case] = [
      "poll_s"),
     ("DistributedOptions.enabled=1", lambda: DistributedOptions(enabled=1), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
      "enabled"),
+    ("S3Options(part_size=1)", lambda: _s3_options(part_size=1), InvalidArgumentError, ValueError, "part_size"),
+    ("S3Options(concurrency='8')", lambda: _s3_options(concurrency="8"), ArgumentTypeError, TypeError, "concurrency"),
+    ("S3Options(read_timeout=0)", lambda: _s3_options(read_timeout=0), InvalidArgumentError, ValueError,
+     "read_timeout"),
+    ("S3Options(retry_mode='never')", lambda: _s3_options(retry_mode="never"), InvalidArgumentError, ValueError,
+     "retry_mode"),
+    ("zerostall.api.prepare()", lambda: zerostall.api.prepare(), InvalidArgumentError, ValueError, "tree"),
+    ("set_buffer_cache_limit(-1)", lambda: zerostall.api.set_buffer_cache_limit(-1), InvalidArgumentError,
+     ValueError, "nbytes"),
+    ("set_buffer_cache_limit(1.5)", lambda: zerostall.api.set_buffer_cache_limit(1.5), ArgumentTypeError,  # type: ignore[arg-type]
+     TypeError, "nbytes"),
     ("register_handler(format='xml')", lambda: zerostall.register_handler(
         complex, name="c", encode=str, decode=complex, format="xml"), InvalidArgumentError, ValueError,  # type: ignore[arg-type]
      "format"),
@@ -87,6 +98,12 @@ OPTION_CASES: list[Case] = [
     ("register_handler(encode=None)", lambda: zerostall.register_handler(
         complex, name="c", encode=None, decode=complex), ArgumentTypeError, TypeError, "encode"),  # type: ignore[arg-type]
 ]
+
+
+def _s3_options(**kw: Any) -> object:
+    from zerostall.storage.s3 import S3Options
+
+    return S3Options(**kw)
 
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])

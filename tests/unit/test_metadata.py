@@ -78,3 +78,7 @@ def test_metadata_of_a_memory_only_step(tmp_path: Path) -> None:
         assert ck.metadata(3) == {"loss": 1 / 3, "step": 3}
         assert ck.metadata() == {"loss": 1 / 3, "step": 3}
         assert ck.metadata(2) == {"loss": 0.5, "step": 2}
+        with pytest.raises(zerostall.InvalidArgumentError, match="memory tier"):
+            ck.delete(3)  # it would stay listed (and loadable) from memory
+        ck.delete(2)
+        assert ck.steps() == [3]  # step 1 was never persisted (every 2nd is), step 2 is gone

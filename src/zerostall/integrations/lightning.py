@@ -59,10 +59,12 @@ import torch
 
 import zerostall
 from zerostall import (
+    ArgumentTypeError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedOptions,
+    InvalidArgumentError,
     LoadOptions,
     MissingKeyError,
     Response,
@@ -287,12 +289,12 @@ def _placement(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor] | No
             placed = fn(t.untyped_storage(), "cpu")
             device = getattr(placed, "device", None)
             if not isinstance(device, torch.device):
-                raise TypeError(f"map_location function returned {type(placed).__name__}, not a storage")
+                raise ArgumentTypeError(f"map_location function returned {type(placed).__name__}, not a storage")
             return t if device == t.device else t.to(device)
 
         return by_function
-    raise TypeError(f"map_location must be None, a device (str, torch.device, int), a dict or a function; "
-                    f"got {type(map_location).__name__}")
+    raise ArgumentTypeError(f"map_location must be None, a device (str, torch.device, int), a dict or a function; "
+                            f"got {type(map_location).__name__}", argument="map_location")
 
 
 def _place(tree: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -455,8 +457,8 @@ class ZerostallCheckpointIO(CheckpointIO):
         """
         self._raise_failure()
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} takes no storage_options; configure it with "
-                            "ZerostallCheckpointIO(save_options=zerostall.SaveOptions(...))")
+            raise ArgumentTypeError(f"{type(self).__name__} takes no storage_options; configure it with "
+                                    "ZerostallCheckpointIO(save_options=zerostall.SaveOptions(...))")
         p = _local_path(path)
         conversions: list[list[Any]] = []
         try:
@@ -700,6 +702,6 @@ def _per_process(options: Options) -> Options:
     if dist is None:
         return dataclasses.replace(options, distributed=DistributedOptions(enabled=False))
     if dist.enabled:
-        raise ValueError("ZerostallCheckpointIO saves and loads per process (Lightning calls save_checkpoint on "
+        raise InvalidArgumentError("ZerostallCheckpointIO saves and loads per process (Lightning calls save_checkpoint on "
                          "global rank 0 only); leave distributed unset or use DistributedOptions(enabled=False)")
     return options

@@ -40,6 +40,9 @@ import boto3
 from botocore import exceptions as bex
 from botocore.config import Config
 
+from zerostall.errors import InvalidArgumentError
+from zerostall.validate import check_int, check_number
+
 __all__ = ["S3Storage", "S3Options"]
 
 MiB = 1 << 20
@@ -83,16 +86,20 @@ class S3Options:
     addressing_style: str = "auto"
 
     def __post_init__(self) -> None:
+        for name in ("part_size", "concurrency", "max_attempts"):
+            check_int(f"S3Options.{name}", getattr(self, name))
+        for name in ("connect_timeout", "read_timeout"):
+            check_number(f"S3Options.{name}", getattr(self, name), positive=True)
         if self.part_size < _MIN_PART:
-            raise ValueError(f"part_size must be >= 5 MiB (S3's minimum), got {self.part_size}")
+            raise InvalidArgumentError(f"part_size must be >= 5 MiB (S3's minimum), got {self.part_size}")
         if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+            raise InvalidArgumentError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+            raise InvalidArgumentError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.retry_mode not in ("standard", "adaptive", "legacy"):
-            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
+            raise InvalidArgumentError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
         if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ValueError(f"addressing_style must be auto, path or virtual, got {self.addressing_style!r}")
+            raise InvalidArgumentError(f"addressing_style must be auto, path or virtual, got {self.addressing_style!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> S3Options:
@@ -107,7 +114,8 @@ class S3Options:
             try:
                 kw[f.name] = int(float(raw)) if kind == "int" else float(raw) if kind == "float" else raw
             except ValueError:
-                raise ValueError(f"ZEROSTALL_S3_{f.name.upper()}={raw!r} is not a valid {kind}") from None
+                raise InvalidArgumentError(f"ZEROSTALL_S3_{f.name.upper()}={raw!r} is not a valid {kind}",
+                                           argument=f"ZEROSTALL_S3_{f.name.upper()}") from None
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -193,7 +201,7 @@ def _parse(root_url: str) -> tuple[str, str]:
     bucket, _, prefix = rest.partition("/")
     prefix = prefix.strip("/")
     if not bucket:
-        raise ValueError(f"S3 URL {root_url!r} has no bucket; expected s3://bucket/prefix")
+        raise InvalidArgumentError("S3 URL has no bucket; expected s3://bucket/prefix", path=root_url, argument="path")
     return bucket, prefix
 
 
