@@ -247,7 +247,7 @@ def load_newest_valid(root: str, names: list[str], items: dict[str, Any] | None,
     ``zerostall`` logger) with the error that skipped it, and the one loaded instead as well.
 
     Raises:
-        CheckpointNotFoundError: ``names`` is empty.
+        CheckpointNotFoundError: ``names`` is empty, or none of them exists.
         NoValidCheckpointError: none of them loads; the message names each and why.
         The other errors of :func:`load_checkpointables` at once (they would recur on every step).
     """
@@ -266,6 +266,9 @@ def load_newest_valid(root: str, names: list[str], items: dict[str, Any] | None,
             log.warning("fallback: loaded %s/%s instead of %s (%d newer checkpoint(s) skipped)", root.rstrip("/"),
                         name, failures[0][0], len(failures))
         return name, out
+    if all(isinstance(e, CheckpointNotFoundError) for _, e in failures):  # nothing there at all
+        raise CheckpointNotFoundError(f"no committed checkpoint to load (tried {', '.join(n for n, _ in failures)})",
+                                      path=root) from failures[-1][1]
     tried = "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures)
     raise NoValidCheckpointError(f"no checkpoint loads ({len(failures)} tried, newest first: {tried})",
                                  path=root) from failures[-1][1]

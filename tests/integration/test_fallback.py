@@ -153,3 +153,10 @@ def test_free_function_on_a_lone_checkpoint(tmp_path: Path) -> None:
     f.write_bytes(f.read_bytes()[:-10])
     with pytest.raises(NoValidCheckpointError, match="truncated"):
         zerostall.load_pytree(path, fallback=True)
+
+
+def test_nothing_there_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError):
+        zerostall.load_pytree(tmp_path / "nothing", fallback=True)
+    with pytest.raises(CheckpointNotFoundError):
+        zerostall.load_pytree(tmp_path / "run" / step_name(4), fallback=True)
