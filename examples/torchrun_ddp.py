@@ -95,11 +95,12 @@ def main() -> int:
                         os.kill(os.getpid(), signal.SIGKILL)  # the injected failure
                     dist.barrier()  # the other ranks wait here until torchrun stops the group
         ckpt.wait()
+        on_disk = ckpt.steps()  # collective: every rank calls it, every rank gets the same list
         if rank == 0:
             # These toy steps take microseconds, so a save can find the previous one still holding
             # the staging buffer (max_in_flight=1) and wait for it; with real steps it does not.
             stalls = ", ".join(f"{s.stall_s * 1e3:.0f}" for s in ckpt.stats())
-            print(f"steps on disk: {ckpt.steps()}; last loss {loss.item():.4f}; "
+            print(f"steps on disk: {on_disk}; last loss {loss.item():.4f}; "
                   f"rank 0's save stalls (ms): {stalls}", flush=True)
     dist.destroy_process_group()
     return 0

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import uuid
 from dataclasses import dataclass
 
-from zerostall.errors import CheckpointExistsError
+from zerostall.errors import CheckpointExistsError, StorageError
+from zerostall.lease import host_id, pid_alive
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.storage import Storage
 
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
     "exists_error", "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+    "steps_to_delete_everywhere",
 ]
+__all__ += ["check_reachable"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".zs-tmp-"
@@ -40,13 +42,9 @@ _ATTEMPT_RE = re.compile(r"^\..+\.zs-(?:tmp|del)-(?P<host>.+)-(?P<pid>\d+)-[0-9a
 
 
 def _host_id() -> str:
-    """This host, qualified by the PID namespace: containers that share a hostname (host
-    networking) but not their process table must not judge each other's writers dead."""
-    host = socket.gethostname()
-    try:
-        return f"{host}~{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return host
+    """This host, qualified by the PID namespace (``ZEROSTALL_HOST_ID`` overrides it): see
+    :func:`zerostall.lease.host_id`."""
+    return host_id()
 
 
 def _attempt_tag() -> str:
@@ -79,13 +77,7 @@ def remove_stale_attempts(storage: Storage) -> list[str]:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def step_name(step: int) -> str:
@@ -284,3 +276,52 @@ def steps_to_delete(steps: list[int], *, newest: int, keep_last: int | None,
 
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
+
+
+def check_reachable(storage: Storage, *, write: bool, path: str) -> None:
+    """Probe ``storage`` (see ``Storage.probe``); a failure becomes a :class:`StorageError` naming ``path``.
+
+    A registered backend without ``probe`` is probed by listing its root.
+    """
+    probe = getattr(storage, "probe", None)
+    try:
+        if probe is not None:
+            probe(write=write)
+        else:
+            try:
+                storage.list("")
+            except FileNotFoundError:
+                pass  # nothing there yet: not unreachable
+    except OSError as exc:
+        how = "cannot be created or written" if write else "cannot be reached"
+        raise StorageError(f"the storage location {how}: {exc.strerror or exc}"
+                           + (f" ({exc.filename})" if isinstance(exc.filename, str) and exc.filename != path else ""),
+                           errno=exc.errno, path=path) from exc
+
+
+def steps_to_delete_everywhere(views: list[list[int]], *, newest: int, keep_last: int | None,
+                               keep_every_n_steps: int | None) -> list[int]:
+    """Which steps retention removes once ``newest`` is committed on every rank, given each
+    rank's view of the committed steps (``views``; they differ where ranks see different storage).
+
+    ``keep_last`` counts the steps committed in *every* view (``newest`` included), so that many
+    steps stay loadable by every rank. A step is removed only if it is older than all of those:
+    every rank has committed ``keep_last`` newer steps. Steps that some views lack and that are
+    newer than the oldest kept one stay until they are that old. With one view this is
+    :func:`steps_to_delete`.
+
+    Example::
+
+        >>> steps_to_delete_everywhere([[1, 2, 3], [1, 3]], newest=4, keep_last=2, keep_every_n_steps=None)
+        [1, 2]
+        >>> steps_to_delete_everywhere([[1, 2, 3], [1, 2]], newest=4, keep_last=3, keep_every_n_steps=None)
+        []
+    """
+    if keep_last is None or not views:
+        return []
+    common = set(views[0]).intersection(*views[1:]) | {newest}
+    window = sorted(s for s in common if s <= newest)[-keep_last:]
+    floor = window[0]
+    union = set().union(*views)
+    return sorted(s for s in union
+                  if s < floor and not (keep_every_n_steps and s % keep_every_n_steps == 0))

@@ -11,15 +11,19 @@ provides the coordinator.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from zerostall.commit import exists_error
-from zerostall.errors import WriterError
+from zerostall.errors import BackgroundSaveError, WriterError
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
 from zerostall.options import RetentionPolicy, SaveOptions
 from zerostall.persist.client import OnDone, WriterClient
@@ -72,13 +76,17 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None) -> None:
+                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None,
+                 buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
-        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice, keeper=keeper)
+        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
+                                   sched=self.options.writer_sched, keeper=keeper)
         # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
         # memory: one more slot than in flight, so a save never waits for the held one.
+        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines).
         slots = self.options.max_in_flight + (1 if keeper is not None else 0)
-        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget)
+        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
+                               cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
@@ -87,6 +95,11 @@ class Engine:
         self._rank = 0  # the rank the cached plans' file names were made for
         self._write = WriteOptions(direct_io=self.options.direct_io, io_threads=self.options.io_threads,
                                    chunk_bytes=self.options.chunk_bytes)
+        #: failed saves whose error nobody has received yet (see :meth:`take_failures`)
+        self._failures: list[tuple[Response, BaseException]] = []
+        #: called with each background failure instead of raising it later (Checkpointer(on_error=))
+        self.on_error: Callable[[BackgroundSaveError], None] | None = None
+        _ENGINES.add(self)
         if prewarm:
             self.writer.start()
 
@@ -135,7 +148,7 @@ class Engine:
                 pass
         try:
             for slot in slots:
-                self.pool.fit(slot, [f.alloc for f in plan.files])
+                self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
                 prepare_slot(flat, plan, slot)
                 total += slot.nbytes
         finally:
@@ -164,6 +177,7 @@ class Engine:
         t0 = time.perf_counter()
         if self._closed:
             raise WriterError("this saver is closed")
+        self.raise_failures()
         path = f"{root_url.rstrip('/')}/{name}"
         coordinator = self._coordinator if self._collective() else None
         info = coordinator.begin(root_url, name) if coordinator is not None else None
@@ -186,7 +200,7 @@ class Engine:
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         slot = self.pool.acquire()
         try:
-            self.pool.fit(slot, [f.alloc for f in plan.files])
+            self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
             t_copy = time.perf_counter()
             stage(flat, plan, slot)
             copy_s = time.perf_counter() - t_copy
@@ -201,6 +215,7 @@ class Engine:
         )
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
+        response._step = step
         on_done: OnDone = response._finish
         if info is not None:
             assert self._coordinator is not None
@@ -212,6 +227,7 @@ class Engine:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot), on_done=on_done)
         except BaseException as exc:
             self.pool.release(slot)
+            response._received = True  # raised right here: not a background failure
             on_done(None, exc)
             raise
         response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
@@ -228,16 +244,14 @@ class Engine:
                             "save): %s", response.stats.path, w.retention_error)
         else:
             log.warning("zerostall: save of %s failed: %s", response.stats.path, exc)
+            self._note_failure(response, exc)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save; errors stay with their responses."""
         with self._lock:
             pending = list(self._inflight)
         for r in pending:
-            try:
-                r.result(timeout)
-            except Exception:  # noqa: BLE001,S110 - errors stay with their responses
-                pass
+            r._wait(timeout)  # errors stay with their responses, unreceived
 
     def close(self) -> None:
         if self._closed:
@@ -246,3 +260,72 @@ class Engine:
         self._closed = True
         self.writer.close()
         self.pool.close()
+
+    def idle(self) -> bool:
+        """Whether no save is in flight."""
+        with self._lock:
+            return not self._inflight
+
+    def writer_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the writer is up (see :meth:`WriterClient.wait_ready`); False if it is not."""
+        return self.writer.wait_ready(timeout)
+
+    # -- background failures -----------------------------------------------------------------
+
+    def _note_failure(self, response: Response, exc: BaseException) -> None:
+        """Keep a failed save's error for the next save, ``wait()`` or ``close()``, or hand it to ``on_error``."""
+        if response._received:
+            return
+        callback = self.on_error
+        if callback is not None:
+            try:
+                callback(background_error([(response, exc)]))
+                return
+            except Exception:  # the failure must not be lost with the callback's error
+                log.exception("zerostall: on_error raised; the failure of %s will be raised by the next "
+                              "save, wait() or close()", response.stats.path)
+        with self._lock:
+            self._failures.append((response, exc))
+
+    def take_failures(self) -> BackgroundSaveError | None:
+        """The failed saves nobody has received yet, as one error (None if there are none); forgets them."""
+        with self._lock:
+            failed = [(r, e) for r, e in self._failures if not r._received]
+            self._failures.clear()
+        for r, _ in failed:
+            r._received = True
+        return background_error(failed) if failed else None
+
+    def raise_failures(self) -> None:
+        """Raise :class:`BackgroundSaveError` if a save failed in the background and nobody received it."""
+        err = self.take_failures()
+        if err is not None:
+            raise err from err.cause
+
+
+def background_error(failed: list[tuple[Response, BaseException]]) -> BackgroundSaveError:
+    """One error naming the first failed save (step, path, cause) and counting the others."""
+    first, cause = failed[0]
+    what = f"step {first._step}" if first._step is not None else repr(first.stats.path)
+    msg = f"the background save of {what} failed: {type(cause).__name__}: {cause}"
+    if len(failed) > 1:
+        later = [f"step {r._step}" if r._step is not None else repr(r.stats.path) for r, _ in failed[1:]]
+        msg += f"; {len(later)} later save(s) failed too ({', '.join(later[:5])}{', ...' if len(later) > 5 else ''})"
+    msg += "; nothing of a failed save was committed"
+    err = BackgroundSaveError(msg, path=first.stats.path, step=first._step, cause=cause,
+                              errors=tuple((r._step, r.stats.path, e) for r, e in failed))
+    err.__cause__ = cause  # also when handed to on_error, never raised
+    return err
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unreceived() -> None:
+    """At interpreter exit, say which saves failed without anyone receiving the error."""
+    for eng in list(_ENGINES):
+        err = eng.take_failures()
+        if err is not None:
+            # explicit location: the warning is about the saves, not about this line of code
+            warnings.warn_explicit(f"{err}", RuntimeWarning, filename="zerostall", lineno=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,10 @@ class Response:
         self._hooks_lock = threading.Lock()
         self._finished = False
         self._error: BaseException | None = None
+        #: the step this save was for (Checkpointer saves), named in a BackgroundSaveError
+        self._step: int | None = None
+        #: set once the caller has been handed this save's error (result() raised it, exception() returned it)
+        self._received = False
 
     @property
     def stats(self) -> SaveStats:
@@ -101,12 +106,27 @@ class Response:
             TimeoutError: not finished within ``timeout`` seconds (the save goes on).
             ZerostallError: the save failed, with the class it had in the writer (``StorageError``
                 keeps its errno; ``WriterError`` if the writer died); nothing of it is committed.
+                Raising it here counts as receiving it: the next save, ``wait()`` or ``close()``
+                does not raise it again as a ``BackgroundSaveError``.
         """
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)
+        except BaseException:
+            if self._future.done():  # the save's own error, not the timeout
+                self._received = True
+            raise
         return self.stats
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        """The save's error (None if it committed); returning it counts as receiving it."""
+        exc = self._future.exception(timeout)
+        if exc is not None:
+            self._received = True
+        return exc
+
+    def _wait(self, timeout: float | None = None) -> None:
+        """Wait for the outcome without receiving it (``Engine.wait``: the error stays unreceived)."""
+        futures.wait([self._future], timeout)
 
     def add_done_callback(self, fn: Callable[[Response], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))

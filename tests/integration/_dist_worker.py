@@ -139,9 +139,9 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
         return orig_seq(self, key, offset, buf, **kw)
     orig_vec = LocalStorage.read_vectored
 
-    def counting_vec(self, key, offset, bufs):  # type: ignore[no-untyped-def]
+    def counting_vec(self, key, offset, bufs, **kw):  # type: ignore[no-untyped-def]
         sizes.append(sum(len(b) for b in bufs))
-        return orig_vec(self, key, offset, bufs)
+        return orig_vec(self, key, offset, bufs, **kw)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]
@@ -289,6 +289,56 @@ def scenario_s3env(rank: int, world: int, d: str) -> dict:
     return {"errors": errors, "steps": steps, "same_writer": same_writer}
 
 
+_HIDDEN: set[str] = set()  # step folders missing from this rank's view of the storage
+
+
+def scenario_views(rank: int, world: int, d: str) -> dict:
+    """Ranks whose views of the storage differ (the last rank does not see some step folders):
+    steps() / latest_step() / load(step=None) agree on what every rank sees, and retention keeps
+    keep_last steps that every rank can load."""
+    from zerostall import WriterKind
+    from zerostall.storage import register_scheme
+    from zerostall.storage.local import LocalStorage
+
+    class RankView(LocalStorage):
+        def __init__(self, url: str) -> None:
+            super().__init__(url.split("://", 1)[1])
+            self.url = url
+
+        def list(self, prefix: str) -> list[str]:
+            return [n for n in super().list(prefix) if prefix or n not in _HIDDEN]
+
+        def exists(self, key: str) -> bool:
+            return key.split("/", 1)[0] not in _HIDDEN and super().exists(key)
+
+    register_scheme("rankview", RankView)  # in this process: the writer runs as a thread here
+    opts = SaveOptions(writer=WriterKind.THREAD, distributed=DistributedOptions(timeout_s=60))
+    real = f"{d}/ck"
+    out: dict = {}
+    with Checkpointer(f"rankview://{real}", save_options=opts, keep_last=2) as ck:
+        for step in (1, 2, 3):
+            ck.save_pytree(step, {"w": torch.full((64,), float(step)), "rank": per_rank(rank, step)})
+        out["steps_same_view"] = ck.steps()
+        if rank == world - 1:
+            _HIDDEN.add("step_00000003")  # gone from this rank's view only
+        out["local_view"] = sorted(int(n[5:]) for n in ck._storage.list("") if n.startswith("step_"))
+        out["steps"] = ck.steps()
+        out["latest"] = ck.latest_step()
+        out["should_save"] = [ck.should_save(s) for s in range(4)]
+        got = ck.load_pytree()
+        out["loaded"] = int(got["w"][0])
+        ck.save_pytree(4, {"w": torch.full((64,), 4.0), "rank": per_rank(rank, 4)})
+        dist.barrier()
+        out["on_disk_after_4"] = sorted(n for n in os.listdir(real) if not n.startswith("."))
+        out["steps_after_4"] = ck.steps()
+        _HIDDEN.clear()
+        ck.save_pytree(5, {"w": torch.full((64,), 5.0), "rank": per_rank(rank, 5)})
+        dist.barrier()
+        out["on_disk_after_5"] = sorted(n for n in os.listdir(real) if not n.startswith("."))
+        out["steps_after_5"] = ck.steps()
+    return out
+
+
 FAULT_TABLE = [("begin", 1), ("write", 1), ("checksum", 0), ("manifest", 0), ("commit", 0)]
 
 
@@ -346,6 +396,42 @@ def scenario_slow(rank: int, world: int, d: str) -> dict:
                 pass
         r.result(timeout=60)
         return {"done_at_return": done_at_return, "slow_report_seen": slow_report_seen, "steps": ck.steps()}
+
+
+def scenario_atomic(rank: int, world: int, d: str) -> dict:
+    """A corrupt leaf only the last rank reads: every rank raises, no rank's template changes;
+    then the fallback load and latest_valid_step agree on the older step everywhere."""
+    def state(step: int) -> dict:
+        return {"mine": torch.full((200_000,), float(rank * 10 + step)), "shared": torch.arange(3000.0) * step}
+
+    with Checkpointer(f"{d}/ck") as ck:
+        ck.save_pytree(1, state(1))
+        ck.save_pytree(2, state(2))
+    dist.barrier()
+    if rank == world - 1:  # flip a byte of this rank's own leaf in step 2
+        step2 = f"{d}/ck/step_00000002"
+        m = json.load(open(f"{step2}/manifest.json"))
+        leaf = next(lf for lf in m["leaves"] if lf["key"] == "pytree/mine" and m["files"][lf["file"]]["path"].endswith(
+            f"rank-{rank:05d}.safetensors"))
+        with open(f"{step2}/data/{m['files'][leaf['file']]['path'].split('/')[-1]}", "r+b") as f:
+            f.seek(leaf["offset"] + 1000)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    tmpl = {"mine": torch.full((200_000,), -1.0), "shared": torch.full((3000,), -1.0)}
+    with Checkpointer(f"{d}/ck") as ck:
+        try:
+            ck.load_pytree(2, tmpl)
+            err = None
+        except ZerostallError as exc:
+            err = type(exc).__name__
+        untouched = bool((tmpl["mine"] == -1).all() and (tmpl["shared"] == -1).all())
+        ck.load_pytree(template=tmpl, fallback=True)
+        loaded = ck.last_loaded_step
+        good = torch.equal(tmpl["mine"], state(1)["mine"]) and torch.equal(tmpl["shared"], state(1)["shared"])
+        valid = ck.latest_valid_step()
+    return {"error": err, "untouched": untouched, "loaded": loaded, "good": good, "valid": valid}
 
 
 def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240) -> list[dict]:

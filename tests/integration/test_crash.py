@@ -166,7 +166,8 @@ def check_directory(directory: Path, *, newest_at_least: int | None = None, big:
     for n in names:  # no partial step is visible: every visible step is complete
         assert (directory / n / "manifest.json").is_file(), f"{n} is visible but not committed"
     hidden = [n for n in os.listdir(directory) if n.startswith(".")]
-    assert all(".zs-tmp-" in n or ".zs-del-" in n for n in hidden), hidden
+    # partial attempts, doomed steps, and the leases of the writers that made them (zerostall.lease)
+    assert all(".zs-tmp-" in n or ".zs-del-" in n or n.startswith(".zs-lease-") for n in hidden), hidden
     with Checkpointer(directory, save_options=SaveOptions(writer=WriterKind.THREAD), keep_last=KEEP_LAST) as c:
         steps = c.steps()
         assert [step_name(s) for s in steps] == names
@@ -331,6 +332,12 @@ def test_commit_order_survives_power_loss(tmp_path: Path, monkeypatch: pytest.Mo
         c.save_pytree(1, state(1))
         calls.clear()
         c.save_pytree(2, state(2))
+    # The writer's lease (zerostall.lease) is put before anything of the attempt exists and
+    # deleted once the rename is durable, before retention.
+    lease = [c for c in calls if c[1].startswith(".zs-lease-")]
+    assert [op for op, _ in lease] == ["put", "delete"] and lease[0][1] == lease[1][1], lease
+    assert calls[0] == lease[0] and calls[7] == lease[1], calls
+    calls = [c for c in calls if c not in lease]
     ops = [op for op, _ in calls]
     keys = [k for _, k in calls]
     tmp = keys[0].split("/")[0]

@@ -28,14 +28,14 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("four"))
-    return d, worker.launch(["roundtrip", "dtensor_save", "grow"], 4, d)
+    return d, worker.launch(["roundtrip", "dtensor_save", "grow", "views"], 4, d)
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "views", "atomic"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -178,3 +178,28 @@ def test_injected_fault_per_phase_and_rank(two, i):
 def test_refused_save_keeps_ranks_in_step(two):
     res = _ok(two[1], "faults")
     assert all(r["exists"] == "CheckpointExistsError" and r["after"] == [0, 9] for r in res)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_steps_latest_and_retention_agree_when_views_differ(two, four, world):
+    res = _ok((two if world == 2 else four)[1], "views")
+    assert all(r["steps_same_view"] == [2, 3] for r in res)
+    # the last rank lost step 3 from its view; the others still see it
+    assert [r["local_view"] for r in res] == [[2, 3]] * (world - 1) + [[2]]
+    # every rank gets the same answer: the steps every rank sees, and resumes from the same one
+    assert all(r["steps"] == [2] and r["latest"] == 2 and r["loaded"] == 2 for r in res)
+    assert all(r["should_save"] == [True] * 4 for r in res)
+    # keep_last=2 after step 4: step 2 is the only older step every rank has, so it stays (deleting
+    # it by rank 0's view alone, [2, 3, 4], would have left the last rank one loadable step)
+    assert all(r["on_disk_after_4"] == ["step_00000002", "step_00000003", "step_00000004"] for r in res)
+    assert all(r["steps_after_4"] == [2, 4] for r in res)
+    # views agree again: step 5 commits and retention keeps the two newest everywhere
+    assert all(r["on_disk_after_5"] == ["step_00000004", "step_00000005"] for r in res)
+    assert all(r["steps_after_5"] == [4, 5] for r in res)
+
+
+def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two):
+    """LoadOptions.atomic across the group: no rank writes until every rank verified."""
+    for res in _ok(two[1], "atomic"):
+        got = {k: res[k] for k in ("error", "untouched", "loaded", "good", "valid")}
+        assert got == {"error": "ChecksumMismatchError", "untouched": True, "loaded": 1, "good": True, "valid": 1}

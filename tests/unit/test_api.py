@@ -300,12 +300,15 @@ class TestCheckpointer:
 def test_public_api_is_frozen():
     assert sorted(zerostall.__all__) == sorted([
         "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-        "load_pytree", "load_checkpointables", "Checkpointer", "Response", "SaveStats", "SaveOptions",
+        "load_pytree", "load_checkpointables", "prepare", "release_buffers",
+        "Checkpointer", "Response", "SaveStats", "SaveOptions",
         "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
         "MemoryTier",
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
-        "UnsupportedLeafError", "StorageError", "WriterError"])
+        "UnsupportedLeafError", "StorageError", "WriterError",
+        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
+        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
@@ -364,9 +367,9 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     calls = []
     orig = LocalStorage.read_vectored
 
-    def spy(self, key, offset, bufs):
+    def spy(self, key, offset, bufs, **kw):
         calls.append(len(bufs))
-        return orig(self, key, offset, bufs)
+        return orig(self, key, offset, bufs, **kw)
 
     LocalStorage.read_vectored = spy
     try:

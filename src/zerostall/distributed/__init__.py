@@ -15,8 +15,8 @@ Nothing here imports torch at module load.
 """
 
 from zerostall.distributed import dtensor as _dtensor  # noqa: F401 - registers the DTensor hooks
-from zerostall.distributed.context import DistContext, active
+from zerostall.distributed.context import DistContext, active, agree_steps
 from zerostall.distributed.load import agree_step, load
 from zerostall.options import DistributedOptions, Replicated
 
-__all__ = ["DistributedOptions", "Replicated", "DistContext", "active", "agree_step", "load"]
+__all__ = ["DistributedOptions", "Replicated", "DistContext", "active", "agree_step", "agree_steps", "load"]

@@ -19,7 +19,7 @@ from zerostall.persist.client import OnDone
 from zerostall.persist.collective import abort_doc, attempt_names, decide, error_of, wait_for_outcome
 from zerostall.storage import open_storage
 
-__all__ = ["DistContext", "active", "group_rank_world"]
+__all__ = ["DistContext", "active", "group_rank_world", "agree_steps"]
 
 
 def active(opts: DistributedOptions | None) -> bool:
@@ -112,3 +112,19 @@ class DistContext:
                 finish(None, exc if isinstance(exc, ZerostallError) else err)
 
         return done
+
+
+def agree_steps(local: list[int], opts: DistributedOptions | None) -> list[int]:
+    """The steps committed in *every* rank's view of the storage, on every rank (one ``all_gather_object``).
+
+    Ranks can see different things (a step removed from one node's directory, a lagging
+    filesystem cache): a step only some ranks see cannot be loaded by all of them, so it is
+    not offered to any. Runs on the training thread of every rank of the group: every rank must call it.
+    """
+    import torch.distributed as dist
+
+    group, _, world = group_rank_world(opts)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, [int(s) for s in local], group=group)
+    common = set(gathered[0]).intersection(*gathered[1:])
+    return sorted(common)

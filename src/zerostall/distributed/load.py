@@ -16,7 +16,15 @@ from zerostall.distributed.context import active, group_rank_world
 from zerostall.errors import WireError, from_wire, to_wire
 from zerostall.manifest import Manifest
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
-from zerostall.restore import ReadRequest, assemble, execute_reads, load_items, new_planner, plan_items, read_manifest
+from zerostall.restore import (
+    ReadRequest,
+    assemble,
+    load_items,
+    new_planner,
+    plan_items,
+    prepare_reads,
+    read_manifest,
+)
 from zerostall.storage import open_storage
 
 __all__ = ["load", "load_collective", "replicated_leaves", "agree_step", "gather_objects", "raise_together"]
@@ -147,11 +155,20 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
             mv = memoryview(arr).cast("B")
             reads.extend(ReadRequest(m.leaves[li], mv[off:off + sizes[li]]) for li, off in members)
     err = None
+    commit: Any = None
     try:
-        execute_reads(storage, name, m, reads, opts, path)
+        commit = prepare_reads(storage, name, m, reads, opts, path)
     except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
     statuses: list[Any] = [None] * world
+    dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
+    _raise_first(statuses, rank, err)
+    # Every rank verified its reads: only now does any rank write into its templates (all or nothing
+    # across the group, LoadOptions.atomic); an I/O error while copying is still raised everywhere.
+    try:
+        commit()
+    except BaseException as exc:  # noqa: BLE001 - gathered below
+        err = exc
     dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
     _raise_first(statuses, rank, err)
 

@@ -88,10 +88,11 @@ def _committed_anyway(p: _Pending) -> bool:
 class WriterClient:
     """One background writer (process or thread) and the jobs in flight on it."""
 
-    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10,
+    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10, sched: str = "batch",
                  keeper: KeeperSpec | None = None) -> None:
         self.kind = kind
         self.nice = nice
+        self.sched = sched
         #: the memory tier: the writer is a keeper, adopted from a dead trainer when one lingers
         self.keeper = keeper
         self._adopted_pid: int | None = None
@@ -112,6 +113,8 @@ class WriterClient:
         self._closing = False
         #: set when the writer introduced itself with another protocol: restarting cannot help
         self._incompatible: ProtocolMismatchError | None = None
+        #: set when the running writer has said hello (or its listener ended): see wait_ready()
+        self._ready = threading.Event()
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -181,7 +184,7 @@ class WriterClient:
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice),
-                 *(self.keeper.argv() if self.keeper is not None else [])],
+                 self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
@@ -192,6 +195,7 @@ class WriterClient:
                                             name="zerostall-writer", daemon=True)
             self._thread.start()
         self._conn = Connection(parent.detach())
+        self._ready = threading.Event()
         self._mapped = set()
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
@@ -316,6 +320,7 @@ class WriterClient:
             if isinstance(msg, Hello):
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
+                self._ready.set()
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
@@ -347,6 +352,7 @@ class WriterClient:
                     p.on_done(None, from_wire(msg.error))
         if self._incompatible is not None:
             conn.close()  # the writer exits once it sees its trainer's end close
+        self._ready.set()  # nobody waits for a writer that is gone
         self._image_reply(None)
         self._release_held()
         self._fail_pending()
@@ -420,3 +426,13 @@ class WriterClient:
                 continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
                                         "nothing of this save was committed", path=p.job.path))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the running writer has introduced itself (its interpreter is up and reading).
+
+        Returns False if no writer runs, or on timeout. Jobs sent earlier are not lost: they
+        queue in the socket. Waiting here keeps the writer's start-up out of later saves' stalls.
+        """
+        if not self.alive():
+            return False
+        return self._ready.wait(timeout)

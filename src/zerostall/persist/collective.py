@@ -29,10 +29,20 @@ from typing import Any
 import xxhash
 
 from zerostall._version import __version__
-from zerostall.commit import TMP_MARK, Attempt, RenameCommit, protocol_for
+from zerostall.commit import (
+    TMP_MARK,
+    Attempt,
+    RenameCommit,
+    committed_steps,
+    delete_checkpoint,
+    protocol_for,
+    step_name,
+    steps_to_delete_everywhere,
+)
 from zerostall.errors import CheckpointExistsError, WireError, WriterError, ZerostallError, from_wire, to_wire
 from zerostall.manifest import MANIFEST_NAME, encode_manifest
 from zerostall.messages import Collective, LeafRow, SaveJob
+from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.storage import Storage
 
@@ -298,7 +308,10 @@ class CollectiveStep:
     def __init__(self, job: SaveJob, coll: Collective, storage: Storage) -> None:
         self.job, self.coll, self.storage = job, coll, storage
         self.names = attempt_names(storage, job.name, coll.run, coll.counter)
-        self.applies_retention = coll.rank == 0
+        # Every rank applies retention to its own view of the storage (the same view on shared
+        # storage: then the others find rank 0's deletions done), with what every rank agreed.
+        self.applies_retention = True
+        self._views: list[list[int]] | None = None
 
     def begin(self) -> None:
         if self.names.rename and self.storage.exists(self.names.name):
@@ -314,10 +327,16 @@ class CollectiveStep:
         table = [[lf.key, lf.kind, lf.dtype, list(lf.shape), lf.nbytes,
                   _hash(views[lf.file][lf.offset:lf.offset + lf.nbytes]) if coll.world > 1 and hash_leaf(lf) else None]
                  for lf in job.leaves]
+        doc: dict[str, Any] = {"leaves": table}
+        if job.retention is not None and job.retention.deletes:
+            # This rank's view of the committed steps: retention deletes only what every view allows.
+            doc["steps"] = committed_steps(self.storage)
         # if_absent: written aside and linked into place, so a poller never reads half a file
-        self.storage.put(names.table(coll.rank), json.dumps({"leaves": table}).encode(), if_absent=True)
+        self.storage.put(names.table(coll.rank), json.dumps(doc).encode(), if_absent=True)
         self._poll_all(f"{names.coord}/tables", "hash tables")
         tables = [json.loads(self.storage.get(names.table(r))) for r in range(coll.world)]
+        if all(isinstance(t.get("steps"), list) for t in tables):
+            self._views = [[int(x) for x in t["steps"]] for t in tables]
         self._owner = assign_owners(tables)
         return [i for i, lf in enumerate(job.leaves) if self._owner[(coll.rank, lf.key)] == coll.rank]
 
@@ -366,6 +385,31 @@ class CollectiveStep:
     def after_commit(self) -> None:
         if self.coll.rank == 0:
             self._cleanup_decisions()
+
+    def lease_targets(self) -> list[str]:
+        n = self.names
+        if n.rename:
+            return [n.staging, n.decision]
+        return [f"{n.staging}/{n.data_dir}", n.coord, n.decision]
+
+    def retain(self, storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+               deleted: list[int]) -> None:
+        """Delete what retention drops in *every* rank's view, from this rank's view.
+
+        The new step is committed for every rank at once (one commit), and ``keep_last`` counts
+        the steps every rank sees (:func:`~zerostall.commit.steps_to_delete_everywhere`), so no
+        rank loses a step it needs to resume from a common one.
+        """
+        if policy is None or not policy.deletes or newest is None or self._views is None:
+            return
+        faults.hit("retention")
+        mine = set(self._views[self.coll.rank])
+        doomed = steps_to_delete_everywhere(self._views, newest=newest, keep_last=policy.keep_last,
+                                            keep_every_n_steps=policy.keep_every_n_steps)
+        for st in doomed:
+            if st in mine:
+                delete_checkpoint(storage, step_name(st))
+                deleted.append(st)
 
     # -- helpers -------------------------------------------------------------------------------
 

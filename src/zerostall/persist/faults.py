@@ -9,7 +9,7 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
 * ``raise:<ERRNO NAME>``: raise ``OSError(errno, ...)`` as a failing system call would;
 * ``exit``: the writer process dies at once, as if killed (``os._exit(137)``);
 * ``wait:<path>``: block until the file ``path`` exists (lets a test order events without
-  timing thresholds).
+  timing thresholds); marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does.
 
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with
@@ -79,6 +79,10 @@ def hit(phase: str, path: str = "") -> None:
     elif verb == "exit":
         os._exit(137)
     elif verb == "wait":
+        mark = os.environ.get(MARK_ENV)
+        if mark:  # as for sleep: the test knows the writer is held here
+            with open(os.path.join(mark, f"{phase}-{os.getpid()}"), "w"):
+                pass
         deadline = time.monotonic() + 600
         while not os.path.exists(arg) and time.monotonic() < deadline:
             time.sleep(0.01)

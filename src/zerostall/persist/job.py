@@ -24,12 +24,14 @@ from zerostall._version import __version__
 from zerostall.checksum import checksum
 from zerostall.commit import (
     CommitProtocol,
+    RenameCommit,
     committed_steps,
     delete_checkpoint,
     protocol_for,
     step_name,
     steps_to_delete,
 )
+from zerostall.lease import Lease
 from zerostall.manifest import encode_manifest
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
@@ -107,6 +109,13 @@ class Step(Protocol):
     def after_commit(self) -> None:
         """Housekeeping once committed (never turns the save into a failure)."""
 
+    def lease_targets(self) -> list[str]:
+        """What this attempt may create under the root, the partial data first (see :mod:`zerostall.lease`)."""
+
+    def retain(self, storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+               deleted: list[int]) -> None:
+        """Apply retention once committed (only if ``applies_retention``)."""
+
 
 def solo_manifest(job: SaveJob, written: list[dict[str, Any]], files: list[dict[str, Any]], data_dir: str) -> bytes:
     """The manifest of a save that holds every leaf of ``job`` (data files under ``data_dir``)."""
@@ -153,6 +162,14 @@ class SoloStep:
     def after_commit(self) -> None:
         return None
 
+    def lease_targets(self) -> list[str]:
+        a = self.attempt
+        return [a.staging] if isinstance(self.protocol, RenameCommit) else [f"{a.staging}/{a.data_dir}"]
+
+    def retain(self, storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+               deleted: list[int]) -> None:
+        apply_retention(storage, policy, newest, deleted)
+
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
              step: Step | None = None) -> WriterStats:
@@ -172,9 +189,14 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)
     views = [buffers[f.buffer] for f in job.files]
     is_released = False
+    lease: Lease | None = None
     try:
         faults.hit("begin", job.root)
         step.begin()
+        # Before anything of the attempt exists: a collector on any host leaves it alone while renewed.
+        # (A memory-only save creates nothing under the root: no lease.)
+        targets = step.lease_targets()
+        lease = Lease(storage, targets).acquire() if targets else None
         mine = step.owned(views, lambda lf: lf.shared)
         crcs: list[int] = [0] * len(mine)
         crc_error: list[BaseException] = []
@@ -209,12 +231,16 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         for lf, c in zip(written, crcs, strict=True):
             lf["crc32c"] = c
         t_commit = time.perf_counter()
+        if lease is not None:
+            lease.check(job.path)
         step.commit(written, files)
         commit_s = time.perf_counter() - t_commit
     except BaseException as exc:
         if not is_released:
             released()
         final = step.fail(exc)
+        if lease is not None:
+            _release_after_failure(lease, storage)
         if final is exc:
             raise
         raise final from exc
@@ -222,12 +248,14 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     # Committed: what follows never turns the save into a failure. A retention failure only
     # leaves old steps behind (the next save's retention retries them); it is reported in the
     # stats and logged by the trainer.
+    if lease is not None:
+        lease.release()
     step.after_commit()
     deleted: list[int] = []
     retention_error: str | None = None
     if step.applies_retention:
         try:
-            apply_retention(storage, job.retention, job.step, deleted)
+            step.retain(storage, job.retention, job.step, deleted)
         except Exception as exc:  # noqa: BLE001 - any failure here is reported, never raised
             retention_error = f"{type(exc).__name__}: {exc}"
     return WriterStats(
@@ -237,6 +265,16 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         rank=job.collective.rank if job.collective is not None else None,
         leaves_written=len(mine) if job.collective is not None else None,
     )
+
+
+def _release_after_failure(lease: Lease, storage: Storage) -> None:
+    """Drop the lease if the failed attempt's partial data is gone; else let it expire, so that a
+    collector removes what the clean-up could not."""
+    try:
+        gone = not storage.exists(lease.targets[0])
+    except OSError:
+        gone = False
+    lease.release(delete=gone)
 
 
 def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int]

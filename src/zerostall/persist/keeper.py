@@ -53,8 +53,9 @@ from zerostall.messages import (
     decode,
     encode,
 )
+from zerostall.options import RetentionPolicy
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
-from zerostall.storage import local_path, open_storage
+from zerostall.storage import Storage, local_path, open_storage
 
 __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
            "held_steps", "ADDRESS_PREFIX"]
@@ -242,6 +243,13 @@ class MemoryStep:
 
     def after_commit(self) -> None:
         return None
+
+    def lease_targets(self) -> list[str]:
+        return []  # nothing is created under the root
+
+    def retain(self, storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+               deleted: list[int]) -> None:
+        return None  # retention applies to storage only
 
 
 class _Held:

@@ -133,23 +133,36 @@ def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: K
         _send(conn, Done(job=job.id, stats=stats))
 
 
-def main(argv: list[str]) -> int:
-    fd = int(argv[1])
-    nice = int(argv[2]) if len(argv) > 2 else 0
+def _lower_priority(nice: int, sched: str) -> None:
+    """Give the trainer the cores: niceness plus a scheduling class (``batch`` or ``idle``).
+
+    ``batch``: a woken writer thread (an I/O completed) does not preempt the trainer's threads;
+    with OpenMP spin-waiting, preempting one trainer thread stalls all of them. ``idle``: the
+    writer runs only on cores the trainer leaves idle (it can starve while training saturates
+    every core; the memory tier makes a slow persist cheap). Failures to lower priority are
+    ignored: the writer still works, only less politely.
+    """
     if nice:
         try:
             os.nice(nice)
         except OSError:
             pass
-        # SCHED_BATCH: a woken writer thread (an I/O completed) does not preempt the trainer's
-        # threads; with OpenMP spin-waiting, preempting one trainer thread stalls all of them.
-        if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-            try:
-                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-            except OSError:
-                pass
-    if len(argv) > 3:  # the memory tier's keeper: serve trainer after trainer until it may exit
-        address, spec = KeeperSpec.from_argv(argv[3:])
+    policy = {"batch": getattr(os, "SCHED_BATCH", None), "idle": getattr(os, "SCHED_IDLE", None)}.get(sched)
+    if policy is not None and hasattr(os, "sched_setscheduler"):
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    fd = int(argv[1])
+    nice = int(argv[2]) if len(argv) > 2 else 0
+    # Older trainers pass no policy: niceness alone then implied SCHED_BATCH.
+    sched = argv[3] if len(argv) > 3 else ("batch" if nice else "normal")
+    _lower_priority(nice, sched)
+    if len(argv) > 4:  # the memory tier's keeper: serve trainer after trainer until it may exit
+        address, spec = KeeperSpec.from_argv(argv[4:])
         keeper = Keeper(address, spec)
         keeper.listen()
         conn: Connection | None = Connection(fd)

@@ -403,6 +403,23 @@ class S3Storage:
         names.discard("")
         return sorted(names)
 
+    def probe(self, *, write: bool) -> None:
+        """The bucket exists and these credentials may list the prefix (one HEAD and one LIST).
+
+        Write permission is not probed (that would write an object): a bucket that refuses
+        writes fails the first save, which is then raised (see ``BackgroundSaveError``).
+        """
+        with _errors(f"s3://{self.bucket}"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except bex.ClientError as exc:
+                code, status = _code(exc)
+                if status == 404 or code in _NOT_FOUND:
+                    raise FileNotFoundError(errno.ENOENT, f"S3 bucket {self.bucket!r} does not exist",
+                                            f"s3://{self.bucket}") from exc
+                raise
+            self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(""), MaxKeys=1)
+
     # -- metadata ----------------------------------------------------------------------------
 
     def delete(self, prefix: str) -> None:
@@ -439,6 +456,31 @@ class S3Storage:
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
         except bex.ClientError:
             pass  # a server without ListMultipartUploads: the uploads expire by lifecycle rules
+
+    def list_uploads(self, prefix: str) -> Sequence[tuple[str, str]]:
+        """Incomplete multipart uploads under ``prefix``: ``(key relative to the root, upload id)``.
+
+        An optional capability of a storage (``zerostall gc`` uses it where present).
+
+        Raises:
+            OSError: the listing failed (``ENOTSUP`` if the server has no ListMultipartUploads).
+        """
+        base = self._dir(prefix)
+        root = self._dir("")
+        out: list[tuple[str, str]] = []
+        with _errors(self._url(base)):
+            for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
+                out.extend((up["Key"][len(root):], up["UploadId"]) for up in page.get("Uploads", ()))
+        return out
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one incomplete multipart upload (one already completed or aborted is not an error)."""
+        k = self._k(key)
+        try:
+            with _errors(self._url(k)):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=upload_id)
+        except FileNotFoundError:
+            pass  # NoSuchUpload: completed or aborted meanwhile
 
     def rename(self, src: str, dst: str) -> None:
         raise OSError(errno.ENOTSUP, "S3 has no atomic rename (atomic_rename is False)", self._url(self._k(src)))
