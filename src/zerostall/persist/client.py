@@ -170,6 +170,8 @@ class WriterClient:
             if claimed is not None:
                 self._conn, hello = claimed
                 self._adopted_pid = hello.pid
+                self._ready = threading.Event()
+                self._ready.set()  # adopt() read its Hello already
                 self._mapped = set()
                 self._listener = threading.Thread(target=self._listen, args=(self._conn,),
                                                   name="zerostall-listener", daemon=True)
