@@ -159,3 +159,43 @@ def test_inspect_rank_column_of_a_collective_save(tmp_path: Path) -> None:
     shared = next(line for line in p.stdout.splitlines() if "pytree/shared" in line)
     assert shared.rstrip().endswith("all")
     shutil.rmtree(rdv, ignore_errors=True)
+
+
+def test_verify_draws_progress_on_a_terminal_only(run: Path) -> None:
+    """stderr a terminal (a pty) and no delay: the progress line is drawn, then erased; piped: never."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, ZEROSTALL_PROGRESS_DELAY_S="0")
+    p = subprocess.Popen([sys.executable, "-m", "zerostall", "verify", str(run)], stdout=subprocess.PIPE,
+                         stderr=slave, text=True, env=env)
+    os.close(slave)
+    drawn = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the pty
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = p.communicate(timeout=60)
+    os.close(master)
+    assert p.returncode == 0 and "3 step(s) verified" in out
+    assert b"verify " in drawn and b"(3/3)" in drawn and b"\r" in drawn, drawn
+    assert "verify " not in out  # the result on stdout stands alone
+    piped = zs("verify", run)
+    assert "\r" not in piped.stderr and piped.stderr == ""
+
+
+def test_verify_checkpoint_reports_progress(run: Path) -> None:
+    from zerostall.restore import verify_checkpoint
+
+    calls: list[tuple[str, int, int]] = []
+    report = verify_checkpoint(str(run / "step_00000001"), progress=lambda *a: calls.append(a))
+    assert report.ok and calls and calls[-1] == ("verify", 16, 16)
+    assert [c[1] for c in calls] == sorted(c[1] for c in calls)

@@ -99,16 +99,22 @@ def save_checkpointables_async(
 ) -> Response:
     """Stage ``{name: item}`` and return; the checkpoint at ``path`` commits in the background.
 
-    ``path`` must not hold a checkpoint yet. On return every array has been copied: the caller
-    may mutate its tensors. ``metadata`` is plain JSON stored in the manifest. Under
+    ``path`` must not hold a checkpoint yet. On return every array has been copied, except the
+    tensors only ``optimizer.step()`` modifies (overlapped staging, the default: the next
+    ``step()`` waits for their copy; see :meth:`Response.wait_staged` and docs/guarantees.md).
+    ``metadata`` is plain JSON stored in the manifest. Under
     ``torch.distributed`` the call is collective (docs/distributed.md).
 
     Raises:
         CheckpointExistsError: ``path`` already holds something (a committed checkpoint or not).
         UnsupportedLeafError: a leaf zerostall cannot save (the error names its key).
+        MetadataError: ``metadata`` holds NaN or infinity, or (``MetadataTypeError``) a value JSON
+            cannot hold; the error names the key. Checked before anything is staged; numpy
+            scalars are converted (see :func:`zerostall.validate.clean_metadata`).
+        ArgumentTypeError, InvalidArgumentError: ``path``, ``items`` or ``options`` is malformed.
         WriterError: no writer could take the save.
-        Errors of the background part (``StorageError`` with its errno, ``WriterError``, ...) are
-        raised by the returned response's ``result()``.
+        Errors of the background part (``StorageError`` with its errno, ``WriterError``,
+        ``TornSnapshotError``, ...) are raised by the returned response's ``result()``.
         BackgroundSaveError: an earlier free-function save failed in the background and its
             response never raised it (``result()``); it names that save's step or path and cause.
             Nothing was saved by this call. A failure never received is warned about at

@@ -13,7 +13,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
-from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCosts, Model, advise
+from zerostall.advice import (
+    DEFAULT_MEMORY_FRACTION,
+    Advice,
+    AutoInterval,
+    CadenceEstimator,
+    MeasuredCosts,
+    Model,
+    SaveKind,
+    advise,
+)
 from zerostall.api import PYTREE, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
@@ -29,6 +38,7 @@ from zerostall.errors import (
     StorageError,
     ZerostallError,
 )
+from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
@@ -39,6 +49,7 @@ from zerostall.storage.image import open_image
 from zerostall.validate import (
     check_bool,
     check_callable,
+    check_choice,
     check_instance,
     check_items,
     check_number,
@@ -90,7 +101,9 @@ class Checkpointer:
             interval is fixed by them and ``mtbf_s``.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
+            naming it) or of the wrong type (:class:`~zerostall.errors.ArgumentTypeError`, also a
+            ``TypeError``: ``keep_last=2.5``).
         StorageError: the location cannot be reached, created or written (a missing bucket,
             refused credentials, an unreachable endpoint, a regular file in the way, ...);
             ``errno`` and ``path`` say which. Raised here, not at the first save.
@@ -142,6 +155,8 @@ class Checkpointer:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
                                 load_options=load_options, on_error=on_error, read_only=read_only)
+        _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
+                            save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
@@ -152,7 +167,8 @@ class Checkpointer:
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
         so0 = save_options or SaveOptions()
-        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight)
+        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
+                                 memory_tier=memory_tier is not None)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -167,7 +183,7 @@ class Checkpointer:
             if not isinstance(memory_tier, MemoryTier):
                 raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
             if so.writer is not WriterKind.PROCESS:
-                raise ValueError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
                                  "the memory must outlive the trainer")
             keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
         self._last_persist = time.monotonic()
@@ -243,6 +259,7 @@ class Checkpointer:
         self._check_writable(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
+        persist = True
         if self.memory_tier is not None:
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -254,7 +271,7 @@ class Checkpointer:
                                         retention=self.retention)
         self._cadence.started()
         r._add_before_done(self._record)
-        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc))
+        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc, persisted=persist))
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -270,6 +287,8 @@ class Checkpointer:
         """Whether a memory-tier save of ``step`` also goes to storage."""
         mt = self.memory_tier
         assert mt is not None
+        if self._cadence.auto is not None:  # save_interval="auto": the advisor chose the kind
+            return self._cadence.persist_at(step)
         if step % mt.persist_interval_steps == 0:
             return True
         if mt.persist_interval_s is None:
@@ -552,13 +571,28 @@ class Checkpointer:
             >>> ckpt.metadata(100)                                       # doctest: +SKIP
             {'loss': 0.25, 'step': 100}
         """
+        mem = self._memory_metadata() if self.memory_tier is not None else None
         if step is None:
-            steps = committed_steps(self._storage)
+            steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
             if not steps:
                 raise CheckpointNotFoundError("no committed step", path=self.directory)
-            step = steps[-1]
+            step = max(steps)
         step = check_step(step, path=self.directory)
+        if mem is not None and mem[0] == step:
+            return mem[1]
         return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        if img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step``: it stops being listed at once, then its files are removed.
@@ -592,7 +626,7 @@ class Checkpointer:
     # -- the interval advisor ------------------------------------------------------------------
 
     def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
-               model: Model | None = None) -> Advice:
+               model: Model | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> Advice:
         """How often this job should save, and what that is expected to cost (docs/advice.md).
 
         Works from the costs measured on this Checkpointer: the iteration time between
@@ -605,7 +639,10 @@ class Checkpointer:
         Args:
             mtbf_s: the job's mean time between failures (default: the constructor's ``mtbf_s``).
             costs: use these instead of the measured (or constructor-given) costs.
-            model: ``None`` picks Daly's; ``Model.YOUNG`` for the first-order one.
+            model: ``None`` picks Daly's, or the two-level model once memory-only saves of the
+                memory tier are measured; ``Model.YOUNG`` for the first-order one.
+            memory_fraction: with the memory tier, the share of failures a restart on the same
+                hosts recovers from memory (docs/advice.md).
 
         Returns:
             The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
@@ -634,15 +671,18 @@ class Checkpointer:
                 f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
                 "after every step and save a few times (at least 8 steps without a save in flight and 3 "
                 "saves covered by later steps)", key="costs", path=self.directory)
-        return advise(c, mtbf_s=m, model=model)
+        return advise(c, mtbf_s=m, model=model, memory_fraction=memory_fraction)
 
     def _should_save_auto(self, step: int) -> bool:
-        decide = self._cadence.decide(step)
+        kind = self._cadence.decide(step)
         dopts = self._save_dist
         if active(dopts):
-            # Every rank must save the same steps: rank 0's measurements decide (one broadcast per call).
-            decide = bool(agree_step(decide, dopts))
-        return decide
+            # Every rank must save the same steps (and persist the same ones): rank 0's
+            # measurements decide (one broadcast per call).
+            got = agree_step(kind.value if kind is not None else None, dopts)
+            kind = SaveKind(got) if got is not None else None
+        self._cadence.decided = (step, kind)
+        return kind is not None
 
 
 #: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
@@ -661,6 +701,20 @@ def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: obj
     check_callable("on_error", on_error)
     check_bool("read_only", read_only, path=path)
     return path
+
+
+def _check_cadence_args(*, memory_tier: object, save_interval: object, save_interval_steps: object,
+                        mtbf_s: object, costs: object) -> None:
+    """The memory-tier and save-interval arguments, typed (``_Cadence`` checks how they combine)."""
+    check_instance("memory_tier", memory_tier, MemoryTier)
+    if save_interval is not None:
+        check_choice("save_interval", save_interval, ("auto",))
+        if save_interval_steps is not None:
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both",
+                                       argument="save_interval")
+    if mtbf_s is not None:
+        check_number("mtbf_s", mtbf_s, positive=True)
+    check_instance("costs", costs, MeasuredCosts)
 
 
 def _keeper_rank(dopts: DistributedOptions | None) -> int:
@@ -684,7 +738,7 @@ class _Cadence:
     """
 
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
-                 costs: MeasuredCosts | None, max_in_flight: int) -> None:
+                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
         if save_interval not in (None, "auto"):
             raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
@@ -693,14 +747,20 @@ class _Cadence:
         if save_interval == "auto" and mtbf_s is None:
             raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
                               key="mtbf_s")
+        if save_interval == "auto" and memory_tier and costs is not None and costs.memory is None:
+            raise AdviceError("with the memory tier, given costs need the memory-only saves' costs "
+                              "(MeasuredCosts(memory=...))", key="costs")
         #: the clock every observation uses (monotonic; seconds)
         self.clock: Callable[[], float] = time.monotonic
         self.mtbf_s = mtbf_s
         self.fixed = costs
         self.estimator = CadenceEstimator()
-        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight) if save_interval == "auto" \
-            and mtbf_s is not None else None
-        self._durable: deque[tuple[int, float, float, float]] = deque()  # appended by the listener thread
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier) \
+            if save_interval == "auto" and mtbf_s is not None else None
+        self.memory_tier = memory_tier
+        #: the last "auto" decision: (step, kind); a save of that step persists unless it is MEMORY
+        self.decided: tuple[int, SaveKind | None] | None = None
+        self._durable: deque[tuple[int, float, float, float, bool]] = deque()  # appended by the listener thread
         self._lock = threading.Lock()
         self._in_flight = 0
         self._fixed_est = _FixedCosts(costs) if costs is not None else None
@@ -709,13 +769,18 @@ class _Cadence:
         self._drain()
         self.estimator.observe_step(step, self.clock())
 
-    def decide(self, step: int) -> bool:
+    def decide(self, step: int) -> SaveKind | None:
         assert self.auto is not None
         self.observe_step(step)
         with self._lock:
             in_flight = self._in_flight
         est = self._fixed_est if self._fixed_est is not None else self.estimator
-        return self.auto.decide(step, est, in_flight=in_flight) is not None
+        return self.auto.decide(step, est, in_flight=in_flight)
+
+    def persist_at(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` persists: unless the advisor asked for a memory-only
+        save at that step (a save at a step it did not choose persists)."""
+        return not (self.decided is not None and self.decided == (step, SaveKind.MEMORY))
 
     def costs(self) -> MeasuredCosts | None:
         if self.fixed is not None:
@@ -727,18 +792,19 @@ class _Cadence:
         with self._lock:
             self._in_flight += 1
 
-    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None) -> None:
+    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None, *,
+                persisted: bool = True) -> None:
         t_durable = self.clock()
         with self._lock:
             self._in_flight -= 1
         if exc is None:
             blocked = min(r.stats.stall_s, t_durable - t_start)
-            self._durable.append((step, blocked, t_start, t_durable))
+            self._durable.append((step, blocked, t_start, t_durable, persisted))
 
     def _drain(self) -> None:
         while self._durable:
-            step, blocked, t_start, t_durable = self._durable.popleft()
-            self.estimator.observe_save(step, blocked, t_start, t_durable)
+            step, blocked, t_start, t_durable, persisted = self._durable.popleft()
+            self.estimator.observe_save(step, blocked, t_start, t_durable, persisted=persisted)
 
 
 class _FixedCosts(CadenceEstimator):

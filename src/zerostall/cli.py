@@ -455,7 +455,7 @@ def _verify_run(args: argparse.Namespace, url: str, steps: list[int]) -> dict[st
     for s in chosen:
         path = f"{url.rstrip('/')}/{step_name(s)}"
         try:
-            with _progress(args, f"verify {path} ({len(docs) + 1}/{len(chosen)})") as progress:
+            with _progress(args, f"verify {step_name(s)} ({len(docs) + 1}/{len(chosen)})") as progress:
                 doc = _report_doc(verify_checkpoint(path, progress=progress))
         except ZerostallError as exc:  # an unreadable manifest fails that step, not the whole run
             doc = {"path": path, "ok": False, "leaves": 0, "nbytes_checked": 0, "bad_keys": [],

@@ -12,10 +12,15 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── MismatchError(ValueError)                    template and checkpoint disagree (shape, dtype, kind)
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
+    ├── InvalidArgumentError(ValueError)             an argument out of range (.argument names it)
+    │   ├── ArgumentTypeError(+TypeError)            an argument of the wrong type
+    │   └── MetadataError                            metadata= cannot be stored (NaN, reserved key)
+    │       └── MetadataTypeError(+TypeError)        metadata= holds a non-JSON type
     ├── StorageError(OSError)                        an I/O failure, errno preserved
     │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
-    └── WriterError(RuntimeError)                    the background writer died or was closed
-        └── BackgroundSaveError                      a save that failed in the background, raised later
+    ├── WriterError(RuntimeError)                    the background writer died or was closed
+    │   └── BackgroundSaveError                      a save that failed in the background, raised later
+    └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
 class and errno they had in the writer.
@@ -38,6 +43,7 @@ __all__ = [
     "UnsupportedLeafError",
     "StorageError",
     "WriterError",
+    "TornSnapshotError",
     "WireError",
     "to_wire",
     "from_wire",
@@ -150,6 +156,15 @@ class WriterError(ZerostallError, RuntimeError):
     """The background writer died (killed, crashed) or was closed before the save committed."""
 
 
+class TornSnapshotError(ZerostallError, RuntimeError):
+    """A tensor staged in the background (overlapped staging) was modified in place before its copy
+    was done, outside ``optimizer.step()``. ``key`` names the leaf; nothing of the save is committed.
+
+    Call ``response.wait_staged()`` before such in-place changes, or save with
+    ``SaveOptions(staging="blocking")``.
+    """
+
+
 _BY_NAME: dict[str, type[ZerostallError]] = {
     cls.__name__: cls
     for cls in (
@@ -164,6 +179,7 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
         UnsupportedLeafError,
         StorageError,
         WriterError,
+        TornSnapshotError,
     )
 }
 

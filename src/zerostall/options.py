@@ -10,7 +10,7 @@ from zerostall.errors import ArgumentTypeError, InvalidArgumentError
 from zerostall.validate import check_bool, check_choice, check_instance, check_int, check_number, check_optional_int
 
 __all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy",
-           "MemoryTier"]
+           "MemoryTier", "Staging"]
 
 MiB = 1 << 20
 
@@ -26,6 +26,20 @@ class WriterKind(enum.Enum):
 
     PROCESS = "process"
     THREAD = "thread"
+
+
+class Staging(enum.Enum):
+    """When ``save_*_async`` returns relative to the copy of the state (docs/guarantees.md).
+
+    ``OVERLAP`` (default): tensors that only an optimizer's ``step()`` modifies (its parameters
+    and its ``state``) are copied in the background while training goes on; the next
+    ``step()`` of any optimizer waits for that copy first (zerostall installs the guard).
+    Everything else is copied before the call returns. ``BLOCKING``: everything is copied
+    before the call returns. A string value (``"overlap"``, ``"blocking"``) is accepted.
+    """
+
+    OVERLAP = "overlap"
+    BLOCKING = "blocking"
 
 
 class Replicated(enum.Enum):
@@ -125,6 +139,7 @@ class SaveOptions:
             training saturates the cores) or ``"normal"``.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
+        staging: ``"overlap"`` (default) or ``"blocking"``; see :class:`Staging`.
     """
 
     writer: WriterKind = WriterKind.PROCESS
@@ -135,6 +150,7 @@ class SaveOptions:
     writer_nice: int = 10
     distributed: DistributedOptions | None = None
     writer_sched: str = "batch"
+    staging: Staging = Staging.OVERLAP
 
     def __post_init__(self) -> None:
         if isinstance(self.writer, str):  # "thread" / "process", as the enum's values
@@ -148,6 +164,11 @@ class SaveOptions:
         check_int("SaveOptions.writer_nice", self.writer_nice)
         check_instance("SaveOptions.distributed", self.distributed, DistributedOptions)
         check_choice("SaveOptions.writer_sched", self.writer_sched, ("batch", "idle", "normal"))
+        if not isinstance(self.staging, Staging):
+            try:
+                object.__setattr__(self, "staging", Staging(self.staging))
+            except ValueError:
+                raise InvalidArgumentError(f"staging must be 'overlap' or 'blocking', got {self.staging!r}") from None
         if not isinstance(self.writer, WriterKind):
             raise ArgumentTypeError(f"writer must be a WriterKind, got {self.writer!r}")
         if self.max_in_flight < 1:

@@ -37,6 +37,9 @@ __all__ = [
     "add_torch_leaf",
     "key_join",
     "handler_by_name",
+    "register_lazy_integration",
+    "load_lazy_integrations",
+    "flatten_child",
 ]
 
 JSON = Any
@@ -202,12 +205,37 @@ def _flattener_for(t: type) -> LeafFlattener | None:
         return fn
 
 
+_LAZY: dict[str, Callable[[], None]] = {}  # module whose import enables an integration -> its loader
+
+
+def register_lazy_integration(module: str, load: Callable[[], None]) -> None:
+    """Run ``load`` (once) at the first save or load after ``module`` has been imported by anyone.
+
+    How an integration turns itself on without this layer importing it, and without
+    ``import zerostall`` importing a framework: :mod:`zerostall` registers the JAX integration
+    for ``"jax"`` (an object of a JAX type cannot exist before ``jax`` is imported).
+    """
+    with _HANDLER_LOCK:
+        _LAZY[module] = load
+
+
+def load_lazy_integrations() -> None:
+    """Load the integrations whose trigger module is imported by now (one dict check when none is)."""
+    if not _LAZY:
+        return
+    with _HANDLER_LOCK:
+        due = [_LAZY.pop(m) for m in [m for m in _LAZY if m in sys.modules]]
+    for load in due:
+        load()
+
+
 def key_join(prefix: str, part: Any) -> str:
     return f"{prefix}/{part}" if prefix else str(part)
 
 
 def flatten(items: dict[str, Any]) -> FlatState:
     """Walk ``{item name: tree}`` into JSON nodes and array leaves."""
+    load_lazy_integrations()
     leaves: list[ArrayLeaf] = []
     out: dict[str, Node] = {}
     for name, tree in items.items():
@@ -280,6 +308,11 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
     raise UnsupportedLeafError(
         f"cannot save a leaf of type {t.__module__}.{t.__qualname__}; save its state_dict(), "
         "or register a handler with zerostall.register_handler", key=key)
+
+
+def flatten_child(obj: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
+    """Walk ``obj`` at ``key`` with the tree's own rules: for flatteners of container types."""
+    return _flatten(obj, key, leaves, depth=key.count("/"))
 
 
 def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> Node:

@@ -31,23 +31,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_int(name: str, value: object, *, lo: int | None = None, path: str | None = None) -> int:
+def check_int(name: str, value: object, *, lo: int | None = None, path: str | None = None,
+              or_none: bool = False) -> int:
     """``value`` as an int of at least ``lo``; a bool, float or str is a type error.
 
     >>> check_int("io_threads", 4, lo=1)
     4
     """
+    want = ("a positive int" if lo == 1 else f"an int >= {lo}" if lo is not None else "an int") + \
+        (" or None" if or_none else "")
     if not _is_int(value):
-        raise ArgumentTypeError(f"{name} must be an int, got {_short(value)}", argument=name, path=path)
+        raise ArgumentTypeError(f"{name} must be {want}, got {_short(value)}", argument=name, path=path)
     assert isinstance(value, int)
     if lo is not None and value < lo:
-        raise InvalidArgumentError(f"{name} must be >= {lo}, got {value}", argument=name, path=path)
+        raise InvalidArgumentError(f"{name} must be {want}, got {value}", argument=name, path=path)
     return value
 
 
 def check_optional_int(name: str, value: object, *, lo: int | None = None, path: str | None = None) -> int | None:
     """As :func:`check_int`, or None."""
-    return None if value is None else check_int(name, value, lo=lo, path=path)
+    return None if value is None else check_int(name, value, lo=lo, path=path, or_none=True)
 
 
 def check_number(name: str, value: object, *, positive: bool = False, path: str | None = None) -> float:
@@ -96,7 +99,7 @@ def check_step(value: object, *, path: str | None = None, name: str = "step") ->
     10
     """
     if not _is_int(value) and type(value).__module__ == "numpy" and hasattr(value, "dtype") \
-            and getattr(value.dtype, "kind", "") in "iu" and getattr(value, "ndim", 1) == 0:
+            and getattr(value.dtype, "kind", "") in ("i", "u") and getattr(value, "ndim", 1) == 0:
         value = int(value)  # type: ignore[call-overload]  # a numpy integer scalar
     if not _is_int(value):
         raise ArgumentTypeError(f"{name} must be a non-negative int, got {_short(value)}", argument=name, path=path)

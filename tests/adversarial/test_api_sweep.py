@@ -142,6 +142,14 @@ def _free_function_cases(tmp: Path) -> list[Case]:
          ValueError, "w"),
         ("load_metadata(missing)", lambda: zerostall.load_metadata(tmp / "missing"), CheckpointNotFoundError,
          FileNotFoundError, "missing"),
+        ("save_pytree('memory://x')", lambda: zerostall.save_pytree("memory://x", tree), InvalidArgumentError,
+         ValueError, "memory://root/name"),
+        ("save_pytree('gs://b/x')", lambda: zerostall.save_pytree("gs://b/x", tree), InvalidArgumentError,
+         ValueError, "'gs'"),
+        ("load_pytree('s3://bucket')", lambda: zerostall.load_pytree("s3://bucket"), InvalidArgumentError,
+         ValueError, "s3://root/name"),
+        ("Response.result(timeout='1')", lambda: zerostall.save_pytree_async(tmp / "r", tree, options=THREAD)
+         .result(timeout="1"), ArgumentTypeError, TypeError, "timeout"),  # type: ignore[arg-type]
         ("load_metadata(path=3)", lambda: zerostall.load_metadata(3), ArgumentTypeError, TypeError, "path"),  # type: ignore[arg-type]
         ("export_checkpoint(missing)", lambda: export_checkpoint(tmp / "missing", tmp / "x.safetensors"),
          CheckpointNotFoundError, FileNotFoundError, "missing"),
@@ -161,7 +169,8 @@ def test_free_functions(tmp_path: Path) -> None:
     zerostall.save_pytree(tmp_path / "ok", {"w": torch.ones(2)}, options=THREAD)
     for case in _free_function_cases(tmp_path):
         _check(case)
-    assert sorted(os.listdir(tmp_path)) == ["ok"]  # nothing was written by a refused call
+    zerostall.api._close_engines()  # the save refused in result() above still commits; wait for it
+    assert sorted(os.listdir(tmp_path)) == ["ok", "r"]  # nothing else was written by a refused call
 
 
 def _checkpointer_cases(d: Path, ck: Checkpointer) -> list[Case]:
@@ -185,6 +194,13 @@ def _checkpointer_cases(d: Path, ck: Checkpointer) -> list[Case]:
         ("Checkpointer(on_error=3)", lambda: Checkpointer(d, on_error=3), ArgumentTypeError, TypeError, "on_error"),  # type: ignore[arg-type]
         ("Checkpointer(read_only='yes')", lambda: Checkpointer(d, read_only="yes"), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
          "read_only"),
+        ("Checkpointer(memory_tier=1)", lambda: Checkpointer(d, memory_tier=1), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
+         "memory_tier"),
+        ("Checkpointer(save_interval='often')", lambda: Checkpointer(d, save_interval="often"),  # type: ignore[arg-type]
+         InvalidArgumentError, ValueError, "save_interval"),
+        ("Checkpointer(mtbf_s=-1)", lambda: Checkpointer(d, save_interval="auto", mtbf_s=-1), InvalidArgumentError,
+         ValueError, "mtbf_s"),
+        ("Checkpointer(costs=1)", lambda: Checkpointer(d, costs=1), ArgumentTypeError, TypeError, "costs"),  # type: ignore[arg-type]
         ("save_pytree(step=-1)", lambda: ck.save_pytree(-1, tree), InvalidArgumentError, ValueError, "step"),
         ("save_pytree(step=1.0)", lambda: ck.save_pytree(1.0, tree), ArgumentTypeError, TypeError, "step"),  # type: ignore[arg-type]
         ("save_pytree(step='3')", lambda: ck.save_pytree("3", tree), ArgumentTypeError, TypeError, "step"),  # type: ignore[arg-type]

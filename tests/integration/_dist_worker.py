@@ -434,15 +434,19 @@ def scenario_atomic(rank: int, world: int, d: str) -> dict:
     return {"error": err, "untouched": untouched, "loaded": loaded, "good": good, "valid": valid}
 
 
-def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240) -> list[dict]:
-    """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results."""
+def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240,
+           script: str | None = None) -> list[dict]:
+    """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results.
+
+    ``script``: a worker of another test module that adds scenarios and then calls :func:`main`.
+    """
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     e = dict(os.environ, **(env or {}))
     e.pop("ZEROSTALL_FAULTS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), ",".join(scenarios), str(r),
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(script or __file__), ",".join(scenarios), str(r),
                                str(world), str(port), d], env=e) for r in range(world)]
     try:
         for p in procs:

@@ -160,3 +160,30 @@ def test_auto_under_torch_distributed_every_rank_saves_the_same_steps(tmp_path: 
     out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
     assert out[0]["saved"] == out[1]["saved"] and len(out[0]["saved"]) >= 4
     assert out[0]["saved"][0] == 9  # warm-up as on one process
+
+
+def test_auto_with_the_memory_tier_persists_every_kth_save(tmp_path: Path) -> None:
+    """Given two-level costs: memory-only saves every advised interval, every persist_every-th persisted."""
+    from zerostall.options import MemoryTier
+
+    costs = MeasuredCosts(step_s=1.0,
+                          persisted=SaveCost(blocked_s=0.1, background_s=3.9, durable_s=4.0, restore_s=60.0),
+                          memory=SaveCost(blocked_s=0.1, background_s=0.1, durable_s=0.5, restore_s=10.0))
+    mtbf = 900.0
+    a = advise(costs, mtbf_s=mtbf)
+    assert a.model is Model.TWO_LEVEL and a.persist_every > 1  # the case worth testing
+    with Checkpointer(tmp_path, save_interval="auto", mtbf_s=mtbf, costs=costs,
+                      memory_tier=MemoryTier(linger_s=0)) as ck:
+        steps = []
+        for step in range(1, 3 * a.persist_every * a.interval_steps + 1):
+            if ck.should_save(step):
+                ck.save_pytree(step, state(step))
+                steps.append(step)
+        tiers = [s.tiers for s in ck.stats()]
+        assert ck.advice() == a
+    assert steps == list(range(1, 3 * a.persist_every * a.interval_steps + 1, a.interval_steps))
+    persisted = [i for i, t in enumerate(tiers) if "storage" in t]
+    assert all(t[0] == "memory" for t in tiers)
+    assert persisted == list(range(a.persist_every - 1, len(tiers), a.persist_every))
+    with pytest.raises(AdviceError):  # two-level costs are needed with the memory tier
+        Checkpointer(tmp_path / "x", save_interval="auto", mtbf_s=mtbf, costs=COSTS, memory_tier=MemoryTier())

@@ -66,3 +66,15 @@ def test_checkpointer_reserves_step_and_reads_metadata(tmp_path: Path) -> None:
         with pytest.raises(zerostall.CheckpointNotFoundError):
             ck.metadata(7)
     assert zerostall.load_metadata(tmp_path / "step_00000005") == {"loss": 0.25, "step": 5}
+
+
+def test_metadata_of_a_memory_only_step(tmp_path: Path) -> None:
+    from zerostall.options import MemoryTier
+
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=2, linger_s=0)) as ck:
+        for step in (1, 2, 3):
+            ck.save_pytree(step, {"w": torch.ones(2)}, metadata={"loss": 1.0 / step})
+        assert not (tmp_path / "step_00000003").exists()  # only in this host's memory
+        assert ck.metadata(3) == {"loss": 1 / 3, "step": 3}
+        assert ck.metadata() == {"loss": 1 / 3, "step": 3}
+        assert ck.metadata(2) == {"loss": 0.5, "step": 2}

@@ -225,6 +225,7 @@ class MemoryStep:
     def __init__(self, job: SaveJob) -> None:
         self.job = job
         self.manifest_bytes = b""
+        self.check_lease: Callable[[], None] = lambda: None  # nothing is leased: nothing is written
 
     def begin(self) -> None:
         return None

@@ -284,12 +284,23 @@ class _Reader:
         return f"{self.name}/{self.m.files[file].path}"
 
     def verify_mapped(self, group: list[ReadRequest]) -> bool:
-        """Checksum a wholly cached run of leaves in the page cache's own pages; False if not cached."""
+        """Checksum a run of leaves in the page cache's own pages (read into the cache first if need
+        be); False if they cannot be had there."""
         mf = self.mapping(group[0].leaf.file)
         start = group[0].leaf.offset
         end = group[-1].leaf.offset + group[-1].leaf.nbytes
-        if mf is None or not mf.cached(start, end - start):
+        if mf is None:
             return False
+        if not mf.cached(start, end - start):
+            fill = getattr(self.storage, "fill_cache", None)
+            if fill is None:
+                return False
+            try:  # read into the cache only, errors reported; then checksum it there
+                fill(self.key(group[0].leaf), start, end - start)
+            except (EOFError, OSError) as exc:
+                raise self.fail(exc, group[0].leaf) from exc
+            if not mf.cached(start, end - start):  # evicted already: verify a copy instead
+                return False
         for r in group:
             lf = r.leaf
             got = 0
