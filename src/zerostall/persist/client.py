@@ -131,6 +131,9 @@ class WriterClient:
         self._mapped = set()
         self._held = {}
         self._adopted_pid = None
+        self._image_waiter = None
+        self._image_event = threading.Event()
+        self._query_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
 
