@@ -331,34 +331,14 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step (in either tier), or None.
-
-        Under torch.distributed this is collective (every rank calls it) and every rank gets the
-        same answer. With a memory tier: the memory tier's step if every rank holds it and it is
-        not older than storage's newest, else storage's newest.
-        """
-        if self.memory_tier is not None and active(self._load_dopts()):
-            return self._agree(None)[0]
+        """The newest committed step (in either tier), or None (under torch.distributed:
+        collective, the same on every rank)."""
         s = self.steps()
         return s[-1] if s else None
 
-    def _load_dopts(self) -> DistributedOptions | None:
-        return self.load_options.distributed if self.load_options is not None else None
-
-    def _agree(self, step: int | None) -> tuple[int | None, bool]:
-        """Collectively: which step to load (``step``, or the latest) and whether every rank
-        reads it from its memory tier (only if every rank holds it; else storage for all)."""
-        dopts = self._load_dopts()
-        stored = committed_steps(self._storage)
-        gathered = gather_objects((self.memory_step(), stored[-1] if stored else None), dopts)
-        held = [g[0] for g in gathered]
-        everywhere = held[0] if held[0] is not None and all(h == held[0] for h in held) else None
-        newest_stored = gathered[0][1]  # rank 0's view of the shared storage, as agree_step
-        if step is None:
-            if everywhere is not None and (newest_stored is None or everywhere >= newest_stored):
-                return everywhere, True
-            return newest_stored, False
-        return step, everywhere == step
+    def _held_everywhere(self, step: int) -> bool:
+        """Collectively: whether every rank's memory tier holds ``step`` (one all_gather_object)."""
+        return all(h == step for h in gather_objects(self.memory_step(), self._dist_options()))
 
     def memory_step(self) -> int | None:
         """The step this host's memory tier holds (None: no memory tier, or nothing held).
@@ -400,20 +380,19 @@ class Checkpointer:
             name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
             self.last_loaded_step = parse_step(name)
             return out
-        if self.memory_tier is not None and active(self._load_dopts()):
-            return self._load_collective(step, items)
         resolved = self._resolve(step)
-        got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
-        out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+        if self.memory_tier is not None and active(self._dist_options()):
+            out = self._load_collective(resolved, items)
+        else:
+            got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
+            out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
         self.last_loaded_step = resolved
         return out
 
-    def _load_collective(self, step: int | None, items: dict[str, Any] | None) -> dict[str, Any]:
-        """A collective load with a memory tier: every rank from its own memory, or all from storage."""
-        agreed, from_memory = self._agree(step)
-        if agreed is None:
-            raise CheckpointNotFoundError("no committed step to load", path=self.directory)
-        if not from_memory:
+    def _load_collective(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load with a memory tier: every rank from its own memory if every rank
+        holds the step, else all from storage."""
+        if not self._held_everywhere(agreed):
             return load(self.directory, step_name(agreed), items, self.load_options)
         out: dict[str, Any] | None = None
         err: BaseException | None = None
@@ -424,7 +403,7 @@ class Checkpointer:
                                               path=f"{self.directory}/{step_name(agreed)}")
         except BaseException as exc:  # noqa: BLE001 - raised on every rank below
             err = exc
-        raise_together(err, self._load_dopts(), f"{self.directory}/{step_name(agreed)}")
+        raise_together(err, self._dist_options(), f"{self.directory}/{step_name(agreed)}")
         assert out is not None
         return out
 
@@ -435,7 +414,7 @@ class Checkpointer:
         Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
         rank then restores the tree it saved from its own memory, with no collective traffic.
         """
-        if not collective and active(self._load_dopts()):
+        if not collective and active(self._dist_options()):
             return None
         got = self._engine.writer.query_image() if not self._engine.closed else None
         if got is None:

@@ -48,10 +48,10 @@ def _parse(lines: list[str]) -> tuple[int, dict[int, str]]:
     keeper = -1
     saved: dict[int, str] = {}
     for line in lines:
-        parts = line.split()
-        if parts[0] == "KEEPER":
+        parts = line.split()  # a SIGKILL can cut the last line short: only whole lines count
+        if len(parts) == 2 and parts[0] == "KEEPER":
             keeper = int(parts[1])
-        elif parts[0] == "SAVED":
+        elif len(parts) == 3 and parts[0] == "SAVED" and parts[2] in ("memory", "memory,storage"):
             saved[int(parts[1])] = parts[2]
     return keeper, saved
 

@@ -131,6 +131,9 @@ class WriterClient:
         self._mapped = set()
         self._held = {}
         self._adopted_pid = None
+        self._image_waiter = None
+        self._image_event = threading.Event()
+        self._query_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
 
@@ -170,6 +173,8 @@ class WriterClient:
             if claimed is not None:
                 self._conn, hello = claimed
                 self._adopted_pid = hello.pid
+                self._ready = threading.Event()
+                self._ready.set()  # adopt() read its Hello already
                 self._mapped = set()
                 self._listener = threading.Thread(target=self._listen, args=(self._conn,),
                                                   name="zerostall-listener", daemon=True)
