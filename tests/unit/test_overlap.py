@@ -350,9 +350,11 @@ def _cuda_task(t: torch.Tensor):
     from zerostall.stage.overlap import OverlapTask, _CudaPart
 
     event = _StandInEvent()
-    from zerostall.stage.ownership import storage_key
+    from zerostall.stage.ownership import Spans, span
 
-    task = OverlapTask("mem://x", storages={storage_key(t)})  # an owner judged by memory
+    spans = Spans()
+    spans.add(span(t))
+    task = OverlapTask("mem://x", spans=spans)  # an owner judged by memory
     task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
     task.cpu_done.set()  # as build_task does when nothing is copied by the host
     outcome: list[BaseException | None] = []
