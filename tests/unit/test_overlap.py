@@ -395,3 +395,35 @@ def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monk
     else:
         assert isinstance(outcome[0], TornSnapshotError) and outcome[0].key == "w"
     assert not GUARD.installed
+
+
+def test_which_leaves_are_deferred():
+    from zerostall.stage.ownership import deferrable
+    from zerostall.tree import flatten
+
+    case = _Case("sgd")
+    case.opts[0].param_groups[0]["lr"] = torch.tensor(0.01)  # changed by schedulers, not by step()
+    case.step()
+    items = {"pytree": {**case.tree(), "extra": torch.ones(3)}}
+    flat = flatten(items)
+    split = deferrable(items, flat.leaves)
+    assert split is not None
+    deferred = {leaf.key for leaf, d in zip(flat.leaves, split[0]) if d}
+    assert split[1] == case.opts
+    assert "pytree/model/0.weight" in deferred and "pytree/model/3.bias" in deferred
+    assert any(k.endswith("/momentum_buffer") for k in deferred)
+    assert not any("running_" in k or "num_batches" in k for k in deferred)  # BatchNorm buffers
+    assert not any("param_groups" in k for k in deferred)  # the tensor lr
+    assert "pytree/extra" not in deferred
+
+
+def test_spans_containment_and_overlap():
+    from zerostall.stage.ownership import Spans
+
+    s = Spans()
+    for lo, hi, tag in [(100, 200, 1), (0, 1000, 2), (300, 400, 3)]:
+        s.add((False, lo, hi), tag)
+    assert s.containing((False, 120, 180)) == 1 and s.containing((False, 500, 600)) == 2
+    assert s.containing((False, 900, 1001)) is None and s.containing((True, 120, 180)) is None
+    assert s.overlaps((False, 500, 600)) and s.overlaps((False, 999, 2000))
+    assert not s.overlaps((False, 1000, 1100)) and not s.overlaps((True, 0, 10))
