@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -427,3 +428,22 @@ def test_spans_containment_and_overlap():
     assert s.containing((False, 900, 1001)) is None and s.containing((True, 120, 180)) is None
     assert s.overlaps((False, 500, 600)) and s.overlaps((False, 999, 2000))
     assert not s.overlaps((False, 1000, 1100)) and not s.overlaps((True, 0, 10))
+
+
+def test_an_unreceived_torn_save_is_raised_by_the_next_save(ckdir):
+    from zerostall.errors import BackgroundSaveError
+
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        _gate(ckpt, delay=0.05)
+        r = ckpt.save_pytree_async(1, case.tree())
+        with torch.no_grad():
+            case.model[0].weight.add_(1)
+        r.wait_staged()
+        while not r.done():  # without receiving its outcome
+            time.sleep(0.01)
+        with pytest.raises(BackgroundSaveError) as info:
+            ckpt.save_pytree(2, case.tree())
+        assert isinstance(info.value.__cause__, TornSnapshotError)
+        assert ckpt.steps() == []
