@@ -30,6 +30,7 @@ systems within one run. Prints one JSON line (``measure.emit``) and a table on s
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import time
@@ -85,6 +86,7 @@ def run_system(name: str, trainer: Trainer, state: dict[str, Any], big: torch.op
     for d, s in zip(scratch, flat):
         d.copy_(s)
     rows = []
+    shutil.rmtree(directory / name, ignore_errors=True)  # this benchmark's own scratch from an earlier run
     with zerostall.Checkpointer(directory / name, keep_last=1, save_options=opts) as ckpt:
         ckpt.prepare(tree=state)
         ckpt.save_pytree(0, state)  # first save: buffers, writer, ownership learned
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         measure.log(f"{res['system']:>15}: blocked {med['blocked_s'] * 1e3:7.1f} ms = {med['blocked_over_memcpy']:.2f}x "
                     f"memcpy, lost {med['lost_s']:.3f} s per save (medians)")
     measure.emit({"size": size, "results": results})
+    for name in args.systems.split(","):
+        shutil.rmtree(directory / name, ignore_errors=True)
 
 
 if __name__ == "__main__":

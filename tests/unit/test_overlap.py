@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -350,9 +351,11 @@ def _cuda_task(t: torch.Tensor):
     from zerostall.stage.overlap import OverlapTask, _CudaPart
 
     event = _StandInEvent()
-    from zerostall.stage.ownership import storage_key
+    from zerostall.stage.ownership import Spans, span
 
-    task = OverlapTask("mem://x", storages={storage_key(t)})  # an owner judged by memory
+    spans = Spans()
+    spans.add(span(t))
+    task = OverlapTask("mem://x", spans=spans)  # an owner judged by memory
     task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
     task.cpu_done.set()  # as build_task does when nothing is copied by the host
     outcome: list[BaseException | None] = []
@@ -393,3 +396,54 @@ def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monk
     else:
         assert isinstance(outcome[0], TornSnapshotError) and outcome[0].key == "w"
     assert not GUARD.installed
+
+
+def test_which_leaves_are_deferred():
+    from zerostall.stage.ownership import deferrable
+    from zerostall.tree import flatten
+
+    case = _Case("sgd")
+    case.opts[0].param_groups[0]["lr"] = torch.tensor(0.01)  # changed by schedulers, not by step()
+    case.step()
+    items = {"pytree": {**case.tree(), "extra": torch.ones(3)}}
+    flat = flatten(items)
+    split = deferrable(items, flat.leaves)
+    assert split is not None
+    deferred = {leaf.key for leaf, d in zip(flat.leaves, split[0]) if d}
+    assert split[1] == case.opts
+    assert "pytree/model/0.weight" in deferred and "pytree/model/3.bias" in deferred
+    assert any(k.endswith("/momentum_buffer") for k in deferred)
+    assert not any("running_" in k or "num_batches" in k for k in deferred)  # BatchNorm buffers
+    assert not any("param_groups" in k for k in deferred)  # the tensor lr
+    assert "pytree/extra" not in deferred
+
+
+def test_spans_containment_and_overlap():
+    from zerostall.stage.ownership import Spans
+
+    s = Spans()
+    for lo, hi, tag in [(100, 200, 1), (0, 1000, 2), (300, 400, 3)]:
+        s.add((False, lo, hi), tag)
+    assert s.containing((False, 120, 180)) == 1 and s.containing((False, 500, 600)) == 2
+    assert s.containing((False, 900, 1001)) is None and s.containing((True, 120, 180)) is None
+    assert s.overlaps((False, 500, 600)) and s.overlaps((False, 999, 2000))
+    assert not s.overlaps((False, 1000, 1100)) and not s.overlaps((True, 0, 10))
+
+
+def test_an_unreceived_torn_save_is_raised_by_the_next_save(ckdir):
+    from zerostall.errors import BackgroundSaveError
+
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        _gate(ckpt, delay=0.05)
+        r = ckpt.save_pytree_async(1, case.tree())
+        with torch.no_grad():
+            case.model[0].weight.add_(1)
+        r.wait_staged()
+        while not r.done():  # without receiving its outcome
+            time.sleep(0.01)
+        with pytest.raises(BackgroundSaveError) as info:
+            ckpt.save_pytree(2, case.tree())
+        assert isinstance(info.value.__cause__, TornSnapshotError)
+        assert ckpt.steps() == []

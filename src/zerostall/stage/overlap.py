@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerostall.errors import TornSnapshotError
-from zerostall.stage.ownership import note_optimizer, optimizer_tensors, storage_key
+from zerostall.stage.ownership import Spans, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK"]
 
@@ -83,8 +83,8 @@ class OverlapTask:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: ids of the optimizers owning the deferred leaves: their steps wait for this copy
     owners: set[int] = field(default_factory=set)
-    #: storages of the deferred leaves, to judge an optimizer not among ``owners``
-    storages: set[tuple[str, int]] = field(default_factory=set)
+    #: memory of the deferred leaves, to judge an optimizer not among ``owners``
+    spans: Spans = field(default_factory=Spans)
     _verdicts: dict[int, bool] = field(default_factory=dict)
 
     def concerns(self, optimizer: Any) -> bool:
@@ -97,8 +97,8 @@ class OverlapTask:
             # Another optimizer over the same tensors (not known at the call): judged by memory,
             # once per task. An optimizer whose tensors cannot be listed is assumed to concern it.
             try:
-                keys = {storage_key(t) for t in optimizer_tensors(optimizer)}
-                verdict = not keys.isdisjoint(self.storages)
+                spans = (span(t) for t in optimizer_tensors(optimizer))
+                verdict = any(sp is not None and self.spans.overlaps(sp) for sp in spans)
             except Exception:  # noqa: BLE001 - a foreign optimizer-like object: be safe
                 verdict = True
             self._verdicts[oid] = verdict
@@ -177,9 +177,9 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         t = leaf.value
         version = int(t._version)
         storage = t.untyped_storage()
-        key = storage_key(t)
-        if key is not None:
-            task.storages.add(key)
+        sp = span(t)
+        if sp is not None:
+            task.spans.add(sp)
         if t.device.type == "cuda":
             by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
         else:

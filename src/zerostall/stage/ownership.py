@@ -15,6 +15,7 @@ decided by memory, not identity: ``model.state_dict()`` holds detached aliases o
 
 from __future__ import annotations
 
+import bisect
 import sys
 import weakref
 from collections.abc import Iterable
@@ -23,7 +24,7 @@ from typing import Any
 from zerostall.tree import ArrayLeaf
 
 __all__ = ["find_optimizers", "note_optimizer", "known_optimizers", "owned_leaves", "owners_of", "deferrable",
-           "optimizer_tensors", "storage_key"]
+           "optimizer_tensors", "span", "Spans"]
 
 _KNOWN: weakref.WeakSet[Any] = weakref.WeakSet()
 _MAX_WALK = 100_000  # containers and leaves looked at when searching the tree for optimizers
@@ -68,19 +69,69 @@ def _local(t: Any) -> Any:
     return local if local is not None else t
 
 
-def _extent(t: Any) -> tuple[int, int, int] | None:
-    """``(storage address, first byte, end byte)`` of ``t``'s memory; None if it has none."""
+def span(t: Any) -> tuple[bool, int, int] | None:
+    """``(on CUDA?, first byte address, end address)`` of ``t``'s memory; None if it has none.
+
+    A contiguous tensor's own bytes; a strided one claims its whole storage. Addresses of two
+    live allocations of one device never overlap, so no storage identity is needed (CPU tensors
+    that alias one buffer do share those bytes).
+    """
     try:
-        storage = t.untyped_storage()
+        if t.is_contiguous():
+            lo = int(t.data_ptr())
+            hi = lo + t.numel() * t.element_size()
+        else:
+            storage = t.untyped_storage()
+            lo = int(storage.data_ptr())
+            hi = lo + int(storage.nbytes())
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
-    base = int(storage.data_ptr())
-    if base == 0:
+    if lo == 0 or hi <= lo:
         return None
-    if t.is_contiguous():
-        start = int(t.data_ptr())
-        return base, start, start + t.numel() * t.element_size()
-    return base, base, base + int(storage.nbytes())  # a strided view: claim its whole storage
+    return bool(t.is_cuda), lo, hi
+
+
+class Spans:
+    """Byte ranges, each with a tag, searchable by containment and by overlap."""
+
+    def __init__(self) -> None:
+        self._items: dict[bool, list[tuple[int, int, int]]] = {False: [], True: []}
+        self._starts: dict[bool, list[int]] = {}
+        self._max_end: dict[bool, list[int]] = {}  # running maximum of the ends, in start order
+
+    def add(self, sp: tuple[bool, int, int], tag: int = 0) -> None:
+        self._items[sp[0]].append((sp[1], sp[2], tag))
+        self._starts.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._items[False] or self._items[True])
+
+    def _sorted(self, cuda: bool) -> tuple[list[tuple[int, int, int]], list[int]]:
+        if cuda not in self._starts:
+            self._items[cuda].sort()
+            self._starts[cuda] = [lo for lo, _, _ in self._items[cuda]]
+            ends, top = [], 0
+            for _, hi, _ in self._items[cuda]:
+                top = max(top, hi)
+                ends.append(top)
+            self._max_end[cuda] = ends
+        return self._items[cuda], self._starts[cuda]
+
+    def containing(self, sp: tuple[bool, int, int]) -> int | None:
+        """The tag of a range that holds all of ``sp``, if any."""
+        items, starts = self._sorted(sp[0])
+        j = bisect.bisect_right(starts, sp[1]) - 1
+        # Ranges may nest (a flat parameter and views of it): look at a few that start before.
+        for k in range(j, max(j - 8, -1), -1):
+            lo, hi, tag = items[k]
+            if lo <= sp[1] and sp[2] <= hi:
+                return tag
+        return None
+
+    def overlaps(self, sp: tuple[bool, int, int]) -> bool:
+        _, starts = self._sorted(sp[0])
+        j = bisect.bisect_left(starts, sp[2]) - 1  # the last range starting before sp ends
+        return j >= 0 and self._max_end[sp[0]][j] > sp[1]
 
 
 def optimizer_tensors(opt: Any) -> list[Any]:
@@ -93,36 +144,23 @@ def optimizer_tensors(opt: Any) -> list[Any]:
     return out
 
 
-def storage_key(t: Any) -> tuple[str, int] | None:
-    """``(device type, storage address)`` of ``t``; None if it has no memory."""
-    ext = _extent(t)
-    return (t.device.type, ext[0]) if ext is not None else None
-
-
-def _owned_extents(optimizers: list[Any]) -> dict[tuple[str, int], list[tuple[int, int, int]]]:
-    """Per storage: the byte ranges of the optimizers' tensors, each with its optimizer's index."""
-    out: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
-    for i, opt in enumerate(optimizers):
-        for t in optimizer_tensors(opt):
-            ext = _extent(t)
-            if ext is not None:
-                out.setdefault((t.device.type, ext[0]), []).append((ext[1], ext[2], i))
-    return out
-
-
 def owners_of(leaves: list[ArrayLeaf], optimizers: list[Any]) -> list[int | None]:
     """Per leaf: the index in ``optimizers`` of one whose parameter or state tensor holds its bytes."""
-    extents = _owned_extents(optimizers)
-    if not extents:
+    owned = Spans()
+    for i, opt in enumerate(optimizers):
+        for t in optimizer_tensors(opt):
+            sp = span(t)
+            if sp is not None:
+                owned.add(sp, i)
+    if not owned:
         return [None] * len(leaves)
     out: list[int | None] = []
     for leaf in leaves:
         owner = None
         if leaf.kind == "torch" and leaf.nbytes > 0:
-            ext = _extent(leaf.value)
-            ranges = extents.get((leaf.value.device.type, ext[0])) if ext is not None else None
-            if ranges is not None and ext is not None:
-                owner = next((i for lo, hi, i in ranges if lo <= ext[1] and ext[2] <= hi), None)
+            sp = span(leaf.value)
+            if sp is not None:
+                owner = owned.containing(sp)
         out.append(owner)
     return out
 
