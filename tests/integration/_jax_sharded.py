@@ -30,6 +30,7 @@ def main(path: str) -> None:
         "rows": jax.device_put(x.astype(jnp.bfloat16), NamedSharding(mesh, P("x"))),  # 4 shards, each twice
         "repl": jax.device_put(jnp.arange(6, dtype=jnp.int32), NamedSharding(mesh, P())),  # 1 shard, 8 copies
         "cols": jax.device_put(x * 2, NamedSharding(mesh, P(None, "y"))),  # 2 shards (columns)
+        "scalar": jax.device_put(jnp.float32(3.5), NamedSharding(mesh, P())),  # 0-d, 8 copies
     }
     zerostall.save_pytree(path, state, options=SaveOptions(writer=WriterKind.THREAD))
     with open(f"{path}/manifest.json") as f:
@@ -43,6 +44,7 @@ def main(path: str) -> None:
         "rows": NamedSharding(mesh2, P(None, "a")),
         "repl": NamedSharding(mesh2, P("a")),  # was replicated, now split 2 ways along a
         "cols": SingleDeviceSharding(devs[3]),
+        "scalar": NamedSharding(mesh2, P()),
     }
     tmpl = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=want[k]) for k, v in state.items()}
     out = zerostall.load_pytree(path, tmpl)
