@@ -11,6 +11,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -58,6 +59,10 @@ def main(path: str) -> None:
     raw = zerostall.load_pytree(path)
     as_numpy = {k: type(raw[k]).__name__ == "ndarray" and bool(np.array_equal(raw[k], np.asarray(state[k])))
                 for k in state}
+    into = {"both": np.zeros((8, 6), np.float32), "rows": np.zeros((8, 6), ml_dtypes.bfloat16)}
+    filled_np = zerostall.load_pytree(path, into)
+    as_numpy.update({f"{k}_into": filled_np[k] is into[k] and bool(np.array_equal(into[k], np.asarray(state[k])))
+                     for k in into})
     t = zerostall.load_pytree(path, {"both": torch.zeros(8, 6), "cols": torch.zeros(8, 6)})
     as_torch = {k: bool(np.array_equal(t[k].numpy(), np.asarray(state[k]))) for k in t}
     print(json.dumps({"shards": shards, "equal": equal, "sharding_kept": sharding_kept, "same_mesh": same_mesh,
