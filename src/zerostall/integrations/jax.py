@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import tree_util as _jax_tree_util
 
@@ -123,6 +124,11 @@ def flatten_array(a: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str, Any]:
     Raises:
         UnsupportedLeafError: a dtype safetensors lacks (e.g. int4), a deleted (donated) array.
     """
+    if _is_key_dtype(a.dtype):
+        if a.is_deleted():
+            raise UnsupportedLeafError("this jax.Array was deleted or donated to a computation before the save",
+                                       key=key)
+        a = jax.random.key_data(a)  # typed PRNG keys: their uint32 words (a trailing axis more)
     name = _dtype_name(a.dtype, key)
     if len(a.sharding.device_set) == 1:
         return {"type": "array", "leaf": _host_leaf(a, key, name, leaves)}
@@ -220,13 +226,36 @@ def _is_ml_dtype(tmpl: Any) -> bool:
     return isinstance(tmpl, np.ndarray) and torch_dtype_name(tmpl.dtype.name) in ML_DTYPE_NAMES
 
 
+def _is_key_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _into_key(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+    """Typed PRNG keys: their saved uint32 words wrapped with the template's key implementation."""
+    words = planner.into_numpy(node, None, key)
+    impl = jax.random.key_impl(tmpl) if isinstance(tmpl, jax.Array) else getattr(tmpl.dtype, "_impl", None)
+    sharding = getattr(tmpl, "sharding", None)
+
+    def build() -> Any:
+        try:
+            keys = jax.random.wrap_key_data(words(), impl=impl)
+        except (TypeError, ValueError) as exc:
+            raise MismatchError(f"the saved words do not make {tmpl.dtype} keys of shape {list(tmpl.shape)}: {exc}",
+                                path=planner.path, key=key) from exc
+        if tuple(keys.shape) != tuple(tmpl.shape):
+            raise MismatchError(f"shape differs: checkpoint has {list(keys.shape)} keys, template has "
+                                f"{list(tmpl.shape)}", path=planner.path, key=key)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    return build
+
+
 def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
     t = node["type"]
     if isinstance(tmpl, (jax.Array, jax.ShapeDtypeStruct)):
         if t not in ("array", "sharded"):
             raise MismatchError(f"checkpoint has a {t} here but the template has an array",
                                 path=planner.path, key=key)
-        return _into_jax(planner, node, tmpl, key)
+        return _into_key(planner, node, tmpl, key) if _is_key_dtype(tmpl.dtype) else _into_jax(planner, node, tmpl, key)
     if t == "array" and _is_ml_dtype(tmpl):
         return planner.into_numpy(node, tmpl, key)  # restore's own rule refuses types numpy alone lacks
     if tmpl is not None and is_pytree_node_type(type(tmpl)):
