@@ -55,6 +55,14 @@ def main(path: str) -> None:
     filled = zerostall.load_pytree(path, jax.tree.map(jnp.zeros_like, state))
     same_mesh = {k: bool(np.array_equal(np.asarray(filled[k]), np.asarray(state[k])))
                  and filled[k].sharding == state[k].sharding for k in state}
+    # replicas on different devices never share a host buffer
+    big = jax.device_put(jnp.ones((8, 1 << 15)), NamedSharding(mesh, P("x")))  # large enough to be adopted
+    zerostall.save_pytree(f"{path}-big", big, options=SaveOptions(writer=WriterKind.THREAD))
+    big = zerostall.load_pytree(f"{path}-big", jax.ShapeDtypeStruct(big.shape, big.dtype,
+                                                                     sharding=NamedSharding(mesh2, P())))
+    copies = [np.asarray(sh.data) for sh in big.addressable_shards]
+    distinct = len(copies) == 8 and not any(np.shares_memory(p, q) for i, p in enumerate(copies)
+                                            for q in copies[i + 1:])
     # no template: assembled numpy; a torch template: the DTensor-style box reader
     raw = zerostall.load_pytree(path)
     as_numpy = {k: type(raw[k]).__name__ == "ndarray" and bool(np.array_equal(raw[k], np.asarray(state[k])))
@@ -65,7 +73,7 @@ def main(path: str) -> None:
                      for k in into})
     t = zerostall.load_pytree(path, {"both": torch.zeros(8, 6), "cols": torch.zeros(8, 6)})
     as_torch = {k: bool(np.array_equal(t[k].numpy(), np.asarray(state[k]))) for k in t}
-    print(json.dumps({"shards": shards, "equal": equal, "sharding_kept": sharding_kept, "same_mesh": same_mesh,
+    print(json.dumps({"distinct": distinct, "shards": shards, "equal": equal, "sharding_kept": sharding_kept, "same_mesh": same_mesh,
                       "as_numpy": as_numpy, "as_torch": as_torch}))
 
 

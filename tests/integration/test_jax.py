@@ -29,6 +29,7 @@ def test_sharded_save_writes_replica_zero_shards_and_loads_into_other_meshes(tmp
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.strip().splitlines()[-1])
     # P("x","y") on 4x2: 8 distinct shards; P("x"): 4 (each held twice); P(): 1 (held 8 times); P(None,"y"): 2
+    assert seen["distinct"]
     assert seen["shards"] == {"both": 8, "rows": 4, "repl": 1, "cols": 2, "scalar": 1}
     everything = {"both": True, "rows": True, "repl": True, "cols": True, "scalar": True}
     assert seen["equal"] == everything  # into a 2x4 mesh, other partitionings, one device

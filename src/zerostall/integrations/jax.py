@@ -202,7 +202,17 @@ def _into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -
 
     def build() -> Any:
         host = {box: th() for box, th in boxes.items()}
-        arrays = [jax.device_put(host[box], device) for device, box in wanted]
+        first: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        arrays = []
+        for device, box in wanted:
+            # The first device of a box may adopt the fresh host buffer (zero-copy on CPU); its replicas
+            # are copied from that device, so no two devices share memory (device_put of one numpy
+            # buffer to two CPU devices aliases it twice, whatever may_alias says).
+            if box in first:
+                arrays.append(jax.device_put(first[box], device))
+            else:
+                first[box] = jax.device_put(host[box], device)
+                arrays.append(first[box])
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     return build
 
