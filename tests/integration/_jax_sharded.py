@@ -11,6 +11,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -30,6 +31,7 @@ def main(path: str) -> None:
         "rows": jax.device_put(x.astype(jnp.bfloat16), NamedSharding(mesh, P("x"))),  # 4 shards, each twice
         "repl": jax.device_put(jnp.arange(6, dtype=jnp.int32), NamedSharding(mesh, P())),  # 1 shard, 8 copies
         "cols": jax.device_put(x * 2, NamedSharding(mesh, P(None, "y"))),  # 2 shards (columns)
+        "scalar": jax.device_put(jnp.float32(3.5), NamedSharding(mesh, P())),  # 0-d, 8 copies
     }
     zerostall.save_pytree(path, state, options=SaveOptions(writer=WriterKind.THREAD))
     with open(f"{path}/manifest.json") as f:
@@ -43,6 +45,7 @@ def main(path: str) -> None:
         "rows": NamedSharding(mesh2, P(None, "a")),
         "repl": NamedSharding(mesh2, P("a")),  # was replicated, now split 2 ways along a
         "cols": SingleDeviceSharding(devs[3]),
+        "scalar": NamedSharding(mesh2, P()),
     }
     tmpl = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=want[k]) for k, v in state.items()}
     out = zerostall.load_pytree(path, tmpl)
@@ -52,13 +55,25 @@ def main(path: str) -> None:
     filled = zerostall.load_pytree(path, jax.tree.map(jnp.zeros_like, state))
     same_mesh = {k: bool(np.array_equal(np.asarray(filled[k]), np.asarray(state[k])))
                  and filled[k].sharding == state[k].sharding for k in state}
+    # replicas on different devices never share a host buffer
+    big = jax.device_put(jnp.ones((8, 1 << 15)), NamedSharding(mesh, P("x")))  # large enough to be adopted
+    zerostall.save_pytree(f"{path}-big", big, options=SaveOptions(writer=WriterKind.THREAD))
+    big = zerostall.load_pytree(f"{path}-big", jax.ShapeDtypeStruct(big.shape, big.dtype,
+                                                                     sharding=NamedSharding(mesh2, P())))
+    copies = [np.asarray(sh.data) for sh in big.addressable_shards]
+    distinct = len(copies) == 8 and not any(np.shares_memory(p, q) for i, p in enumerate(copies)
+                                            for q in copies[i + 1:])
     # no template: assembled numpy; a torch template: the DTensor-style box reader
     raw = zerostall.load_pytree(path)
     as_numpy = {k: type(raw[k]).__name__ == "ndarray" and bool(np.array_equal(raw[k], np.asarray(state[k])))
                 for k in state}
+    into = {"both": np.zeros((8, 6), np.float32), "rows": np.zeros((8, 6), ml_dtypes.bfloat16)}
+    filled_np = zerostall.load_pytree(path, into)
+    as_numpy.update({f"{k}_into": filled_np[k] is into[k] and bool(np.array_equal(into[k], np.asarray(state[k])))
+                     for k in into})
     t = zerostall.load_pytree(path, {"both": torch.zeros(8, 6), "cols": torch.zeros(8, 6)})
     as_torch = {k: bool(np.array_equal(t[k].numpy(), np.asarray(state[k]))) for k in t}
-    print(json.dumps({"shards": shards, "equal": equal, "sharding_kept": sharding_kept, "same_mesh": same_mesh,
+    print(json.dumps({"distinct": distinct, "shards": shards, "equal": equal, "sharding_kept": sharding_kept, "same_mesh": same_mesh,
                       "as_numpy": as_numpy, "as_torch": as_torch}))
 
 

@@ -29,13 +29,26 @@ def test_sharded_save_writes_replica_zero_shards_and_loads_into_other_meshes(tmp
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.strip().splitlines()[-1])
     # P("x","y") on 4x2: 8 distinct shards; P("x"): 4 (each held twice); P(): 1 (held 8 times); P(None,"y"): 2
-    assert seen["shards"] == {"both": 8, "rows": 4, "repl": 1, "cols": 2}
-    everything = {"both": True, "rows": True, "repl": True, "cols": True}
+    assert seen["distinct"]
+    assert seen["shards"] == {"both": 8, "rows": 4, "repl": 1, "cols": 2, "scalar": 1}
+    everything = {"both": True, "rows": True, "repl": True, "cols": True, "scalar": True}
     assert seen["equal"] == everything  # into a 2x4 mesh, other partitionings, one device
     assert seen["sharding_kept"] == everything
     assert seen["same_mesh"] == everything  # into concrete jax.Array templates
-    assert seen["as_numpy"] == everything  # no template: assembled whole
+    assert seen["as_numpy"] == {**everything, "both_into": True, "rows_into": True}  # assembled whole
     assert seen["as_torch"] == {"both": True, "cols": True}
+
+    # a process without jax (nor torch) gets numpy arrays too, bf16 as ml_dtypes.bfloat16
+    code = ("import sys, numpy as np, zerostall\n"
+            f"out = zerostall.load_pytree({str(tmp_path / 'c')!r})\n"
+            "assert 'jax' not in sys.modules and 'torch' not in sys.modules\n"
+            "x = np.arange(48, dtype=np.float32).reshape(8, 6)\n"
+            "assert np.array_equal(out['both'], x) and np.array_equal(out['cols'], 2 * x)\n"
+            "assert out['rows'].dtype.name == 'bfloat16' and np.array_equal(out['rows'].astype(np.float32), x)\n"
+            "print(sorted(type(v).__name__ for v in out.values()))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == str(["ndarray"] * 5)
 
 
 def _wait_for_step(directory: Path, step: int, timeout: float = 120.0) -> None:

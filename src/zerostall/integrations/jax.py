@@ -29,7 +29,8 @@ Loading (a :func:`zerostall.restore.register_node_reader` hook):
 * a template pytree node is rebuilt with the template's tree structure (and static fields) from
   the saved dict of its children.
 * without a template, arrays saved from JAX come back as numpy arrays (bf16 / fp8 as
-  ``ml_dtypes`` types), a sharded one assembled whole, and pytree nodes as dicts.
+  ``ml_dtypes`` types), a sharded one assembled whole, and pytree nodes as dicts: restore's own
+  rules (:meth:`zerostall.restore.ReadPlanner.into_numpy`), so also where jax is not imported.
 
 Example::
 
@@ -44,35 +45,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import jax
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 from jax._src import tree_util as _jax_tree_util
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
-from zerostall.errors import CorruptCheckpointError, MismatchError, MissingKeyError, UnsupportedLeafError
-from zerostall.restore import ReadPlanner, ReadRequest, Thunk, register_node_reader
+from zerostall.errors import MismatchError, MissingKeyError, UnsupportedLeafError
+from zerostall.restore import ReadPlanner, Thunk, register_node_reader
+from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
 from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
 
-__all__ = ["is_jax_array_type", "is_pytree_node_type", "numpy_dtype", "flatten_array", "flatten_pytree_node"]
+__all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node"]
 
-#: safetensors names of the types numpy itself lacks, as the ml_dtypes types jax uses
-_ML_DTYPES: dict[str, Any] = {
-    "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
-    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
-}
 #: containers zerostall walks itself (jax registers them too)
 _BUILTIN_NODES = (dict, list, tuple, type(None))
-
-
-def numpy_dtype(name: str) -> np.dtype[Any]:
-    """The numpy dtype of a safetensors dtype name, with ml_dtypes for bf16 and fp8."""
-    ml = _ML_DTYPES.get(name)
-    return np.dtype(ml) if ml is not None else to_numpy_dtype(name)
 
 
 def is_jax_array_type(t: type) -> bool:
@@ -135,6 +124,11 @@ def flatten_array(a: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str, Any]:
     Raises:
         UnsupportedLeafError: a dtype safetensors lacks (e.g. int4), a deleted (donated) array.
     """
+    if _is_key_dtype(a.dtype):
+        if a.is_deleted():
+            raise UnsupportedLeafError("this jax.Array was deleted or donated to a computation before the save",
+                                       key=key)
+        a = jax.random.key_data(a)  # typed PRNG keys: their uint32 words (a trailing axis more)
     name = _dtype_name(a.dtype, key)
     if len(a.sharding.device_set) == 1:
         return {"type": "array", "leaf": _host_leaf(a, key, name, leaves)}
@@ -182,76 +176,6 @@ def flatten_pytree_node(obj: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str
 
 # -- loading ---------------------------------------------------------------------------------
 
-Shard = tuple[tuple[int, ...], tuple[int, ...], int]  # saved box offset, extent, leaf index
-
-
-def _saved_shards(planner: ReadPlanner, node: dict[str, Any]) -> tuple[str, tuple[int, ...], list[Shard]]:
-    if node["type"] == "array":
-        leaf = planner.m.leaves[node["leaf"]]
-        return leaf.dtype, leaf.shape, [((0,) * len(leaf.shape), leaf.shape, node["leaf"])]
-    shards = [(tuple(sh["offset"]), tuple(sh["shape"]), sh["leaf"]) for sh in node["shards"]]
-    return node["dtype"], tuple(node["shape"]), shards
-
-
-def _mv(a: Any) -> memoryview:
-    return memoryview(a)
-
-
-def _plan_box(planner: ReadPlanner, key: str, name: str, shards: list[Shard],
-              lo: tuple[int, ...], ext: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    """Queue the reads that fill box ``lo``/``ext`` of the saved array; the thunk returns it.
-
-    A saved shard whose intersection with the box is a run of whole rows of both is read straight
-    into the box's memory (the common case: same sharding, or resharding along the first axis);
-    otherwise its covering rows go to a temporary and the intersection is copied out.
-    """
-    dtype = numpy_dtype(name)
-    itemsize = ITEMSIZE[name]
-    dest = np.empty(ext, dtype=dtype)
-    flat = dest.reshape(-1).view(np.uint8)
-    hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
-    copies: list[tuple[np.ndarray, tuple[slice, ...], tuple[slice, ...]]] = []
-    covered = 0
-    for so, ss, li in shards:
-        leaf = planner.m.leaves[li]
-        if leaf.shape != ss or leaf.dtype != name:
-            raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
-                                         f"its box says {list(ss)} {name}", path=planner.path, key=key)
-        ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
-        ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
-        if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
-            continue
-        n = math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
-        covered += n
-        if not ext:  # 0-d: the one element
-            a, b, row = 0, 1, itemsize
-        else:
-            a, b, row = ilo[0] - so[0], ihi[0] - so[0], math.prod(ss[1:]) * itemsize
-        whole = a == 0 and b == (ss[0] if ext else 1)
-        part = replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row, crc32c=leaf.crc32c if whole else None)
-        if not part.nbytes:
-            continue
-        planner._leaf(li)  # the data file is checked before anything is read from it
-        if ss[1:] == ext[1:] and so[1:] == lo[1:]:  # whole rows of both: straight into the box
-            start = (ilo[0] - lo[0]) * row if ext else 0
-            planner.reads.append(ReadRequest(part, _mv(flat[start:start + part.nbytes]), verify=whole))
-            continue
-        tmp = np.empty((b - a, *ss[1:]), dtype=dtype)
-        planner.reads.append(ReadRequest(part, _mv(tmp.reshape(-1).view(np.uint8)), verify=whole))
-        src = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
-        dst = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
-        copies.append((tmp, src, dst))
-    if covered != math.prod(ext):
-        raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
-                                     "process needs", path=planner.path, key=key)
-
-    def assemble() -> np.ndarray:
-        for tmp, src, dst in copies:
-            dest[dst] = tmp[src]
-        return dest
-    return assemble
-
-
 def _check(planner: ReadPlanner, key: str, name: str, shape: tuple[int, ...], tmpl: Any) -> None:
     want = torch_dtype_name(np.dtype(tmpl.dtype).name)
     if want != name:
@@ -263,7 +187,7 @@ def _check(planner: ReadPlanner, key: str, name: str, shape: tuple[int, ...], tm
 
 
 def _into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
-    name, shape, shards = _saved_shards(planner, node)
+    name, shape, shards = saved_shards(planner, node)
     _check(planner, key, name, shape, tmpl)
     sharding = getattr(tmpl, "sharding", None)
     if sharding is None:
@@ -273,12 +197,22 @@ def _into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         box = _box(tuple(index or ()), shape)
         if box not in boxes:  # replicas on this host share one read
-            boxes[box] = _plan_box(planner, key, name, shards, *box)
+            boxes[box] = plan_box(planner, key, name, shards, *box)
         wanted.append((device, box))
 
     def build() -> Any:
         host = {box: th() for box, th in boxes.items()}
-        arrays = [jax.device_put(host[box], device) for device, box in wanted]
+        first: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
+        arrays = []
+        for device, box in wanted:
+            # The first device of a box may adopt the fresh host buffer (zero-copy on CPU); its replicas
+            # are copied from that device, so no two devices share memory (device_put of one numpy
+            # buffer to two CPU devices aliases it twice, whatever may_alias says).
+            if box in first:
+                arrays.append(jax.device_put(first[box], device))
+            else:
+                first[box] = jax.device_put(host[box], device)
+                arrays.append(first[box])
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     return build
 
@@ -298,23 +232,31 @@ def _into_pytree_node(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key
     return lambda: jax.tree_util.tree_unflatten(treedef, [p() for p in parts])
 
 
-def _into_numpy(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
-    """A sharded JAX array into numpy: assembled whole (into ``tmpl`` when it is an array)."""
-    name, shape, shards = _saved_shards(planner, node)
-    if tmpl is not None:
-        _check(planner, key, name, shape, tmpl)
-    whole = _plan_box(planner, key, name, shards, (0,) * len(shape), shape)
-    if tmpl is None or not tmpl.flags.writeable:
-        return whole
-
-    def fill() -> Any:
-        np.copyto(tmpl, whole())
-        return tmpl
-    return fill
-
-
 def _is_ml_dtype(tmpl: Any) -> bool:
-    return isinstance(tmpl, np.ndarray) and any(tmpl.dtype == t for t in _ML_DTYPES.values())
+    return isinstance(tmpl, np.ndarray) and torch_dtype_name(tmpl.dtype.name) in ML_DTYPE_NAMES
+
+
+def _is_key_dtype(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _into_key(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+    """Typed PRNG keys: their saved uint32 words wrapped with the template's key implementation."""
+    words = planner.into_numpy(node, None, key)
+    impl = jax.random.key_impl(tmpl) if isinstance(tmpl, jax.Array) else getattr(tmpl.dtype, "_impl", None)
+    sharding = getattr(tmpl, "sharding", None)
+
+    def build() -> Any:
+        try:
+            keys = jax.random.wrap_key_data(words(), impl=impl)
+        except (TypeError, ValueError) as exc:
+            raise MismatchError(f"the saved words do not make {tmpl.dtype} keys of shape {list(tmpl.shape)}: {exc}",
+                                path=planner.path, key=key) from exc
+        if tuple(keys.shape) != tuple(tmpl.shape):
+            raise MismatchError(f"shape differs: checkpoint has {list(keys.shape)} keys, template has "
+                                f"{list(tmpl.shape)}", path=planner.path, key=key)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    return build
 
 
 def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
@@ -323,13 +265,9 @@ def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> 
         if t not in ("array", "sharded"):
             raise MismatchError(f"checkpoint has a {t} here but the template has an array",
                                 path=planner.path, key=key)
-        return _into_jax(planner, node, tmpl, key)
-    if t == "sharded" and node.get("kind") == "jax" and (tmpl is None or isinstance(tmpl, np.ndarray)):
-        return _into_numpy(planner, node, tmpl, key)
-    if t == "array" and (_is_ml_dtype(tmpl) if tmpl is not None else
-                         planner.m.leaves[node["leaf"]].kind == "numpy"
-                         and planner.m.leaves[node["leaf"]].dtype in _ML_DTYPES):
-        return _into_numpy(planner, node, tmpl, key)  # bf16 / fp8 as ml_dtypes, which numpy alone lacks
+        return _into_key(planner, node, tmpl, key) if _is_key_dtype(tmpl.dtype) else _into_jax(planner, node, tmpl, key)
+    if t == "array" and _is_ml_dtype(tmpl):
+        return planner.into_numpy(node, tmpl, key)  # restore's own rule refuses types numpy alone lacks
     if tmpl is not None and is_pytree_node_type(type(tmpl)):
         return _into_pytree_node(planner, node, tmpl, key)
     return None

@@ -36,7 +36,8 @@ from zerostall.restore.files import DataFiles
 from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations
 
 __all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
-           "register_node_reader"]
+           "register_node_reader", "Shard", "saved_shards", "plan_box", "numpy_dtype",
+           "ML_DTYPE_NAMES"]
 
 Thunk = Callable[[], Any]
 
@@ -189,7 +190,8 @@ class ReadPlanner:
                 if leaf.nbytes:
                     self.reads.append(ReadRequest(leaf, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
                 return lambda: t
-        a = np.empty(leaf.shape, dtype=to_numpy_dtype(leaf.dtype))
+        # numpy-kind bf16 / fp8 leaves come from JAX: back as the ml_dtypes types JAX uses
+        a = np.empty(leaf.shape, dtype=numpy_dtype(leaf.dtype) if leaf.kind == "numpy" else to_numpy_dtype(leaf.dtype))
         if leaf.nbytes:
             self.reads.append(ReadRequest(leaf, _bytes_of(a)))
         if leaf.kind == "numpy_scalar":
@@ -248,6 +250,8 @@ class ReadPlanner:
         None (the whole global tensor is assembled). Each shard is read as one contiguous byte
         range: exact rows for dim-0 sharding, the covering row range otherwise.
         """
+        if node.get("kind") == "jax" and (tmpl is None or isinstance(tmpl, np.ndarray)):
+            return self.into_numpy(node, tmpl, key)
         import torch
 
         gshape = tuple(node["shape"])
@@ -311,6 +315,25 @@ class ReadPlanner:
                         dest.copy_(tmp)
             return tmpl if tmpl is not None else dest
         return assemble
+
+    def into_numpy(self, node: dict[str, Any], tmpl: np.ndarray | None, key: str) -> Thunk:
+        """An ``array`` or ``sharded`` node as one numpy array (into ``tmpl`` when it is a writable
+        array), bf16 / fp8 as ``ml_dtypes`` types: sharded JAX arrays, JAX's low-precision types."""
+        name, shape, shards = saved_shards(self, node)
+        if tmpl is not None:
+            if tmpl.dtype != numpy_dtype(name):
+                raise self.mismatch(key, "dtype", f"{name} ({numpy_dtype(name)})", tmpl.dtype)
+            if tuple(tmpl.shape) != shape:
+                raise self.mismatch(key, "shape", list(shape), list(tmpl.shape))
+        whole = plan_box(self, key, name, shards, (0,) * len(shape), shape)
+        if tmpl is None or not tmpl.flags.writeable:
+            return whole
+        dest = tmpl
+
+        def fill() -> Any:
+            np.copyto(dest, whole())
+            return dest
+        return fill
 
     def _custom(self, node: dict[str, Any], key: str) -> Thunk:
         handler = handler_by_name(node["handler"])
@@ -379,3 +402,103 @@ class ReadPlanner:
         else:
             kind = list if t == "list" else tuple  # a namedtuple without template comes back as a tuple
         return lambda: kind(p() for p in parts)
+
+
+# -- boxes into numpy (JAX arrays, and sharded nodes of JAX checkpoints without a template) ----
+
+#: safetensors names of the types numpy lacks, and their ml_dtypes names
+ML_DTYPE_NAMES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                   "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu"}
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a safetensors name: bf16 / fp8 as ``ml_dtypes`` types where installed
+    (jax's own), else the same-size unsigned ints of :func:`~zerostall.dtypes.to_numpy_dtype`."""
+    ml = ML_DTYPE_NAMES.get(name)
+    if ml is not None:
+        try:
+            import ml_dtypes
+        except ImportError:
+            return to_numpy_dtype(name)
+        dt: np.dtype[Any] = np.dtype(getattr(ml_dtypes, ml))
+        return dt
+    return to_numpy_dtype(name)
+
+
+Shard = tuple[tuple[int, ...], tuple[int, ...], int]  # saved box offset, extent, leaf index
+
+
+def saved_shards(planner: ReadPlanner, node: dict[str, Any]) -> tuple[str, tuple[int, ...], list[Shard]]:
+    if node["type"] == "array":
+        leaf = planner.m.leaves[node["leaf"]]
+        return leaf.dtype, leaf.shape, [((0,) * len(leaf.shape), leaf.shape, node["leaf"])]
+    shards = [(tuple(sh["offset"]), tuple(sh["shape"]), sh["leaf"]) for sh in node["shards"]]
+    return node["dtype"], tuple(node["shape"]), shards
+
+
+def _as_view(a: Any) -> memoryview:
+    return memoryview(a)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised array starting on a 64-byte boundary: what ``jax.device_put`` on CPU adopts
+    without a copy (numpy itself aligns to 16)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def plan_box(planner: ReadPlanner, key: str, name: str, shards: list[Shard],
+              lo: tuple[int, ...], ext: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    """Queue the reads that fill box ``lo``/``ext`` of the saved array; the thunk returns it.
+
+    A saved shard whose intersection with the box is a run of whole rows of both is read straight
+    into the box's memory (the common case: same sharding, or resharding along the first axis);
+    otherwise its covering rows go to a temporary and the intersection is copied out.
+    """
+    dtype = numpy_dtype(name)
+    itemsize = ITEMSIZE[name]
+    dest = _aligned_empty(ext, dtype)
+    flat = dest.reshape(-1).view(np.uint8)
+    hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
+    copies: list[tuple[np.ndarray, tuple[slice, ...], tuple[slice, ...]]] = []
+    covered = 0
+    for so, ss, li in shards:
+        leaf = planner.m.leaves[li]
+        if leaf.shape != ss or leaf.dtype != name:
+            raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
+                                         f"its box says {list(ss)} {name}", path=planner.path, key=key)
+        ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
+        ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
+        if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
+            continue
+        n = math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
+        covered += n
+        if not ext:  # 0-d: the one element
+            a, b, row = 0, 1, itemsize
+        else:
+            a, b, row = ilo[0] - so[0], ihi[0] - so[0], math.prod(ss[1:]) * itemsize
+        whole = a == 0 and b == (ss[0] if ext else 1)
+        part = dataclasses.replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row, crc32c=leaf.crc32c if whole else None)
+        if not part.nbytes:
+            continue
+        planner._leaf(li)  # the data file is checked before anything is read from it
+        if ss[1:] == ext[1:] and so[1:] == lo[1:]:  # whole rows of both: straight into the box
+            start = (ilo[0] - lo[0]) * row if ext else 0
+            planner.reads.append(ReadRequest(part, _as_view(flat[start:start + part.nbytes]), verify=whole))
+            continue
+        tmp = np.empty((b - a, *ss[1:]), dtype=dtype)
+        planner.reads.append(ReadRequest(part, _as_view(tmp.reshape(-1).view(np.uint8)), verify=whole))
+        src = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
+        dst = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
+        copies.append((tmp, src, dst))
+    if covered != math.prod(ext):
+        raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
+                                     "process needs", path=planner.path, key=key)
+
+    def assemble() -> np.ndarray:
+        for tmp, src, dst in copies:
+            dest[dst] = tmp[src]
+        return dest
+    return assemble
