@@ -50,7 +50,8 @@ NONE_WINDOW_S = PRE_S + 2.0 + POST_S
 #: Any measured system can run here: the trainer is torch, but the checkpoint is the synthetic
 #: state, handed to each system in its own array type (``System.native``: jax arrays for Orbax),
 #: so a jax checkpointer competes with the torch trainer for the cores like any other.
-SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "orbax_save", "orbax_async", "zerostall"]
+SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "orbax_save", "orbax_async", "zerostall",
+           "zerostall_idle"]
 DEFAULT = ["none", "torch_save", "dcp_async_stager", "zerostall"]
 
 
@@ -87,13 +88,13 @@ class Trainer:
 def _make_system(name: str) -> measure.System | None:
     if name == "none":
         return None
-    if name == "zerostall":
-        from benchmarks.zs import Zerostall, available
+    if name in ("zerostall", "zerostall_idle"):
+        from benchmarks.zs import Zerostall, ZerostallIdle, available
 
         why = available()
         if why:
             raise RuntimeError(why)
-        return Zerostall()
+        return ZerostallIdle() if name == "zerostall_idle" else Zerostall()
     from benchmarks.peers import FACTORIES, orbax_missing
 
     why = orbax_missing() if name.startswith("orbax") else None

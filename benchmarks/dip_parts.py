@@ -1,6 +1,6 @@
 """What each part of a background persist costs a CPU-bound trainer, measured one part at a time.
 
-    python benchmarks/dip_parts.py [--gib 1] [--repeats 6] [--dir /tmp]
+    python benchmarks/dip_parts.py [--gib 1] [--repeats 6] [--dir /tmp] [--sched batch|idle]
 
 The trainer of ``benchmarks.dip`` (two torch threads) runs while a helper process, started once
 with the writer's priority (nice +10, ``SCHED_BATCH``) and holding a pre-filled shared buffer of
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 _HELPER = r"""
 import mmap, os, sys, time
 import crc32c
-n, d = int(sys.argv[1]), sys.argv[2]
+n, d, sched = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 m = mmap.mmap(-1, n)
 block = os.urandom(1 << 20)
 for off in range(0, n, 1 << 20):
@@ -43,7 +43,7 @@ for off in range(0, n, 1 << 20):
 view = memoryview(m)
 os.nice(10)
 try:
-    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    os.sched_setscheduler(0, {"batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}[sched], os.sched_param(0))
 except (AttributeError, OSError):
     pass
 k = 0
@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--sched", choices=["batch", "idle"], default="batch",
+                    help="the helper's scheduling class (the writer's SaveOptions.writer_sched)")
     args = ap.parse_args()
 
     import torch
@@ -87,7 +89,7 @@ def main() -> None:
     trainer.run_for(1.0)
     n = int(args.gib * (1 << 30)) // (64 << 20) * (64 << 20)
     d = tempfile.mkdtemp(dir=args.dir)
-    helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(n), d], stdin=subprocess.PIPE,
+    helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(n), d, args.sched], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert helper.stdin is not None and helper.stdout is not None
     try:
@@ -124,7 +126,7 @@ def main() -> None:
                 base += trainer.run_for(1.5)
                 lost[op].append(elapsed - iters * statistics.fmean(base))
                 took[op].append(box["s"])
-        print(f"{n / 2**30:.2f} GiB, {args.repeats} repeats, trainer iteration "
+        print(f"{n / 2**30:.2f} GiB, helper {args.sched}, {args.repeats} repeats, trainer iteration "
               f"{statistics.fmean(base) * 1e3:.0f} ms; memcpy (the stall floor) {memcpy_s:.3f} s")
         for op in OPS:
             print(f"  {op:10} training lost median {statistics.median(lost[op]):6.3f} s "

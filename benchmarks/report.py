@@ -101,6 +101,23 @@ def summarize_system(r: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
                                       _div(s["ckpt_first_commit_s"], s["ckpt_later_commit_s"]) or 0)
     elif ck.get("error"):
         s["ckpt_error"] = ck["error"]
+    fp = r.get("free_prepared_first_save") or {}
+    if fp.get("saves") and len(fp["saves"]) >= 2:
+        later = fp["saves"][1:]
+        s["free_prepare_s"] = fp.get("prepare_s")
+        s["free_prep_first_stall_s"] = fp["saves"][0]["stall_s"]
+        s["free_prep_first_commit_s"] = fp["saves"][0]["commit_s"]
+        s["free_prep_later_stall_s"] = median(x["stall_s"] for x in later)
+        s["free_prep_later_commit_s"] = median(x["commit_s"] for x in later)
+        s["free_prep_first_x_later"] = max(
+            _div(s["free_prep_first_stall_s"], s["free_prep_later_stall_s"]) or 0,
+            _div(s["free_prep_first_commit_s"], s["free_prep_later_commit_s"]) or 0)
+    b2b = ck.get("back_to_back_stall_s") or []
+    if len(b2b) >= 3:  # the first two saves after Checkpointer() vs the warm ones after them
+        s["ckpt_open_s"] = ck.get("open_s")
+        s["ckpt_b2b_early_s"] = max(b2b[:2])
+        s["ckpt_b2b_warm_s"] = median(b2b[2:])
+        s["ckpt_b2b_x_warm"] = _div(s["ckpt_b2b_early_s"], s["ckpt_b2b_warm_s"])
     s["trainer_rss_extra"] = max(x["trainer_rss_extra"] for x in [r["first_save"], *saves])
     # Steady state: the first save's children peak can include a process start (kept apart).
     s["children_rss_peak"] = max(x["children_rss_peak"] for x in saves)
@@ -239,6 +256,18 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
                 f"Checkpointer + prepare() ({zs['ckpt_prepare_s']:.2f}s, before training): first stall "
                 f"{zs['ckpt_first_stall_s']:.3f}s / commit {zs['ckpt_first_commit_s']:.3f}s vs later "
                 f"{zs['ckpt_later_stall_s']:.3f}s / {zs['ckpt_later_commit_s']:.3f}s")
+        if zs.get("ckpt_b2b_x_warm") is not None:
+            v = zs["ckpt_b2b_x_warm"]
+            add("saves right after Checkpointer() <= 2x warm", size, v, "<= 2", v <= FIRST_MAX_X_LATER,
+                f"back to back, no result() between: worst of the first two stalls {zs['ckpt_b2b_early_s']:.3f}s "
+                f"vs warm {zs['ckpt_b2b_warm_s']:.3f}s (Checkpointer() itself {_f(zs.get('ckpt_open_s'))}s, "
+                "writer start-up included)")
+        if zs.get("free_prep_first_x_later") is not None:
+            v = zs["free_prep_first_x_later"]
+            add("first save <= 2x later (free functions + prepare())", size, v, "<= 2", v <= FIRST_MAX_X_LATER,
+                f"zerostall.prepare(state) ({_f(zs.get('free_prepare_s'))}s): first stall "
+                f"{zs['free_prep_first_stall_s']:.3f}s / commit {zs['free_prep_first_commit_s']:.3f}s vs later "
+                f"{zs['free_prep_later_stall_s']:.3f}s / {zs['free_prep_later_commit_s']:.3f}s")
         v = max(zs["first_x_later_stall"] or 0, zs["first_x_later_commit"] or 0)
         rows.append({"target": "(info) first save, free functions (no prepare)", "size": size, "value": v,
                      "limit": "-", "verdict": "info",

@@ -9,6 +9,8 @@ from zerostall._version import __version__
 from zerostall.api import (
     load_checkpointables,
     load_pytree,
+    prepare,
+    release_buffers,
     save_checkpointables,
     save_checkpointables_async,
     save_pytree,
@@ -22,13 +24,15 @@ from zerostall.errors import (
     CorruptCheckpointError,
     MismatchError,
     MissingKeyError,
+    NoValidCheckpointError,
     StorageError,
+    TornSnapshotError,
     UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
 )
-from zerostall.options import DistributedOptions, LoadOptions, Replicated, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -37,12 +41,25 @@ __all__ = [
     # saving and loading
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
     "load_pytree", "load_checkpointables",
+    "prepare", "release_buffers",
     "Checkpointer", "Response", "SaveStats",
     # configuration and extension
     "SaveOptions", "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler",
-    "unregister_handler",
+    "unregister_handler", "MemoryTier",
     # errors
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
+    "NoValidCheckpointError",
+    # overlapped staging
+    "Staging", "TornSnapshotError",
 ]
+
+from zerostall.errors import BackgroundSaveError, ReadOnlyError
+
+__all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+from zerostall.api import load_metadata  # noqa: E402 - added apart from the block above to keep merges simple
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, MetadataTypeError  # noqa: E402
+
+__all__ += ["load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]

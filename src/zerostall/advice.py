@@ -51,7 +51,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from zerostall.errors import ZerostallError
+from zerostall.errors import AdviceError
 
 __all__ = [
     "AdviceError",
@@ -82,11 +82,6 @@ out. Pass the fraction your restarts show.
 """
 
 _MAX_PERSIST_EVERY = 1_000_000
-
-
-class AdviceError(ZerostallError, ValueError):
-    """An input to the advisor is out of range (an MTBF <= 0, a negative cost, time running
-    backwards). ``key`` names the argument."""
 
 
 # -- inputs and outputs ------------------------------------------------------------------------

@@ -3,21 +3,59 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
+import sys
+import threading
+import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
-from zerostall.api import PYTREE
-from zerostall.commit import committed_steps, step_name
-from zerostall.distributed import DistContext, active, agree_steps, load
+from zerostall.advice import Advice, AutoInterval, CadenceEstimator, MeasuredCosts, Model, advise
+from zerostall.api import PYTREE, load_newest_valid
+from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
+from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
+from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
-from zerostall.errors import CheckpointNotFoundError
-from zerostall.options import DistributedOptions, LoadOptions, RetentionPolicy, SaveOptions
+from zerostall.errors import (
+    AdviceError,
+    BackgroundSaveError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NoValidCheckpointError,
+    ReadOnlyError,
+    StorageError,
+    ZerostallError,
+)
+from zerostall.manifest import parse_manifest
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
+from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage
+from zerostall.storage.image import open_image
+from zerostall.validate import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_items,
+    check_number,
+    check_optional_int,
+    check_path,
+    check_step,
+    clean_metadata,
+)
 
 __all__ = ["Checkpointer"]
+
+log = logging.getLogger("zerostall")
+
+#: how long opening a Checkpointer waits for its writer to say hello (a slower start is not an error)
+_WRITER_READY_TIMEOUT_S = 60.0
 
 
 class Checkpointer:
@@ -34,16 +72,47 @@ class Checkpointer:
             (default: the world); shorthand for ``distributed=DistributedOptions(process_group=...)``
             in both option sets. Saves and loads are collective whenever torch.distributed is
             initialized: every rank calls them with the same step (docs/distributed.md).
+        on_error: called with a :class:`~zerostall.errors.BackgroundSaveError` for each save that
+            fails in the background, instead of raising it later (for loops that log and go
+            on). Runs on the writer's listener thread as the failure arrives: keep it short.
+        read_only: only list and load: no writer is started, the directory is not created, and
+            ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
+        memory_tier: checkpoint every save into this host's memory and persist only some (see
+            :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
+            then restores the newest step from memory. Needs the process writer.
+        save_interval: ``"auto"``: :meth:`should_save` follows the interval advisor
+            (:meth:`advice`; docs/advice.md): a warm-up that measures what saves cost this job,
+            then the interval that minimises the expected time lost for ``mtbf_s``, recomputed
+            as the measured costs drift. Excludes ``save_interval_steps``.
+        mtbf_s: the job's mean time between failures in seconds (the whole job's: a node's MTBF
+            over the number of nodes); needed by ``save_interval="auto"``, the default of
+            :meth:`advice`.
+        costs: with ``save_interval="auto"``, use these costs (a :class:`~zerostall.advice.MeasuredCosts`,
+            say a previous run's ``advice().costs``) instead of measuring them: no warm-up, the
+            interval is fixed by them and ``mtbf_s``.
 
     Raises:
-        ValueError: an argument is out of range.
-        StorageError: the directory cannot be created.
+        ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
+            naming it) or of the wrong type (:class:`~zerostall.errors.ArgumentTypeError`, also a
+            ``TypeError``: ``keep_last=2.5``).
+        StorageError: the location cannot be reached, created or written (a missing bucket,
+            refused credentials, an unreachable endpoint, a regular file in the way, ...);
+            ``errno`` and ``path`` say which. Raised here, not at the first save.
+        CheckpointNotFoundError: ``read_only`` and the local directory does not exist.
 
-    The writer process starts here, so the first save does not pay for it. Partial saves left by
-    writers that are provably gone, on any host, are removed here (:mod:`zerostall.persist.gc`;
-    ``gc_report`` says what was removed and what was kept for live writers). Saves are
-    unconditional: call :meth:`should_save` to follow the interval. Use as a context manager;
-    leaving it waits for in-flight saves.
+    The writer process starts here and the constructor returns once it is up (~0.3 s), so no
+    save waits for it. Partial saves left by writers that are provably gone, on any host, are removed here
+    (:mod:`zerostall.persist.gc`; ``gc_report`` says what was removed and what was kept for live
+    writers).
+    Saves are unconditional: call :meth:`should_save` to follow the interval. Use as a context
+    manager; leaving it waits for in-flight saves.
+
+    **Errors from background saves.** A save that fails after ``save_*_async`` returned is
+    raised by its response's ``result()``. If that never happens, the next ``save_*``,
+    :meth:`wait`, :meth:`close` or the end of the ``with`` block raises
+    :class:`~zerostall.errors.BackgroundSaveError` naming the step and the cause (once per
+    failure; a ``with`` block that is already raising keeps its own exception and the failure
+    is logged). ``on_error`` receives them instead. See docs/guarantees.md.
 
     Example::
 
@@ -67,16 +136,29 @@ class Checkpointer:
         save_options: SaveOptions | None = None,
         load_options: LoadOptions | None = None,
         process_group: Any = None,
+        on_error: Callable[[BackgroundSaveError], None] | None = None,
+        read_only: bool = False,
+        memory_tier: MemoryTier | None = None,
+        save_interval: Literal["auto"] | None = None,
+        mtbf_s: float | None = None,
+        costs: MeasuredCosts | None = None,
     ) -> None:
+        directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+                                save_interval_steps=save_interval_steps, save_options=save_options,
+                                load_options=load_options, on_error=on_error, read_only=read_only)
+        _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
+                            save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
         self.directory = os.fspath(directory)
         local = local_path(self.directory)
         if local is not None:
-            os.makedirs(local, exist_ok=True)
             self.directory = local
+        self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
+        so0 = save_options or SaveOptions()
+        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -84,13 +166,39 @@ class Checkpointer:
             load_options = dataclasses.replace(lo, distributed=dataclasses.replace(
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
-        self._storage = open_storage(self.directory)
-        # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
-        self.gc_report = collect_at_start(self._storage)
         so = save_options or SaveOptions()
+        self.memory_tier = memory_tier
+        keeper: KeeperSpec | None = None
+        if memory_tier is not None:
+            if not isinstance(memory_tier, MemoryTier):
+                raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
+            if so.writer is not WriterKind.PROCESS:
+                raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                                 "the memory must outlive the trainer")
+            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
+        self._last_persist = time.monotonic()
         self._save_dist = so.distributed
-        self._engine = Engine(so, prewarm=True, coordinator=DistContext(so.distributed))
+        # The writer starts first: its interpreter boots while the storage is probed below.
+        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed),
+                              keeper=keeper)
+        self._engine.on_error = on_error
+        try:
+            self._storage = open_storage(self.directory)
+            check_reachable(self._storage, write=not self.read_only, path=self.directory)
+            if self.read_only and local is not None and not os.path.isdir(local):
+                raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
+                                              path=self.directory)
+            # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
+            self.gc_report = collect_at_start(self._storage) if not self.read_only else None
+        except BaseException:
+            self._engine.close()
+            raise
         self._committed: deque[Response] = deque(maxlen=100)
+        # Wait for the writer's hello so that no save waits for the writer to boot (the first
+        # save's slot is released only once the writer has written it).
+        self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
+        self.last_loaded_step: int | None = None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -100,7 +208,16 @@ class Checkpointer:
         A pure function of ``step`` and ``save_interval_steps`` (no storage, no collective), so
         every rank passing the same step gets the same answer; under torch.distributed the
         starting step comes from the collective :meth:`latest_step`.
+
+        Call it once per step, after the step: it also times the steps for :meth:`advice`.
+        With ``save_interval="auto"`` the answer follows the advisor (a warm-up that measures,
+        then the advised interval; a due save waits while ``max_in_flight`` saves are in
+        flight); under torch.distributed it is then rank 0's answer, broadcast to the group at
+        every call, so every rank must call it at every step.
         """
+        if self._cadence.auto is not None:
+            return self._should_save_auto(step)
+        self._cadence.observe_step(step)
         return self.save_interval_steps is None or step % self.save_interval_steps == 0
 
     def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
@@ -112,7 +229,8 @@ class Checkpointer:
         save allocates.
         """
         if (items is None) == (tree is None):
-            raise ValueError("pass exactly one of items or tree=")
+            raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
+        self._check_writable(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
@@ -121,14 +239,28 @@ class Checkpointer:
 
         Raises:
             ValueError: ``step`` is not a non-negative int.
+            BackgroundSaveError: an earlier save failed in the background and nobody received
+                its error (see the class docstring); nothing was saved by this call.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        meta = dict(metadata or {}, step=step)
-        r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                    retention=self.retention)
+        step = check_step(step, path=self.directory)
+        check_items(items, self._step_path(step))
+        self._check_writable(step)
+        meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
+        t_start = self._cadence.clock()
+        if self.memory_tier is not None:
+            persist = self._persists(step)
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention, memory=True, persist=persist)
+            if persist:
+                self._last_persist = time.monotonic()
+        else:
+            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                        retention=self.retention)
+        self._cadence.started()
         r._add_before_done(self._record)
+        r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc))
         return r
 
     def save_checkpointables(self, step: int, items: dict[str, Any], *, metadata: dict[str, Any] | None = None) -> None:
@@ -139,6 +271,20 @@ class Checkpointer:
 
     def save_pytree(self, step: int, tree: Any, *, metadata: dict[str, Any] | None = None) -> None:
         self.save_pytree_async(step, tree, metadata=metadata).result()
+
+    def _persists(self, step: int) -> bool:
+        """Whether a memory-tier save of ``step`` also goes to storage."""
+        mt = self.memory_tier
+        assert mt is not None
+        if step % mt.persist_interval_steps == 0:
+            return True
+        if mt.persist_interval_s is None:
+            return False
+        dopts = self._engine.options.distributed
+        if active(dopts):
+            raise ValueError("MemoryTier(persist_interval_s=...) cannot be used under torch.distributed: the "
+                             "ranks must agree on which saves persist; use persist_interval_steps")
+        return time.monotonic() - self._last_persist >= mt.persist_interval_s
 
     def _record(self, r: Response, exc: BaseException | None) -> None:
         if exc is None:
@@ -152,12 +298,17 @@ class Checkpointer:
     # -- loading -----------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending. In-flight and partial saves are never listed.
+        """Committed steps, ascending (with a memory tier: storage's and the one this host's memory
+        holds). In-flight and partial saves are never listed.
 
         Under torch.distributed this is collective (every rank must call it) and every rank gets
-        the same answer: the steps committed in every rank's view of the storage.
+        the same answer: the steps committed in every rank's view (so a step only in memory counts
+        only if every rank's memory holds it).
         """
         local = committed_steps(self._storage)
+        mem = self.memory_step()
+        if mem is not None and mem not in local:
+            local = sorted([*local, mem])
         dopts = self._dist_options()
         return agree_steps(local, dopts) if active(dopts) else local
 
@@ -166,39 +317,213 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None (under torch.distributed: collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None.
+
+        Under torch.distributed this is collective (every rank calls it) and every rank gets the
+        same answer. With a memory tier: the memory tier's step if every rank holds it and it is
+        not older than storage's newest, else storage's newest.
+        """
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._agree(None)[0]
         s = self.steps()
         return s[-1] if s else None
 
+    def _load_dopts(self) -> DistributedOptions | None:
+        return self.load_options.distributed if self.load_options is not None else None
+
+    def _agree(self, step: int | None) -> tuple[int | None, bool]:
+        """Collectively: which step to load (``step``, or the latest) and whether every rank
+        reads it from its memory tier (only if every rank holds it; else storage for all)."""
+        dopts = self._load_dopts()
+        stored = committed_steps(self._storage)
+        gathered = gather_objects((self.memory_step(), stored[-1] if stored else None), dopts)
+        held = [g[0] for g in gathered]
+        everywhere = held[0] if held[0] is not None and all(h == held[0] for h in held) else None
+        newest_stored = gathered[0][1]  # rank 0's view of the shared storage, as agree_step
+        if step is None:
+            if everywhere is not None and (newest_stored is None or everywhere >= newest_stored):
+                return everywhere, True
+            return newest_stored, False
+        return step, everywhere == step
+
+    def memory_step(self) -> int | None:
+        """The step this host's memory tier holds (None: no memory tier, or nothing held).
+
+        Waits for the saves already handed to the writer to finish first.
+        """
+        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
+            return None
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        return img.step
+
     def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            step = check_step(step, path=self.directory)
         if step is None:
             step = self.latest_step()  # collective under torch.distributed: every rank loads the same step
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step
 
-    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None, *,
+                             fallback: bool = False) -> dict[str, Any]:
         """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`.
+
+        ``fallback=True``: if that step is corrupt or gone, the next older committed step that
+        loads instead, logged (WARNING, ``zerostall`` logger); :attr:`last_loaded_step` says which.
 
         Raises:
             CheckpointNotFoundError: no step is committed (or not ``step``).
+            NoValidCheckpointError: ``fallback=True`` and no step from ``step`` down loads.
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        return load(self.directory, step_name(self._resolve(step)), items, self.load_options)
+        if fallback:
+            name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
+            self.last_loaded_step = parse_step(name)
+            return out
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._load_collective(step, items)
+        resolved = self._resolve(step)
+        got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
+        out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+        self.last_loaded_step = resolved
+        return out
 
-    def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
-        """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
-        return self.load_checkpointables(step, {PYTREE: template})[PYTREE]
+    def _load_collective(self, step: int | None, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load with a memory tier: every rank from its own memory, or all from storage."""
+        agreed, from_memory = self._agree(step)
+        if agreed is None:
+            raise CheckpointNotFoundError("no committed step to load", path=self.directory)
+        if not from_memory:
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        out: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            out = self._load_from_memory(agreed, items, collective=True)
+            if out is None:  # the keeper let go of it since we agreed (it died)
+                raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                              path=f"{self.directory}/{step_name(agreed)}")
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            err = exc
+        raise_together(err, self._load_dopts(), f"{self.directory}/{step_name(agreed)}")
+        assert out is not None
+        return out
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage).
+
+        Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
+        rank then restores the tree it saved from its own memory, with no collective traffic.
+        """
+        if not collective and active(self._load_dopts()):
+            return None
+        got = self._engine.writer.query_image() if not self._engine.closed else None
+        if got is None:
+            return None
+        img, fds = got
+        if img.step != step:
+            for fd in fds:
+                os.close(fd)
+            return None
+        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        with open_image(img.name, img.manifest.encode(), files) as image:
+            return load_items(image.url, img.name, items, self.load_options)
+
+    def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
+        """Load ``step`` (default: latest committed) into ``template`` in place, if given.
+
+        ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
+        """
+        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+
+    def _agreed_steps(self) -> list[int]:
+        steps = self.steps()
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # every rank walks the steps rank 0 sees
+            steps = agree_step(steps, dopts)
+        return list(steps)
+
+    def _fallback_names(self, step: int | None) -> list[str]:
+        steps = self._agreed_steps()
+        if step is None:
+            return [step_name(s) for s in reversed(steps)]
+        return [step_name(step), *(step_name(s) for s in reversed(steps) if s < step)]
+
+    def latest_valid_step(self) -> int | None:
+        """The newest committed step whose every file and leaf checksum verifies, or None if none is committed.
+
+        Reads every byte of each step it checks (newest first, stopping at the first good one);
+        each step skipped is logged (WARNING, ``zerostall`` logger) with what is wrong with it.
+        Under torch.distributed, rank 0 verifies and every rank gets its answer.
+
+        Raises:
+            NoValidCheckpointError: steps are committed but none verifies (the message names each
+                step and its first problem).
+
+        Example::
+
+            >>> step = ckpt.latest_valid_step()                                # doctest: +SKIP
+            >>> if step is not None:                                           # doctest: +SKIP
+            ...     ckpt.load_pytree(step, template=state)
+        """
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):
+            import torch.distributed as dist
+
+            group = dopts.process_group if dopts is not None else None
+            answer = self._verify_newest_first() if dist.get_rank(group) == 0 else None
+            agreed: tuple[int | None, list[str]] = agree_step(answer, dopts)
+            step, failures = agreed
+        else:
+            step, failures = self._verify_newest_first()
+        if step is None and failures:
+            raise NoValidCheckpointError(f"no committed step verifies ({len(failures)} checked, newest first: "
+                                         f"{'; '.join(failures)})", path=self.directory)
+        return step
+
+    def _verify_newest_first(self) -> tuple[int | None, list[str]]:
+        failures: list[str] = []
+        for s in reversed(self.steps()):
+            path = f"{self.directory.rstrip('/')}/{step_name(s)}"
+            try:
+                report = verify_checkpoint(path)
+                problem = None if report.ok else f"{len(report.problems)} problem(s), first: {report.problems[0]}"
+            except ZerostallError as exc:  # manifest gone or malformed
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                return s, failures
+            failures.append(f"step {s}: {problem}")
+            log.warning("latest_valid_step: step %d of %s does not verify: %s", s, self.directory, problem)
+        return None, failures
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every in-flight save has committed or failed."""
+        """Block until every in-flight save has committed or failed.
+
+        Raises:
+            BackgroundSaveError: a save failed in the background and its response never raised
+                it (unless ``on_error`` took it); names the step and the cause.
+        """
+        if timeout is not None:
+            check_number("timeout", timeout)
         self._engine.wait(timeout)
+        self._engine.raise_failures()
 
     def close(self) -> None:
-        """Wait for in-flight saves, then stop the writer and free the buffers."""
+        """Wait for in-flight saves, then stop the writer and free the buffers.
+
+        Raises:
+            BackgroundSaveError: as :meth:`wait` (the writer is stopped all the same).
+        """
         self._engine.close()
+        self._engine.raise_failures()
 
     @property
     def keep_last(self) -> int | None:
@@ -211,5 +536,273 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and self.memory_tier is not None and not self._engine.closed:
+            # Leaving on an error (torchrun's SIGTERM included) is a crash to the memory tier: the
+            # keeper keeps the newest step for a restart instead of persisting it and exiting.
+            self._engine.wait()
+            self._engine.writer.abandon()
+        if exc_type is None:
+            self.close()  # raises an unreceived background failure
+            return
+        try:
+            self.close()
+        except BackgroundSaveError as err:
+            # The block is already raising: its exception is kept; the failure is logged.
+            log.error("zerostall: %s (not raised: the with block raised %s)", err, exc_type.__name__)
+
+    def _check_writable(self, step: int | None) -> None:
+        if self.read_only:
+            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
+                                errno=errno.EROFS, path=self.directory if step is None
+                                else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+    # -- metadata and deletion (issue 12) ----------------------------------------------------
+
+    def _step_path(self, step: int) -> str:
+        return f"{self.directory.rstrip('/')}/{step_name(step)}"
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The ``metadata=`` saved with ``step`` (default: the latest committed), ``"step"`` included.
+
+        Reads the manifest only (no array data). Not collective: any rank may call it alone
+        (with ``step=None`` it lists this rank's view of the storage, not the agreed one).
+
+        Raises:
+            CheckpointNotFoundError: no step is committed (or not ``step``).
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            CorruptCheckpointError, UnsupportedFormatError, StorageError: as a load.
+
+        Example::
+
+            >>> ckpt.save_pytree(100, state, metadata={"loss": 0.25})    # doctest: +SKIP
+            >>> ckpt.metadata(100)                                       # doctest: +SKIP
+            {'loss': 0.25, 'step': 100}
+        """
+        mem = self._memory_metadata() if self.memory_tier is not None else None
+        if step is None:
+            steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
+            if not steps:
+                raise CheckpointNotFoundError("no committed step", path=self.directory)
+            step = max(steps)
+        step = check_step(step, path=self.directory)
+        if mem is not None and mem[0] == step:
+            return mem[1]
+        return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        if img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
+
+    def delete(self, step: int) -> None:
+        """Delete the committed ``step``: it stops being listed at once, then its files are removed.
+
+        Not collective: under torch.distributed call it on one rank (the storage is shared),
+        then make the others wait (a barrier) before they list steps. A save of ``step`` that
+        is still in flight is not a committed step: wait for it first.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed here.
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
+            StorageError: the storage failed (the step is then either whole or no longer listed).
+
+        Example::
+
+            >>> ckpt.delete(100)        # doctest: +SKIP
+        """
+        step = check_step(step, path=self.directory)
+        self._check_writable(step)
+        path = self._step_path(step)
+        if step not in committed_steps(self._storage):
+            raise CheckpointNotFoundError("no committed step to delete", path=path)
+        try:
+            delete_checkpoint(self._storage, step_name(step))
+        except OSError as exc:
+            raise StorageError(f"cannot delete: {exc.strerror or exc}", errno=exc.errno, path=path) from exc
+        log.info("zerostall: deleted %s", path)
+
+
+    # -- the interval advisor ------------------------------------------------------------------
+
+    def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
+               model: Model | None = None) -> Advice:
+        """How often this job should save, and what that is expected to cost (docs/advice.md).
+
+        Works from the costs measured on this Checkpointer: the iteration time between
+        :meth:`should_save` calls with no save in flight, and per save the time the training
+        thread was blocked (``SaveStats.stall_s``), the time until it was committed, and the
+        training lost while it persisted (the slowdown of the iterations it overlapped). Call
+        :meth:`should_save` once per step (after the step), whatever the interval, so the steps
+        are timed.
+
+        Args:
+            mtbf_s: the job's mean time between failures (default: the constructor's ``mtbf_s``).
+            costs: use these instead of the measured (or constructor-given) costs.
+            model: ``None`` picks Daly's; ``Model.YOUNG`` for the first-order one.
+
+        Returns:
+            The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
+            ``overhead``, ``save_overhead``, ``work_lost_s`` and the ``costs`` used.
+
+        Raises:
+            AdviceError: no ``mtbf_s`` (key ``mtbf_s``), or not enough measured yet: at least 8
+                steps with no save in flight and 3 saves whose persisting the steps covered (key
+                ``costs``).
+
+        Example::
+
+            >>> a = ckpt.advice(mtbf_s=3 * 3600)        # doctest: +SKIP
+            >>> a.interval_steps, a.summary()           # doctest: +SKIP
+            (21, 'save every 21 steps (212 s); expected overhead 7.77%, ...')
+        """
+        m = mtbf_s if mtbf_s is not None else self._cadence.mtbf_s
+        if m is None:
+            raise AdviceError("advice() needs mtbf_s (here or in Checkpointer(mtbf_s=...))", key="mtbf_s",
+                              path=self.directory)
+        c = costs if costs is not None else self._cadence.costs()
+        if c is None:
+            est = self._cadence.estimator
+            raise AdviceError(
+                f"not enough measured yet to advise: {est.saves_observed()} save(s) observed, iteration time "
+                f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
+                "after every step and save a few times (at least 8 steps without a save in flight and 3 "
+                "saves covered by later steps)", key="costs", path=self.directory)
+        return advise(c, mtbf_s=m, model=model)
+
+    def _should_save_auto(self, step: int) -> bool:
+        decide = self._cadence.decide(step)
+        dopts = self._save_dist
+        if active(dopts):
+            # Every rank must save the same steps: rank 0's measurements decide (one broadcast per call).
+            decide = bool(agree_step(decide, dopts))
+        return decide
+
+
+#: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
+RESERVED_METADATA_KEYS = ("step",)
+
+
+def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: object, save_interval_steps: object,
+                save_options: object, load_options: object, on_error: object, read_only: object) -> str:
+    """Type and range checks of the constructor's arguments, before anything starts."""
+    path = check_path(directory, "directory")
+    check_optional_int("keep_last", keep_last, lo=1, path=path)
+    check_optional_int("keep_every_n_steps", keep_every_n_steps, lo=1, path=path)
+    check_optional_int("save_interval_steps", save_interval_steps, lo=1, path=path)
+    check_instance("save_options", save_options, SaveOptions)
+    check_instance("load_options", load_options, LoadOptions)
+    check_callable("on_error", on_error)
+    check_bool("read_only", read_only, path=path)
+    return path
+
+
+def _check_cadence_args(*, memory_tier: object, save_interval: object, save_interval_steps: object,
+                        mtbf_s: object, costs: object) -> None:
+    """The memory-tier and save-interval arguments, typed (``_Cadence`` checks how they combine)."""
+    check_instance("memory_tier", memory_tier, MemoryTier)
+    if save_interval is not None:
+        check_choice("save_interval", save_interval, ("auto",))
+        if save_interval_steps is not None:
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both",
+                                       argument="save_interval")
+    if mtbf_s is not None:
+        check_number("mtbf_s", mtbf_s, positive=True)
+    check_instance("costs", costs, MeasuredCosts)
+
+
+def _keeper_rank(dopts: DistributedOptions | None) -> int:
+    """This process's rank for the keeper's name: torch.distributed's if initialized, else
+    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
+    torch = sys.modules.get("torch")
+    if active(dopts) and torch is not None:
+        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class _Cadence:
+    """The Checkpointer's side of the advisor: times its steps and saves, decides ``"auto"`` saves.
+
+    Steps are observed on the training thread (``should_save``); a save becomes durable on the
+    writer's listener thread, so it is queued and handed to the (single-threaded) estimator by
+    the training thread's next call.
+    """
+
+    def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
+                 costs: MeasuredCosts | None, max_in_flight: int) -> None:
+        if save_interval not in (None, "auto"):
+            raise ValueError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
+                             f"interval), got {save_interval!r}")
+        if save_interval == "auto" and save_interval_steps is not None:
+            raise ValueError("pass save_interval='auto' or save_interval_steps, not both")
+        if save_interval == "auto" and mtbf_s is None:
+            raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
+                              key="mtbf_s")
+        #: the clock every observation uses (monotonic; seconds)
+        self.clock: Callable[[], float] = time.monotonic
+        self.mtbf_s = mtbf_s
+        self.fixed = costs
+        self.estimator = CadenceEstimator()
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight) if save_interval == "auto" \
+            and mtbf_s is not None else None
+        self._durable: deque[tuple[int, float, float, float]] = deque()  # appended by the listener thread
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._fixed_est = _FixedCosts(costs) if costs is not None else None
+
+    def observe_step(self, step: int) -> None:
+        self._drain()
+        self.estimator.observe_step(step, self.clock())
+
+    def decide(self, step: int) -> bool:
+        assert self.auto is not None
+        self.observe_step(step)
+        with self._lock:
+            in_flight = self._in_flight
+        est = self._fixed_est if self._fixed_est is not None else self.estimator
+        return self.auto.decide(step, est, in_flight=in_flight) is not None
+
+    def costs(self) -> MeasuredCosts | None:
+        if self.fixed is not None:
+            return self.fixed
+        self._drain()
+        return self.estimator.costs()
+
+    def started(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None) -> None:
+        t_durable = self.clock()
+        with self._lock:
+            self._in_flight -= 1
+        if exc is None:
+            blocked = min(r.stats.stall_s, t_durable - t_start)
+            self._durable.append((step, blocked, t_start, t_durable))
+
+    def _drain(self) -> None:
+        while self._durable:
+            step, blocked, t_start, t_durable = self._durable.popleft()
+            self.estimator.observe_save(step, blocked, t_start, t_durable)
+
+
+class _FixedCosts(CadenceEstimator):
+    """An estimator that answers given costs (``Checkpointer(costs=...)``)."""
+
+    def __init__(self, costs: MeasuredCosts) -> None:
+        super().__init__()
+        self._fixed = costs
+
+    def costs(self) -> MeasuredCosts | None:
+        return self._fixed

@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from zerostall.errors import CheckpointExistsError
+from zerostall.errors import CheckpointExistsError, StorageError
 from zerostall.lease import host_id, pid_alive
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.storage import Storage
@@ -31,6 +31,7 @@ __all__ = [
     "exists_error", "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
     "steps_to_delete_everywhere",
 ]
+__all__ += ["check_reachable"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_MARK = ".zs-tmp-"
@@ -275,6 +276,27 @@ def steps_to_delete(steps: list[int], *, newest: int, keep_last: int | None,
 
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
+
+
+def check_reachable(storage: Storage, *, write: bool, path: str) -> None:
+    """Probe ``storage`` (see ``Storage.probe``); a failure becomes a :class:`StorageError` naming ``path``.
+
+    A registered backend without ``probe`` is probed by listing its root.
+    """
+    probe = getattr(storage, "probe", None)
+    try:
+        if probe is not None:
+            probe(write=write)
+        else:
+            try:
+                storage.list("")
+            except FileNotFoundError:
+                pass  # nothing there yet: not unreachable
+    except OSError as exc:
+        how = "cannot be created or written" if write else "cannot be reached"
+        raise StorageError(f"the storage location {how}: {exc.strerror or exc}"
+                           + (f" ({exc.filename})" if isinstance(exc.filename, str) and exc.filename != path else ""),
+                           errno=exc.errno, path=path) from exc
 
 
 def steps_to_delete_everywhere(views: list[list[int]], *, newest: int, keep_last: int | None,

@@ -11,21 +11,29 @@ provides the coordinator.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from zerostall.commit import exists_error
-from zerostall.errors import WriterError
+from zerostall.errors import BackgroundSaveError, WriterError
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
-from zerostall.options import RetentionPolicy, SaveOptions
+from zerostall.options import RetentionPolicy, SaveOptions, Staging
 from zerostall.persist.client import OnDone, WriterClient
 from zerostall.persist.job import storage_env
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
+from zerostall.stage.buffers import Slot
+from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task
+from zerostall.stage.ownership import deferrable
 from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
@@ -71,10 +79,17 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None,
+                 buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
-        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice)
-        self.pool = BufferPool(self.options.max_in_flight, pin=_cuda_present(), on_free=self.writer.forget)
+        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
+                                   sched=self.options.writer_sched, keeper=keeper)
+        # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
+        # memory: one more slot than in flight, so a save never waits for the held one.
+        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines).
+        slots = self.options.max_in_flight + (1 if keeper is not None else 0)
+        self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
+                               cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
@@ -83,6 +98,14 @@ class Engine:
         self._rank = 0  # the rank the cached plans' file names were made for
         self._write = WriteOptions(direct_io=self.options.direct_io, io_threads=self.options.io_threads,
                                    chunk_bytes=self.options.chunk_bytes)
+        #: failed saves whose error nobody has received yet (see :meth:`take_failures`)
+        self._failures: list[tuple[Response, BaseException]] = []
+        #: called with each background failure instead of raising it later (Checkpointer(on_error=))
+        self.on_error: Callable[[BackgroundSaveError], None] | None = None
+        _ENGINES.add(self)
+        # overlapped staging: the background copies and the hand-offs queued behind them
+        self._copier = Copier()
+        self._streams: dict[Any, Any] = {}  # one CUDA side stream per device, kept across saves
         if prewarm:
             self.writer.start()
 
@@ -124,9 +147,14 @@ class Engine:
         plan, _ = self._plan(flat, rank)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
+        if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
+            try:
+                slots.append(self.pool.acquire(timeout=0))
+            except TimeoutError:
+                pass
         try:
             for slot in slots:
-                self.pool.fit(slot, [f.alloc for f in plan.files])
+                self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
                 prepare_slot(flat, plan, slot)
                 total += slot.nbytes
         finally:
@@ -144,16 +172,24 @@ class Engine:
         metadata: dict[str, Any] | None = None,
         step: int | None = None,
         retention: RetentionPolicy | None = None,
+        memory: bool = False,
+        persist: bool = True,
     ) -> Response:
-        """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`."""
+        """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`.
+
+        ``memory``: commit to the memory tier (the engine's writer must be a keeper); ``persist``:
+        also write to storage.
+        """
         t0 = time.perf_counter()
         if self._closed:
             raise WriterError("this saver is closed")
+        self.raise_failures()
         path = f"{root_url.rstrip('/')}/{name}"
         coordinator = self._coordinator if self._collective() else None
         info = coordinator.begin(root_url, name) if coordinator is not None else None
         try:
-            return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention)
+            return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention,
+                                    memory=memory, persist=persist)
         except BaseException as exc:
             if coordinator is not None and info is not None:
                 # the other ranks' writers learn of it now, not at their timeout
@@ -162,17 +198,25 @@ class Engine:
 
     def _save_async(self, root_url: str, name: str, path: str, items: dict[str, Any], t0: float,
                     info: Collective | None, metadata: dict[str, Any] | None, step: int | None,
-                    retention: RetentionPolicy | None) -> Response:
+                    retention: RetentionPolicy | None, *, memory: bool = False, persist: bool = True) -> Response:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise exists_error(storage, name, path)
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
+        GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
+        split = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        defer = split[0] if split is not None else None
         slot = self.pool.acquire()
+        task: OverlapTask | None = None
         try:
-            self.pool.fit(slot, [f.alloc for f in plan.files])
+            self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
             t_copy = time.perf_counter()
-            stage(flat, plan, slot)
+            views = stage(flat, plan, slot, skip=defer)
+            if split is not None:
+                task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1])
+            elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
+                GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy
         except BaseException:
             self.pool.release(slot)
@@ -181,10 +225,11 @@ class Engine:
             id=0, root=root_url, name=name, path=path,
             files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers, strict=True)),
             leaves=rows, items=flat.items, metadata=metadata or {}, step=step, retention=retention,
-            env=storage_env(), write=self._write, collective=info,
+            env=storage_env(), write=self._write, collective=info, memory=memory, persist=persist,
         )
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
+        response._step = step
         on_done: OnDone = response._finish
         if info is not None:
             assert self._coordinator is not None
@@ -192,14 +237,45 @@ class Engine:
         with self._lock:
             self._inflight.add(response)
         response._add_before_done(self._on_done)
+        if task is not None:
+            response._staged.clear()
+            task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done)
+            self._copier.submit(task)
+        elif self._copier.in_order(lambda: self._hand_off_quietly(job, slot, on_done)):
+            self._hand_off(job, slot, on_done, raised_to=response)
+        response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
+        if task is None:
+            response._staged_s = response._stall_s
+        return response
+
+    def _hand_off(self, job: SaveJob, slot: Slot, on_done: OnDone, raised_to: Response | None = None) -> None:
+        """Submit ``job``; ``raised_to``: the response of a caller that gets the error raised here."""
         try:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot), on_done=on_done)
         except BaseException as exc:
             self.pool.release(slot)
+            if raised_to is not None:
+                raised_to._received = True  # raised to the caller right here: not a background failure
             on_done(None, exc)
             raise
-        response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
-        return response
+
+    def _hand_off_quietly(self, job: SaveJob, slot: Slot, on_done: OnDone) -> None:
+        """The hand-off on the copier thread: a failure is the save's, reported through ``on_done``."""
+        try:
+            self._hand_off(job, slot, on_done)
+        except BaseException:  # noqa: BLE001,S110 - on_done reported it
+            pass
+
+    def _staged(self, response: Response, t0: float, err: BaseException | None, job: SaveJob, slot: Slot,
+                on_done: OnDone) -> None:
+        """An overlapped copy finished (copier thread): hand the save off, or fail it (torn)."""
+        response._staged_s = time.perf_counter() - t0
+        response._staged.set()
+        if err is not None:
+            self.pool.release(slot)
+            on_done(None, err)
+            return
+        self._hand_off_quietly(job, slot, on_done)
 
     def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:
@@ -212,21 +288,91 @@ class Engine:
                             "save): %s", response.stats.path, w.retention_error)
         else:
             log.warning("zerostall: save of %s failed: %s", response.stats.path, exc)
+            self._note_failure(response, exc)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save; errors stay with their responses."""
         with self._lock:
             pending = list(self._inflight)
         for r in pending:
-            try:
-                r.result(timeout)
-            except Exception:  # noqa: BLE001,S110 - errors stay with their responses
-                pass
+            r._wait(timeout)  # errors stay with their responses, unreceived
+        GUARD.tidy()
 
     def close(self) -> None:
         if self._closed:
             return
         self.wait()
+        self._copier.drain()
+        GUARD.tidy()
         self._closed = True
         self.writer.close()
         self.pool.close()
+
+    def idle(self) -> bool:
+        """Whether no save is in flight."""
+        with self._lock:
+            return not self._inflight
+
+    def writer_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the writer is up (see :meth:`WriterClient.wait_ready`); False if it is not."""
+        return self.writer.wait_ready(timeout)
+
+    # -- background failures -----------------------------------------------------------------
+
+    def _note_failure(self, response: Response, exc: BaseException) -> None:
+        """Keep a failed save's error for the next save, ``wait()`` or ``close()``, or hand it to ``on_error``."""
+        if response._received:
+            return
+        callback = self.on_error
+        if callback is not None:
+            try:
+                callback(background_error([(response, exc)]))
+                return
+            except Exception:  # the failure must not be lost with the callback's error
+                log.exception("zerostall: on_error raised; the failure of %s will be raised by the next "
+                              "save, wait() or close()", response.stats.path)
+        with self._lock:
+            self._failures.append((response, exc))
+
+    def take_failures(self) -> BackgroundSaveError | None:
+        """The failed saves nobody has received yet, as one error (None if there are none); forgets them."""
+        with self._lock:
+            failed = [(r, e) for r, e in self._failures if not r._received]
+            self._failures.clear()
+        for r, _ in failed:
+            r._received = True
+        return background_error(failed) if failed else None
+
+    def raise_failures(self) -> None:
+        """Raise :class:`BackgroundSaveError` if a save failed in the background and nobody received it."""
+        err = self.take_failures()
+        if err is not None:
+            raise err from err.cause
+
+
+def background_error(failed: list[tuple[Response, BaseException]]) -> BackgroundSaveError:
+    """One error naming the first failed save (step, path, cause) and counting the others."""
+    first, cause = failed[0]
+    what = f"step {first._step}" if first._step is not None else repr(first.stats.path)
+    msg = f"the background save of {what} failed: {type(cause).__name__}: {cause}"
+    if len(failed) > 1:
+        later = [f"step {r._step}" if r._step is not None else repr(r.stats.path) for r, _ in failed[1:]]
+        msg += f"; {len(later)} later save(s) failed too ({', '.join(later[:5])}{', ...' if len(later) > 5 else ''})"
+    msg += "; nothing of a failed save was committed"
+    err = BackgroundSaveError(msg, path=first.stats.path, step=first._step, cause=cause,
+                              errors=tuple((r._step, r.stats.path, e) for r, e in failed))
+    err.__cause__ = cause  # also when handed to on_error, never raised
+    return err
+
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unreceived() -> None:
+    """At interpreter exit, say which saves failed without anyone receiving the error."""
+    for eng in list(_ENGINES):
+        err = eng.take_failures()
+        if err is not None:
+            # explicit location: the warning is about the saves, not about this line of code
+            warnings.warn_explicit(f"{err}", RuntimeWarning, filename="zerostall", lineno=0)

@@ -34,11 +34,11 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
-    "encode", "decode",
+    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 1
+PROTOCOL = 2
 
 
 class ProtocolMismatchError(WriterError):
@@ -113,6 +113,11 @@ class SaveJob:
     env: dict[str, str] = field(default_factory=dict)
     write: WriteOptions
     collective: Collective | None = None
+    #: commit this save to the memory tier: the writer (the keeper) holds its buffers as the
+    #: newest in-memory step until a newer one commits there (then sends :class:`Released`)
+    memory: bool = False
+    #: also write the checkpoint to ``root`` (False: a memory-only step)
+    persist: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +133,8 @@ class WriterStats:
     retention_error: str | None = None  # the save committed, but deleting old steps failed
     rank: int | None = None
     leaves_written: int | None = None
+    #: the tiers this save reached: "memory" (the keeper holds it), "storage" (persisted)
+    tiers: tuple[str, ...] = ("storage",)
 
 
 # -- the messages ---------------------------------------------------------------------------
@@ -185,11 +192,45 @@ class Failed:
     error: WireError
 
 
-Message = Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed
+@dataclass(frozen=True, kw_only=True)
+class Adopt:
+    """A new trainer's first message to a lingering keeper: the directory and rank it checkpoints."""
+
+    root: str
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageQuery:
+    """Which step does the memory tier hold? Answered by :class:`Image` once earlier jobs are done."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageFile:
+    """One data file of the memory tier's step: ``length`` bytes of a shared buffer of ``size``."""
+
+    name: str
+    length: int
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Image:
+    """The memory tier's newest complete step (``step`` None: none); one descriptor per file
+    follows (``SCM_RIGHTS``), to be mapped read-only."""
+
+    step: int | None
+    name: str
+    manifest: str
+    files: tuple[ImageFile, ...]
+
+
+Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery
+           | Image)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,
-    "released": Released, "done": Done, "failed": Failed,
+    "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy"]
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError
+from zerostall.validate import check_bool, check_choice, check_instance, check_int, check_number, check_optional_int
+
+__all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy",
+           "MemoryTier", "Staging"]
 
 MiB = 1 << 20
 
@@ -24,6 +28,20 @@ class WriterKind(enum.Enum):
     THREAD = "thread"
 
 
+class Staging(enum.Enum):
+    """When ``save_*_async`` returns relative to the copy of the state (docs/guarantees.md).
+
+    ``OVERLAP`` (default): tensors that only an optimizer's ``step()`` modifies (its parameters
+    and its ``state``) are copied in the background while training goes on; the next
+    ``step()`` of any optimizer waits for that copy first (zerostall installs the guard).
+    Everything else is copied before the call returns. ``BLOCKING``: everything is copied
+    before the call returns. A string value (``"overlap"``, ``"blocking"``) is accepted.
+    """
+
+    OVERLAP = "overlap"
+    BLOCKING = "blocking"
+
+
 class Replicated(enum.Enum):
     """How a collective load reads leaves that every saving rank had identical (DDP state).
 
@@ -37,8 +55,7 @@ class Replicated(enum.Enum):
 
 
 def _positive_int_or_none(name: str, value: object) -> None:
-    if value is not None and (type(value) is not int or value < 1):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    check_optional_int(name, value, lo=1)  # typed: ArgumentTypeError / InvalidArgumentError (both ValueError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +106,13 @@ class DistributedOptions:
     poll_s: float = 0.02
 
     def __post_init__(self) -> None:
+        check_bool("DistributedOptions.enabled", self.enabled)
+        check_number("DistributedOptions.timeout_s", self.timeout_s, positive=True)
+        check_number("DistributedOptions.poll_s", self.poll_s, positive=True)
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise InvalidArgumentError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.poll_s > 0:
-            raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
+            raise InvalidArgumentError(f"poll_s must be > 0, got {self.poll_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,11 +131,15 @@ class SaveOptions:
             second stream only adds kernel CPU (ext4 serializes extending direct writes).
             Object stores use ``S3Options.concurrency`` (this raises it, never lowers it).
         chunk_bytes: size of one write call.
-        writer_nice: niceness added to the writer process, so training keeps CPU priority; when
-            non-zero the writer also runs under ``SCHED_BATCH`` (it never preempts the trainer
-            when it wakes up). 0 leaves the writer's priority alone.
+        writer_nice: niceness added to the writer process, so training keeps CPU priority.
+            0 leaves the writer's niceness alone.
+        writer_sched: the writer process's Linux scheduling class: ``"batch"`` (default; a writer
+            woken by a finished I/O never preempts the trainer), ``"idle"`` (``SCHED_IDLE``: it
+            runs only on cores the trainer leaves idle, so persisting can take much longer while
+            training saturates the cores) or ``"normal"``.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
+        staging: ``"overlap"`` (default) or ``"blocking"``; see :class:`Staging`.
     """
 
     writer: WriterKind = WriterKind.PROCESS
@@ -125,16 +149,36 @@ class SaveOptions:
     chunk_bytes: int = 64 * MiB
     writer_nice: int = 10
     distributed: DistributedOptions | None = None
+    writer_sched: str = "batch"
+    staging: Staging = Staging.OVERLAP
 
     def __post_init__(self) -> None:
+        if isinstance(self.writer, str):  # "thread" / "process", as the enum's values
+            check_choice("SaveOptions.writer", self.writer, tuple(k.value for k in WriterKind))
+            object.__setattr__(self, "writer", WriterKind(self.writer))
+        check_instance("SaveOptions.writer", self.writer, WriterKind, optional=False)
+        check_int("SaveOptions.max_in_flight", self.max_in_flight, lo=1)
+        check_bool("SaveOptions.direct_io", self.direct_io)
+        check_int("SaveOptions.io_threads", self.io_threads, lo=1)
+        check_int("SaveOptions.chunk_bytes", self.chunk_bytes, lo=MiB)
+        check_int("SaveOptions.writer_nice", self.writer_nice)
+        check_instance("SaveOptions.distributed", self.distributed, DistributedOptions)
+        check_choice("SaveOptions.writer_sched", self.writer_sched, ("batch", "idle", "normal"))
+        if not isinstance(self.staging, Staging):
+            try:
+                object.__setattr__(self, "staging", Staging(self.staging))
+            except ValueError:
+                raise InvalidArgumentError(f"staging must be 'overlap' or 'blocking', got {self.staging!r}") from None
         if not isinstance(self.writer, WriterKind):
-            raise TypeError(f"writer must be a WriterKind, got {self.writer!r}")
+            raise ArgumentTypeError(f"writer must be a WriterKind, got {self.writer!r}")
         if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < MiB or self.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
+        if self.writer_sched not in ("batch", "idle", "normal"):
+            raise InvalidArgumentError(f"writer_sched must be 'batch', 'idle' or 'normal', got {self.writer_sched!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +191,14 @@ class LoadOptions:
         chunk_bytes: size of one read call.
         replicated: collective loads only; see :class:`Replicated` (a string value is accepted).
         distributed: collective behaviour under ``torch.distributed``; see :class:`DistributedOptions`.
+        atomic: whether a failed load may leave a template partly overwritten (docs/guarantees.md,
+            "All-or-nothing loads"). ``True``: every leaf is read and verified before the first
+            byte is written into a template's own memory (the local backend checks the bytes in
+            the page cache, other backends in a staging copy of the in-place bytes), so a load that
+            raises leaves every template as it was. ``"auto"`` (default): ``True`` while the bytes
+            loaded in place are at most half the memory the kernel reports available
+            (``MemAvailable``), else ``False``. ``False``: one streaming pass; a failure leaves the
+            leaves read before it, and part of the failing one, overwritten. Only with ``verify``.
     """
 
     verify: bool = True
@@ -154,14 +206,69 @@ class LoadOptions:
     chunk_bytes: int = 32 * MiB
     replicated: Replicated = Replicated.BROADCAST
     distributed: DistributedOptions | None = None
+    atomic: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        check_bool("LoadOptions.verify", self.verify)
+        check_int("LoadOptions.io_threads", self.io_threads, lo=1)
+        check_int("LoadOptions.chunk_bytes", self.chunk_bytes, lo=4096)
+        check_instance("LoadOptions.distributed", self.distributed, DistributedOptions)
+        if not isinstance(self.atomic, bool):
+            check_choice("LoadOptions.atomic", self.atomic, (True, False, "auto"))
+        if not isinstance(self.replicated, Replicated):
+            check_choice("LoadOptions.replicated", self.replicated, tuple(r.value for r in Replicated))
+        if not (isinstance(self.atomic, bool) or self.atomic == "auto"):
+            raise InvalidArgumentError(f"atomic must be True, False or 'auto', got {self.atomic!r}")
         if not isinstance(self.replicated, Replicated):
             try:
                 object.__setattr__(self, "replicated", Replicated(self.replicated))
             except ValueError:
-                raise ValueError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
+                raise InvalidArgumentError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
         if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryTier:
+    """Checkpoint every save into this host's memory; persist only some saves to storage.
+
+    Passed to :class:`~zerostall.Checkpointer` as ``memory_tier=``. Every save commits to the
+    memory tier (the staged bytes, checksummed, with the same manifest as on storage), held by a
+    *keeper*: the writer process, which outlives the trainer. A save is also persisted to the
+    Checkpointer's directory when its step is a multiple of ``persist_interval_steps`` or, if
+    ``persist_interval_s`` is set, when that many seconds have passed since the last persisted
+    save. A restarted trainer on the same host (same user, directory and rank) adopts the
+    keeper and restores the newest step from memory (docs/guarantees.md, "Memory tier").
+
+    Attributes:
+        persist_interval_steps: persist steps divisible by this (1: every save; the memory tier
+            then only speeds up restarts).
+        persist_interval_s: also persist the first save after this many seconds without one
+            (None: steps only). Single-process only: under ``torch.distributed`` ranks must agree
+            on which saves persist, and clocks differ.
+        linger_s: how long a keeper whose trainer died waits for a new trainer before it exits
+            and frees the memory (after persisting the newest memory-only step).
+
+    Raises:
+        InvalidArgumentError: a field is out of range (a ``ValueError``).
+
+    Example::
+
+        >>> MemoryTier(persist_interval_steps=10).persist_interval_steps
+        10
+    """
+
+    persist_interval_steps: int = 1
+    persist_interval_s: float | None = None
+    linger_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if type(self.persist_interval_steps) is not int or self.persist_interval_steps < 1:
+            raise InvalidArgumentError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
+        if self.persist_interval_s is not None and not (
+                isinstance(self.persist_interval_s, (int, float)) and self.persist_interval_s > 0):
+            raise InvalidArgumentError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
+        if not (isinstance(self.linger_s, (int, float)) and self.linger_s >= 0):
+            raise InvalidArgumentError(f"linger_s must be >= 0, got {self.linger_s!r}")

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from zerostall.dtypes import ITEMSIZE, numpy_dtype_name, torch_dtype_name
-from zerostall.errors import UnsupportedLeafError
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedLeafError
 
 __all__ = [
     "Stateful",
@@ -107,10 +107,19 @@ def register_handler(
     in the process that loads the checkpoint.
 
     Raises:
-        ValueError: ``format`` is neither ``"bytes"`` nor ``"json"``.
+        InvalidArgumentError: ``format`` is neither ``"bytes"`` nor ``"json"``, or ``name`` is empty
+            (a ``ValueError``).
+        ArgumentTypeError: ``type_`` is not a class, or ``encode`` / ``decode`` is not callable.
     """
+    if not isinstance(type_, type):
+        raise ArgumentTypeError(f"type_ must be a class, got {type_!r}", argument="type_")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"name must be a non-empty str, got {name!r}", argument="name")
+    for arg, fn in (("encode", encode), ("decode", decode)):
+        if not callable(fn):
+            raise ArgumentTypeError(f"{arg} must be callable, got {fn!r}", argument=arg)
     if format not in ("bytes", "json"):
-        raise ValueError(f"format must be 'bytes' or 'json', got {format!r}")
+        raise InvalidArgumentError(f"format must be 'bytes' or 'json', got {format!r}", argument="format")
     handler = LeafHandler(name=name, type=type_, encode=encode, decode=decode, format=format)
     with _HANDLER_LOCK:
         _HANDLERS_BY_TYPE[type_] = handler

@@ -195,3 +195,14 @@ def test_writer_runs_niced_and_batch_scheduled(ckdir):
         pid = ck._engine.writer.pid
         assert os.sched_getscheduler(pid) == os.SCHED_BATCH
         assert psutil.Process(pid).nice() >= min(19, psutil.Process().nice() + 10)  # nice caps at 19
+
+
+def test_writer_sched_idle_is_applied(ckdir):
+    with Checkpointer(ckdir, save_options=SaveOptions(writer_sched="idle")) as ck:
+        ck.save_pytree(1, {"w": torch.ones(4)})
+        assert os.sched_getscheduler(ck._engine.writer.pid) == os.SCHED_IDLE
+
+
+def test_writer_sched_rejects_unknown_policy():
+    with pytest.raises(ValueError, match="writer_sched"):
+        SaveOptions(writer_sched="fifo")

@@ -90,11 +90,12 @@ def test_load_of_a_large_leaf_is_verified_on_the_direct_path(tmp_path) -> None:
     data = next((tmp_path / "ck" / "data").iterdir())
     assert _resident(str(data)) < MiB, "premise: the O_DIRECT save left nothing cached"
     tmpl = {k: torch.zeros_like(v) for k, v in state.items()}
-    zerostall.load_pytree(path, tmpl)
+    stream = zerostall.LoadOptions(atomic=False)  # one pass, O_DIRECT; an atomic load verifies in the page cache
+    zerostall.load_pytree(path, tmpl, options=stream)
     assert torch.equal(tmpl["big"], state["big"]) and torch.equal(tmpl["small"], state["small"])
     _evict(str(data))
     part = {"big": torch.zeros_like(state["big"])}
-    zerostall.load_pytree(path, part)  # the large leaf alone: read around the page cache
+    zerostall.load_pytree(path, part, options=stream)  # the large leaf alone: read around the page cache
     assert torch.equal(part["big"], state["big"]) and _resident(str(data)) < MiB
 
     # One flipped byte deep inside the large leaf, evicted again so the direct path reads it.
@@ -105,5 +106,5 @@ def test_load_of_a_large_leaf_is_verified_on_the_direct_path(tmp_path) -> None:
         f.write(bytes([b[0] ^ 0x01]))
     _evict(str(data))
     with pytest.raises(ChecksumMismatchError) as ei:
-        zerostall.load_pytree(path, {k: torch.zeros_like(v) for k, v in state.items()})
+        zerostall.load_pytree(path, {k: torch.zeros_like(v) for k, v in state.items()}, options=stream)
     assert ei.value.key == "pytree/big" and path in str(ei.value)

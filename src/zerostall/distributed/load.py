@@ -16,10 +16,18 @@ from zerostall.distributed.context import active, group_rank_world
 from zerostall.errors import WireError, from_wire, to_wire
 from zerostall.manifest import Manifest
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
-from zerostall.restore import ReadRequest, assemble, execute_reads, load_items, new_planner, plan_items, read_manifest
+from zerostall.restore import (
+    ReadRequest,
+    assemble,
+    load_items,
+    new_planner,
+    plan_items,
+    prepare_reads,
+    read_manifest,
+)
 from zerostall.storage import open_storage
 
-__all__ = ["load", "load_collective", "replicated_leaves", "agree_step"]
+__all__ = ["load", "load_collective", "replicated_leaves", "agree_step", "gather_objects", "raise_together"]
 
 _BATCH = 256 << 20
 
@@ -147,11 +155,20 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
             mv = memoryview(arr).cast("B")
             reads.extend(ReadRequest(m.leaves[li], mv[off:off + sizes[li]]) for li, off in members)
     err = None
+    commit: Any = None
     try:
-        execute_reads(storage, name, m, reads, opts, path)
+        commit = prepare_reads(storage, name, m, reads, opts, path)
     except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
     statuses: list[Any] = [None] * world
+    dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
+    _raise_first(statuses, rank, err)
+    # Every rank verified its reads: only now does any rank write into its templates (all or nothing
+    # across the group, LoadOptions.atomic); an I/O error while copying is still raised everywhere.
+    try:
+        commit()
+    except BaseException as exc:  # noqa: BLE001 - gathered below
+        err = exc
     dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
     _raise_first(statuses, rank, err)
 
@@ -175,3 +192,19 @@ def agree_step(local_latest: Any, opts: DistributedOptions | None) -> Any:
     box = [local_latest]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
+
+
+def gather_objects(obj: Any, opts: DistributedOptions | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (one ``all_gather_object``)."""
+    import torch.distributed as dist
+
+    group, _, world = group_rank_world(opts)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raise_together(err: BaseException | None, opts: DistributedOptions | None, path: str) -> None:
+    """Raise on every rank the first error any rank had (``err`` is this rank's, or None)."""
+    _, rank, _ = group_rank_world(opts)
+    _raise_first(gather_objects(_wire(err, rank, path), opts), rank, err)

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import send_handle
+from multiprocessing.reduction import recv_handle, send_handle
 
 from zerostall.commit import is_committed
 from zerostall.errors import WriterError, ZerostallError, from_wire
@@ -29,6 +29,8 @@ from zerostall.messages import (
     Done,
     Failed,
     Hello,
+    Image,
+    ImageQuery,
     MapBuffer,
     Message,
     ProtocolMismatchError,
@@ -40,6 +42,7 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import WriterKind
+from zerostall.persist.keeper import KeeperSpec, adopt
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
@@ -85,9 +88,19 @@ def _committed_anyway(p: _Pending) -> bool:
 class WriterClient:
     """One background writer (process or thread) and the jobs in flight on it."""
 
-    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10) -> None:
+    def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10, sched: str = "batch",
+                 keeper: KeeperSpec | None = None) -> None:
         self.kind = kind
         self.nice = nice
+        self.sched = sched
+        #: the memory tier: the writer is a keeper, adopted from a dead trainer when one lingers
+        self.keeper = keeper
+        self._adopted_pid: int | None = None
+        #: memory-tier jobs done but whose buffers the keeper still holds: job id -> release
+        self._held: dict[int, Callable[[], None]] = {}
+        self._image_waiter: list[tuple[Image, list[int]] | None] | None = None
+        self._image_event = threading.Event()
+        self._query_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -100,6 +113,8 @@ class WriterClient:
         self._closing = False
         #: set when the writer introduced itself with another protocol: restarting cannot help
         self._incompatible: ProtocolMismatchError | None = None
+        #: set when the running writer has said hello (or its listener ended): see wait_ready()
+        self._ready = threading.Event()
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -114,6 +129,8 @@ class WriterClient:
         self._listener = None
         self._pending = {}
         self._mapped = set()
+        self._held = {}
+        self._adopted_pid = None
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
 
@@ -121,13 +138,20 @@ class WriterClient:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._proc.pid if self._proc is not None else self._adopted_pid
+
+    @property
+    def adopted(self) -> bool:
+        """Whether this writer is a keeper adopted from an earlier trainer (not our child)."""
+        return self._adopted_pid is not None
 
     def alive(self) -> bool:
         if self._conn is None:
             return False
         if self._proc is not None:
             return self._proc.poll() is None
+        if self._adopted_pid is not None:
+            return self._listener is not None and self._listener.is_alive()
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
@@ -141,6 +165,16 @@ class WriterClient:
         if self.alive():
             return
         self._reap()
+        if self.kind is WriterKind.PROCESS and self.keeper is not None:
+            claimed = adopt(self.keeper)
+            if claimed is not None:
+                self._conn, hello = claimed
+                self._adopted_pid = hello.pid
+                self._mapped = set()
+                self._listener = threading.Thread(target=self._listen, args=(self._conn,),
+                                                  name="zerostall-listener", daemon=True)
+                self._listener.start()
+                return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if self.kind is WriterKind.PROCESS:
             env = dict(os.environ)
@@ -149,7 +183,8 @@ class WriterClient:
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice)],
+                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice),
+                 self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
@@ -160,6 +195,7 @@ class WriterClient:
                                             name="zerostall-writer", daemon=True)
             self._thread.start()
         self._conn = Connection(parent.detach())
+        self._ready = threading.Event()
         self._mapped = set()
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
@@ -172,6 +208,7 @@ class WriterClient:
         if self._proc is not None:
             self._proc.wait()
         self._proc = None
+        self._adopted_pid = None
         self._thread = None
         self._conn = None
         self._listener = None
@@ -196,9 +233,30 @@ class WriterClient:
             self._thread.join(timeout=60)
         if self._conn is not None:
             self._conn.close()
+        self._release_held()
         self._proc = None
+        self._adopted_pid = None
         self._thread = None
         self._conn = None
+        self._closing = False
+
+    def abandon(self) -> None:
+        """Leave the writer as a crash would (no :class:`Close`): a keeper then lingers for a
+        restarted trainer instead of exiting. Call after waiting for the jobs submitted."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._closing = True
+            try:  # wakes our listener (EOF) and tells the keeper its trainer is gone
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if self._listener is not None and self._listener is not threading.current_thread():
+                self._listener.join(timeout=60)
+            conn.close()
+        self._release_held()
+        self._proc = None  # not waited for: it lingers (Popen reaps it if it exits before us)
+        self._adopted_pid = None
+        self._listener = None
         self._closing = False
 
     # -- jobs ------------------------------------------------------------------------------
@@ -262,17 +320,29 @@ class WriterClient:
             if isinstance(msg, Hello):
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
+                self._ready.set()
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
+                    hold = self._held.pop(msg.job, None)
                 if p is not None and not p.released:
                     p.released = True
                     p.on_released()
+                if hold is not None:
+                    hold()
+            elif isinstance(msg, Image):
+                fds = [recv_handle(conn) for _ in msg.files]
+                self._image_reply((msg, fds))
             elif isinstance(msg, (Done, Failed)):
                 with self._lock:
                     p = self._pending.pop(msg.job, None)
                 if p is None:
                     continue
+                if not p.released and isinstance(msg, Done) and p.job.memory:
+                    # the keeper holds this step's buffers until a newer step is in memory
+                    p.released = True
+                    with self._lock:
+                        self._held[p.job.id] = p.on_released
                 if not p.released:
                     p.released = True
                     p.on_released()
@@ -282,7 +352,56 @@ class WriterClient:
                     p.on_done(None, from_wire(msg.error))
         if self._incompatible is not None:
             conn.close()  # the writer exits once it sees its trainer's end close
+        self._ready.set()  # nobody waits for a writer that is gone
+        self._image_reply(None)
+        self._release_held()
         self._fail_pending()
+
+    # -- the memory tier -------------------------------------------------------------------
+
+    def _release_held(self) -> None:
+        """The keeper is gone (or closing): the slots it held may be staged into again."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for release in held.values():
+            release()
+
+    def _image_reply(self, reply: tuple[Image, list[int]] | None) -> None:
+        box = self._image_waiter
+        if box is None:
+            if reply is not None:
+                for fd in reply[1]:
+                    os.close(fd)
+            return
+        self._image_waiter = None
+        box.append(reply)
+        self._image_event.set()
+
+    def query_image(self, timeout: float | None = 600.0) -> tuple[Image, list[int]] | None:
+        """The keeper's newest in-memory step and one descriptor per data file (the caller
+        closes them); None when this writer is no keeper or is not running.
+
+        Answered after every job submitted before the call has finished.
+        """
+        if self.keeper is None or self.kind is not WriterKind.PROCESS:
+            return None
+        with self._query_lock:
+            try:
+                self.start()
+            except ZerostallError:
+                return None
+            box: list[tuple[Image, list[int]] | None] = []
+            self._image_event.clear()
+            self._image_waiter = box
+            try:
+                self._send(ImageQuery())
+            except OSError:
+                self._image_waiter = None
+                return None
+            if not self._image_event.wait(timeout):
+                self._image_waiter = None
+                return None
+            return box[0] if box else None
 
     def _fail_pending(self) -> None:
         with self._lock:
@@ -307,3 +426,13 @@ class WriterClient:
                 continue
             p.on_done(None, WriterError(f"the writer process {how} before the checkpoint was committed; "
                                         "nothing of this save was committed", path=p.job.path))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the running writer has introduced itself (its interpreter is up and reading).
+
+        Returns False if no writer runs, or on timeout. Jobs sent earlier are not lost: they
+        queue in the socket. Waiting here keeps the writer's start-up out of later saves' stalls.
+        """
+        if not self.alive():
+            return False
+        return self._ready.wait(timeout)

@@ -40,7 +40,7 @@ from zerostall.persist.collective import CollectiveStep
 from zerostall.stage.plan import plan_file
 from zerostall.storage import Storage, open_storage
 
-__all__ = ["run_save", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
+__all__ = ["run_save", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
 
 #: environment variables that configure storage backends; the trainer's values travel with each job
 STORAGE_ENV_PREFIXES = ("AWS_", "ZEROSTALL_S3_")
@@ -119,6 +119,13 @@ class Step(Protocol):
         """Apply retention once committed (only if ``applies_retention``)."""
 
 
+def solo_manifest(job: SaveJob, written: list[dict[str, Any]], files: list[dict[str, Any]], data_dir: str) -> bytes:
+    """The manifest of a save that holds every leaf of ``job`` (data files under ``data_dir``)."""
+    return encode_manifest(
+        items=job.items, leaves=written, metadata=job.metadata, library_version=__version__,
+        files=[{"path": f"{data_dir}/{f['name']}", "size": f["size"]} for f in files])
+
+
 class SoloStep:
     """A save that one writer makes alone: every leaf is its own; commit by the storage's protocol."""
 
@@ -141,9 +148,9 @@ class SoloStep:
 
     def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
         faults.hit("manifest")
-        manifest = encode_manifest(
-            items=self.job.items, leaves=written, metadata=self.job.metadata, library_version=__version__,
-            files=[{"path": f"{self.attempt.data_dir}/{f['name']}", "size": f["size"]} for f in files])
+        manifest = solo_manifest(self.job, written, files, self.attempt.data_dir)
+        #: kept for the memory tier, which holds the same manifest as storage
+        self.manifest_bytes = manifest
         faults.hit("commit")
         self.check_lease()
         self.protocol.commit(self.attempt, manifest)
@@ -169,8 +176,12 @@ class SoloStep:
         apply_retention(storage, policy, newest, deleted)
 
 
-def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None]) -> WriterStats:
+def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
+             step: Step | None = None) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
+
+    ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
+    ``step.writes`` is False).
 
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
@@ -179,7 +190,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     t0 = time.perf_counter()
     _mirror_env(job.env)
     storage = open_storage(job.root)
-    step: Step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)
+    if step is None:
+        step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)
     views = [buffers[f.buffer] for f in job.files]
     is_released = False
     lease: Lease | None = None
@@ -187,9 +199,12 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         faults.hit("begin", job.root)
         step.begin()
         # Before anything of the attempt exists: a collector on any host leaves it alone while renewed.
-        lease = Lease(storage, step.lease_targets()).acquire()
-        held = lease
-        step.check_lease = lambda: held.check(job.path)
+        # (A memory-only save creates nothing under the root: no lease.)
+        targets = step.lease_targets()
+        lease = Lease(storage, targets).acquire() if targets else None
+        if lease is not None:
+            held = lease
+            step.check_lease = lambda: held.check(job.path)
         mine = step.owned(views, lambda lf: lf.shared)
         crcs: list[int] = [0] * len(mine)
         crc_error: list[BaseException] = []
@@ -209,7 +224,11 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         t_write = time.perf_counter()
         try:
             faults.hit("write", job.root)
-            written, files = _write(job, step, storage, views, mine)
+            if getattr(step, "writes", True):
+                written, files = _write(job, step, storage, views, mine)
+            else:  # the staged images stay where they are (the memory tier)
+                written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
+                files = [{"name": f.name, "size": f.length} for f in job.files]
         finally:
             crc_thread.join()
         write_s = time.perf_counter() - t_write
@@ -235,8 +254,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     # Committed: what follows never turns the save into a failure. A retention failure only
     # leaves old steps behind (the next save's retention retries them); it is reported in the
     # stats and logged by the trainer.
-    assert lease is not None  # acquired before the commit
-    lease.release()
+    if lease is not None:
+        lease.release()
     step.after_commit()
     deleted: list[int] = []
     retention_error: str | None = None

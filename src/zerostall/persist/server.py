@@ -24,6 +24,7 @@ from zerostall.messages import (
     Done,
     Failed,
     Hello,
+    ImageQuery,
     MapBuffer,
     Message,
     ProtocolMismatchError,
@@ -34,6 +35,7 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.persist.job import run_save
+from zerostall.persist.keeper import Keeper, KeeperSpec
 
 __all__ = ["serve", "main"]
 
@@ -59,8 +61,12 @@ def _close(m: mmap.mmap) -> None:
             pass  # still referenced: unmapped when the last reference goes, or at exit
 
 
-def serve(conn: Connection) -> None:
-    """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first."""
+def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
+    """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first.
+
+    Returns True when the trainer said :class:`Close`, False when the connection ended. With a
+    ``keeper`` (the memory tier), memory jobs and image queries go to it.
+    """
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
     _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid()))
@@ -69,16 +75,18 @@ def serve(conn: Connection) -> None:
             try:
                 raw = conn.recv_bytes()
             except (EOFError, ConnectionResetError, OSError):
-                return
+                return False
             try:
                 msg = decode(raw)
             except ProtocolMismatchError as exc:
                 print(f"zerostall writer: {exc}", file=sys.stderr, flush=True)
-                return  # the trainer sees its writer exit; its listener names the mismatch from our Hello
+                return False  # the trainer sees its writer exit; its listener names the mismatch from our Hello
             if isinstance(msg, MapBuffer):
                 fd = recv_handle(conn)
                 try:
                     maps[msg.buffer] = mmap.mmap(fd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    if keeper is not None:
+                        keeper.on_map(msg.buffer, fd, msg.size)
                 finally:
                     os.close(fd)
                 views[msg.buffer] = memoryview(maps[msg.buffer])
@@ -89,10 +97,16 @@ def serve(conn: Connection) -> None:
                 m = maps.pop(msg.buffer, None)
                 if m is not None:
                     _close(m)
+                if keeper is not None:
+                    keeper.on_unmap(msg.buffer)
             elif isinstance(msg, SaveJob):
-                _run(conn, msg, views)
+                _run(conn, msg, views, keeper)
+            elif keeper is not None and isinstance(msg, ImageQuery):
+                keeper.send_image(conn, lambda m: _send(conn, m))
             elif isinstance(msg, Close):
-                return
+                if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
+                    keeper.persist_held(closing=True)
+                return True
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")
     finally:
@@ -103,9 +117,12 @@ def serve(conn: Connection) -> None:
         conn.close()
 
 
-def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview]) -> None:
+def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: Keeper | None = None) -> None:
     try:
-        stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)))
+        if keeper is not None and job.memory:
+            stats = keeper.run(job, views, lambda m: _send(conn, m))
+        else:
+            stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)))
     except BaseException as exc:  # every failure goes back to the caller's result()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -116,21 +133,47 @@ def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview]) -> None:
         _send(conn, Done(job=job.id, stats=stats))
 
 
-def main(argv: list[str]) -> int:
-    fd = int(argv[1])
-    nice = int(argv[2]) if len(argv) > 2 else 0
+def _lower_priority(nice: int, sched: str) -> None:
+    """Give the trainer the cores: niceness plus a scheduling class (``batch`` or ``idle``).
+
+    ``batch``: a woken writer thread (an I/O completed) does not preempt the trainer's threads;
+    with OpenMP spin-waiting, preempting one trainer thread stalls all of them. ``idle``: the
+    writer runs only on cores the trainer leaves idle (it can starve while training saturates
+    every core; the memory tier makes a slow persist cheap). Failures to lower priority are
+    ignored: the writer still works, only less politely.
+    """
     if nice:
         try:
             os.nice(nice)
         except OSError:
             pass
-        # SCHED_BATCH: a woken writer thread (an I/O completed) does not preempt the trainer's
-        # threads; with OpenMP spin-waiting, preempting one trainer thread stalls all of them.
-        if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-            try:
-                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-            except OSError:
-                pass
+    policy = {"batch": getattr(os, "SCHED_BATCH", None), "idle": getattr(os, "SCHED_IDLE", None)}.get(sched)
+    if policy is not None and hasattr(os, "sched_setscheduler"):
+        try:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    fd = int(argv[1])
+    nice = int(argv[2]) if len(argv) > 2 else 0
+    # Older trainers pass no policy: niceness alone then implied SCHED_BATCH.
+    sched = argv[3] if len(argv) > 3 else ("batch" if nice else "normal")
+    _lower_priority(nice, sched)
+    if len(argv) > 4:  # the memory tier's keeper: serve trainer after trainer until it may exit
+        address, spec = KeeperSpec.from_argv(argv[4:])
+        keeper = Keeper(address, spec)
+        keeper.listen()
+        conn: Connection | None = Connection(fd)
+        try:
+            while conn is not None:
+                keeper.session_started(conn)
+                closed = serve(conn, keeper)
+                conn = keeper.session_ended(closed)
+        finally:
+            keeper.shutdown()
+        return 0
     serve(Connection(fd))
     return 0
 

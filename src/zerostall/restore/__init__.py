@@ -13,11 +13,12 @@ collective load in :mod:`zerostall.distributed` uses the same public planning an
 from zerostall.restore.files import DataFiles, check_local_file, read_manifest
 from zerostall.restore.load import assemble, load_items, new_planner, plan_items
 from zerostall.restore.plan import ReadPlanner, ReadRequest, TemplateBox, Thunk, register_template_box
-from zerostall.restore.read import execute_reads
+from zerostall.restore.read import execute_reads, prepare_reads
 from zerostall.restore.verify import Problem, VerifyReport, verify_checkpoint
 
 __all__ = [
     "load_items", "read_manifest", "verify_checkpoint", "VerifyReport", "Problem",
     "DataFiles", "check_local_file", "ReadPlanner", "ReadRequest", "TemplateBox", "Thunk", "register_template_box",
     "execute_reads", "plan_items", "new_planner", "assemble",
+    "prepare_reads",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 
+from zerostall.commit import check_reachable
 from zerostall.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -70,6 +71,8 @@ def read_manifest(storage: Storage, name: str, *, path: str) -> Manifest:
                                          path=path)
         data = storage.get(key)
     except FileNotFoundError:
+        # Nothing there, or nowhere to look (a missing bucket): only the second is a storage error.
+        check_reachable(storage, write=False, path=path)
         raise CheckpointNotFoundError("no committed checkpoint here (no manifest)", path=path) from None
     except OSError as exc:
         raise StorageError(f"cannot read the manifest: {exc}", errno=exc.errno, path=path) from exc

@@ -78,6 +78,7 @@ class ReadRequest:
     leaf: LeafEntry
     dest: memoryview  # uint8, exactly leaf.nbytes
     verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
+    in_place: bool = False  # dest is a template's own memory: an all-or-nothing load writes it last
 
 
 class ReadPlanner:
@@ -122,7 +123,7 @@ class ReadPlanner:
         if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
             # Read straight into the template's memory: no second full-size buffer.
             dest = t.detach().reshape(-1).view(torch.uint8).numpy()
-            self.reads.append(ReadRequest(leaf, memoryview(dest).cast("B")))
+            self.reads.append(ReadRequest(leaf, memoryview(dest).cast("B"), in_place=True))
             return lambda: t
         tmp = torch.empty(leaf.shape, dtype=want)
         self.reads.append(ReadRequest(leaf, memoryview(tmp.reshape(-1).view(torch.uint8).numpy()).cast("B")))
@@ -144,7 +145,7 @@ class ReadPlanner:
         if leaf.nbytes == 0:
             return lambda: a
         if a.flags.c_contiguous and a.flags.writeable:
-            self.reads.append(ReadRequest(leaf, _bytes_of(a)))
+            self.reads.append(ReadRequest(leaf, _bytes_of(a), in_place=True))
             return lambda: a
         tmp = np.empty(leaf.shape, dtype=want)
         self.reads.append(ReadRequest(leaf, _bytes_of(tmp)))

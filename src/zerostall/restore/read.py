@@ -4,11 +4,23 @@ Reads run on ``LoadOptions.io_threads`` threads, largest first. A large leaf str
 open file (the local backend reads cold ranges with ``O_DIRECT``), checksummed piece by piece
 while each piece is still in cache; runs of neighbouring small leaves are read with one
 vectored call straight into their destinations.
+
+All or nothing (``LoadOptions.atomic``): reads into a template's own memory
+(``ReadRequest.in_place``) are held back until everything verified. :func:`prepare_reads`
+checks those leaves where they lie -- the page cache's own pages through the local backend's
+``scan``, or a staging copy on other backends -- and finishes every other read; only the callable
+it returns writes into the templates, and by then nothing is left to verify.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
 
 from zerostall.checksum import checksum
 from zerostall.errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
@@ -18,70 +30,186 @@ from zerostall.restore.files import missing_file_error
 from zerostall.restore.plan import ReadRequest
 from zerostall.storage import Storage
 
-__all__ = ["execute_reads"]
+__all__ = ["execute_reads", "prepare_reads", "available_memory", "ATOMIC_MEMORY_FRACTION"]
+
+log = logging.getLogger("zerostall")
 
 _VERIFY_CHUNK = 4 << 20
 
+#: ``atomic="auto"`` holds a load's in-place bytes back (in the page cache, or in a staging copy)
+#: only while they are at most this fraction of the memory the kernel reports available.
+ATOMIC_MEMORY_FRACTION = 0.5
+
+_T = TypeVar("_T")
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could hand out without swapping (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
 
 def execute_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequest], opts: LoadOptions, path: str) -> None:
+    """Fill every request's destination, verified; all or nothing per ``opts.atomic``."""
+    prepare_reads(storage, name, m, reads, opts, path)()
+
+
+def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequest], opts: LoadOptions,
+                  path: str) -> Callable[[], None]:
+    """Do every read and every check that can happen before a template byte changes; return the rest.
+
+    When the load is atomic (see ``LoadOptions.atomic``), no in-place destination has changed
+    when this returns or raises, and the returned callable copies the verified bytes in (only an
+    I/O error can still fail it). Otherwise everything is read here and the callable does nothing.
+    A collective load calls the callable only once every rank has verified.
+    """
     # Every file read here was checked by _Files when its leaves were planned.
     if not reads:
-        return
-    # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
-    # is still in cache: one pass over memory instead of two.
-    chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
-    vectored = getattr(storage, "read_vectored", None)
-    tasks = _group(reads, chunk) if vectored is not None else [[r] for r in reads]
-    # Largest first, so one big read does not finish last on its own.
-    tasks.sort(key=lambda g: -sum(r.leaf.nbytes for r in g))
+        return _nothing
+    r = _Reader(storage, name, m, opts, path)
+    held = [q for q in reads if q.in_place and q.verify] if opts.verify else []
+    if not held or not _atomic(held, opts, path):
+        r.run(r.tasks(reads), r.read_group)
+        return _nothing
+    fresh = [q for q in reads if not (q.in_place and q.verify)]
+    if r.scan is None:  # no way to look at the bytes where they lie: verify a staging copy
+        staged = [ReadRequest(q.leaf, _scratch(q.leaf.nbytes), q.verify) for q in held]
+        r.run(r.tasks(fresh + staged), r.read_group)
 
-    def fail(exc: BaseException, leaf: LeafEntry) -> BaseException:
+        def copy_staged() -> None:
+            for q, s in zip(held, staged, strict=True):
+                q.dest[:] = s.dest
+        return copy_staged
+    held_tasks = r.tasks(held)
+    try:
+        r.run([(g, False) for g in r.tasks(fresh)] + [(g, True) for g in held_tasks], r.read_or_scan)
+    except BaseException:
+        r.close()
+        raise
+
+    def copy_verified() -> None:
+        try:
+            r.run(held_tasks, r.copy_held)
+        finally:
+            r.close()
+    return copy_verified
+
+
+def _scratch(n: int) -> memoryview:
+    buf: Any = np.empty(n, dtype=np.uint8)  # not zeroed: every byte is read over
+    return memoryview(buf)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _atomic(held: list[ReadRequest], opts: LoadOptions, path: str) -> bool:
+    if opts.atomic is not True and opts.atomic != "auto":
+        return False
+    if opts.atomic == "auto":
+        need = sum(q.leaf.nbytes for q in held)
+        avail = available_memory()
+        if avail is not None and need > avail * ATOMIC_MEMORY_FRACTION:
+            log.info("%s: loading %d bytes in place, more than %.0f%% of the %d bytes of available memory: "
+                     "not all-or-nothing (a failure may leave the template partly overwritten; "
+                     "LoadOptions(atomic=True) forces it)", path, need, ATOMIC_MEMORY_FRACTION * 100, avail)
+            return False
+    return True
+
+
+class _Reader:
+    """One load's reads: grouping, the read and scan primitives, the thread pool."""
+
+    def __init__(self, storage: Storage, name: str, m: Manifest, opts: LoadOptions, path: str) -> None:
+        self.storage, self.name, self.m, self.opts, self.path = storage, name, m, opts, path
+        # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
+        # is still in cache: one pass over memory instead of two.
+        self.chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
+        self.vectored = getattr(storage, "read_vectored", None)
+        self.sequential = getattr(storage, "read_sequential", None)
+        self.scan = getattr(storage, "scan", None)
+        self.map_file = getattr(storage, "map_file", None)
+        self._maps: dict[int, Any] = {}  # data file index -> MappedFile or None
+        self._maps_lock = threading.Lock()
+        self._mapped: set[int] = set()  # id() of held groups verified through a mapping
+
+    def tasks(self, reads: list[ReadRequest]) -> list[list[ReadRequest]]:
+        tasks = _group(reads, self.chunk) if self.vectored is not None else [[r] for r in reads]
+        # Largest first, so one big read does not finish last on its own.
+        tasks.sort(key=lambda g: -sum(r.leaf.nbytes for r in g))
+        return tasks
+
+    def run(self, tasks: list[_T], fn: Callable[[_T], None]) -> None:
+        if self.opts.io_threads == 1 or len(tasks) <= 1:
+            for t in tasks:
+                fn(t)
+            return
+        with ThreadPoolExecutor(max_workers=self.opts.io_threads, thread_name_prefix="zerostall-read") as pool:
+            futures = [pool.submit(fn, t) for t in tasks]
+            errors = [f.exception() for f in futures]
+        first_error = next((e for e in errors if e is not None), None)
+        if first_error is not None:
+            raise first_error
+
+    def key(self, leaf: LeafEntry) -> str:
+        return f"{self.name}/{self.m.files[leaf.file].path}"
+
+    def fail(self, exc: BaseException, leaf: LeafEntry) -> BaseException:
         if isinstance(exc, EOFError):
-            return CorruptCheckpointError(f"data ends early: {exc}", path=path, key=leaf.key)
+            return CorruptCheckpointError(f"data ends early: {exc}", path=self.path, key=leaf.key)
         if isinstance(exc, FileNotFoundError):
-            return missing_file_error(storage, name, m.files[leaf.file].path, path, leaf.key)
+            return missing_file_error(self.storage, self.name, self.m.files[leaf.file].path, self.path, leaf.key)
         assert isinstance(exc, OSError)
-        return StorageError(f"read failed: {exc}", errno=exc.errno, path=path, key=leaf.key)
+        return StorageError(f"read failed: {exc}", errno=exc.errno, path=self.path, key=leaf.key)
 
-    def check(r: ReadRequest, got: int) -> None:
+    def check(self, r: ReadRequest, got: int) -> None:
         leaf = r.leaf
-        if not (opts.verify and r.verify):
+        if not (self.opts.verify and r.verify):
             return
         if leaf.crc32c is None:
             raise CorruptCheckpointError("leaf has no checksum to verify (load with verify=False)",
-                                         path=path, key=leaf.key)
+                                         path=self.path, key=leaf.key)
         if got != leaf.crc32c:
             raise ChecksumMismatchError(
                 f"checksum mismatch: crc32c {got:#010x}, manifest says {leaf.crc32c:#010x}; the data file "
-                f"{m.files[leaf.file].path} is corrupt", path=path, key=leaf.key)
+                f"{self.m.files[leaf.file].path} is corrupt", path=self.path, key=leaf.key)
 
-    def read_one(r: ReadRequest) -> None:
+    # -- reading into destinations -----------------------------------------------------------
+
+    def read_one(self, r: ReadRequest, want: bool, chunk: int, cached: bool = False) -> None:
         leaf = r.leaf
-        fkey = f"{name}/{m.files[leaf.file].path}"
         got = 0
 
         def add(piece: memoryview) -> None:
             nonlocal got
             got = checksum(piece, got)
 
-        want = opts.verify and r.verify
         try:
-            sequential = getattr(storage, "read_sequential", None)
-            if sequential is not None:  # one open file per leaf: readahead spans the leaf
-                sequential(fkey, leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None)
+            if self.sequential is not None:  # one open file per leaf: readahead spans the leaf
+                kw = {"cached": True} if cached else {}
+                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None, **kw)
             else:
                 for off in range(0, leaf.nbytes, chunk):
                     piece = r.dest[off:off + chunk]
-                    storage.read_into(fkey, leaf.offset + off, piece)
+                    self.storage.read_into(self.key(leaf), leaf.offset + off, piece)
                     if want:
                         add(piece)
         except (EOFError, OSError) as exc:
-            raise fail(exc, leaf) from exc
-        check(r, got)
+            raise self.fail(exc, leaf) from exc
+        if want:
+            self.check(r, got)
 
-    def read_group(group: list[ReadRequest]) -> None:
+    def read_group(self, group: list[ReadRequest], verify: bool = True, cached: bool = False) -> None:
+        want = [verify and self.opts.verify and r.verify for r in group]
         if len(group) == 1:
-            read_one(group[0])
+            self.read_one(group[0], want[0], self.chunk if want[0] else self.opts.chunk_bytes, cached)
             return
         first = group[0].leaf
         bufs: list[memoryview] = []
@@ -92,26 +220,117 @@ def execute_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
             bufs.append(r.dest)
             pos = r.leaf.offset + r.leaf.nbytes
         try:
-            assert vectored is not None
-            vectored(f"{name}/{m.files[first.file].path}", first.offset, bufs)
+            assert self.vectored is not None
+            self.vectored(self.key(first), first.offset, bufs, **({"cached": True} if cached else {}))
         except (EOFError, OSError) as exc:
-            raise fail(exc, first) from exc
+            raise self.fail(exc, first) from exc
+        for r, w in zip(group, want, strict=True):
+            if w:
+                self.check(r, checksum(r.dest))
+
+    def read_unverified(self, group: list[ReadRequest]) -> None:
+        # The scan just went through the page cache (local backend): no residency checks again.
+        self.read_group(group, verify=False, cached=True)
+
+    # -- verifying where the bytes lie -------------------------------------------------------
+
+    def scan_group(self, group: list[ReadRequest]) -> None:
+        """Checksum a run of neighbouring leaves without writing to their destinations."""
+        start = group[0].leaf.offset
+        end = group[-1].leaf.offset + group[-1].leaf.nbytes
+        crcs = [0] * len(group)
+        state = [0, start]  # the first leaf not yet complete, the file offset of the next piece
+
+        def on_piece(piece: memoryview) -> None:
+            i, pos = state
+            stop = pos + len(piece)
+            while i < len(group):
+                lf = group[i].leaf
+                lo, hi = max(lf.offset, pos), min(lf.offset + lf.nbytes, stop)
+                if hi > lo:
+                    crcs[i] = checksum(piece[lo - pos:hi - pos], crcs[i])
+                if lf.offset + lf.nbytes > stop:
+                    break
+                i += 1
+            state[0], state[1] = i, stop
+
+        assert self.scan is not None
+        try:
+            self.scan(self.key(group[0].leaf), start, end - start, on_piece)
+        except (EOFError, OSError) as exc:
+            raise self.fail(exc, group[0].leaf) from exc
+        for r, c in zip(group, crcs, strict=True):
+            self.check(r, c)
+
+    def read_or_scan(self, task: tuple[list[ReadRequest], bool]) -> None:
+        group, held = task
+        if not held:
+            self.read_group(group)
+        elif not self.verify_mapped(group):
+            self.scan_group(group)
+
+    # -- bytes already in the page cache: checksum and copy them where they lie ---------------
+
+    def mapping(self, file: int) -> Any:
+        with self._maps_lock:
+            if file not in self._maps:
+                try:
+                    self._maps[file] = self.map_file(self.key_of_file(file)) if self.map_file is not None else None
+                except OSError:
+                    self._maps[file] = None  # read the ordinary way, which reports the error properly
+            return self._maps[file]
+
+    def key_of_file(self, file: int) -> str:
+        return f"{self.name}/{self.m.files[file].path}"
+
+    def verify_mapped(self, group: list[ReadRequest]) -> bool:
+        """Checksum a run of leaves in the page cache's own pages (read into the cache first if need
+        be); False if they cannot be had there."""
+        mf = self.mapping(group[0].leaf.file)
+        start = group[0].leaf.offset
+        end = group[-1].leaf.offset + group[-1].leaf.nbytes
+        if mf is None:
+            return False
+        if not mf.cached(start, end - start):
+            fill = getattr(self.storage, "fill_cache", None)
+            if fill is None:
+                return False
+            try:  # read into the cache only, errors reported; then checksum it there
+                fill(self.key(group[0].leaf), start, end - start)
+            except (EOFError, OSError) as exc:
+                raise self.fail(exc, group[0].leaf) from exc
+            if not mf.cached(start, end - start):  # evicted already: verify a copy instead
+                return False
         for r in group:
-            check(r, checksum(r.dest) if opts.verify and r.verify else 0)
+            lf = r.leaf
+            got = 0
+            for a in range(lf.offset, lf.offset + lf.nbytes, _VERIFY_CHUNK):
+                got = checksum(mf.view[a:min(a + _VERIFY_CHUNK, lf.offset + lf.nbytes)], got)
+            self.check(r, got)
+        self._mapped.add(id(group))
+        return True
 
-    if opts.io_threads == 1 or len(tasks) == 1:
-        for g in tasks:
-            read_group(g)
-        return
-    with ThreadPoolExecutor(max_workers=opts.io_threads, thread_name_prefix="zerostall-read") as pool:
-        futures = [pool.submit(read_group, g) for g in tasks]
-        errors = [f.exception() for f in futures]
-    first_error = next((e for e in errors if e is not None), None)
-    if first_error is not None:
-        raise first_error
+    def copy_held(self, group: list[ReadRequest]) -> None:
+        """Write a verified run of leaves into their destinations: from the mapping while the
+        pages are still cached (checked again: they may have been evicted since), else by reads."""
+        mf = self._maps.get(group[0].leaf.file)
+        start = group[0].leaf.offset
+        end = group[-1].leaf.offset + group[-1].leaf.nbytes
+        if id(group) in self._mapped and mf is not None and mf.cached(start, end - start):
+            for r in group:
+                mf.copy_into(r.leaf.offset, r.dest)
+            return
+        self.read_unverified(group)
+
+    def close(self) -> None:
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for mf in maps:
+            if mf is not None:
+                mf.close()
 
 
-def _group(reads: list[ReadRequest], limit: int) -> list[list[ReadRequest]]:
+def _group(reads: Iterable[ReadRequest], limit: int) -> list[list[ReadRequest]]:
     """Runs of neighbouring leaves (same file, in file order, gaps under a page, up to ``limit``
     bytes together) to read with one vectored call; a leaf of ``limit`` bytes or more goes alone."""
     groups: list[list[ReadRequest]] = []

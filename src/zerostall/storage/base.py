@@ -63,3 +63,15 @@ class Storage(Protocol):
 
     def sync(self, prefix: str) -> None:
         """Make the names under ``prefix`` durable (fsync of a directory); a no-op where meaningless."""
+
+    def probe(self, *, write: bool) -> None:
+        """Check that the root can be reached now, and with ``write`` that it can be created and written.
+
+        Called when a :class:`~zerostall.Checkpointer` opens (``write`` unless read-only) and
+        when a load finds nothing, so that a wrong location fails at once instead of looking
+        like an empty run. Cheap: a few system calls or one or two requests. A root that does
+        not exist yet is not an error without ``write`` (nothing is committed there); a missing
+        bucket or volume, refused credentials, an unreachable endpoint or an unwritable
+        directory are. Raises ``OSError`` with its errno (``FileNotFoundError`` for a missing
+        bucket, ``PermissionError`` for refused credentials, ``ENOTDIR``, ``EROFS``, ...).
+        """

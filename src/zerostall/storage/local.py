@@ -14,15 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "MappedFile"]
 
 _ALIGN = 4096
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv
 _DIRECT_READ_MIN = 8 << 20  # smaller ranges: the page-cache path's overhead is noise
 _BOUNCE = 8 << 20  # one O_DIRECT read; 8 MiB requests keep a virtio disk at its full rate
 _PIECE = 1 << 20  # copied into the destination and handed to on_piece while in L2
+_SCRATCH = 1 << 20  # scan: one buffered read, checksummed while it is in L2
 _local = threading.local()
 _LIBC: ctypes.CDLL | bool | None = False  # loaded on first use
+_DEVNULL: int | bool | None = False  # opened on first use
 
 
 class LocalStorage:
@@ -46,7 +48,7 @@ class LocalStorage:
         self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool
     ) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         use_direct = direct and hasattr(os, "O_DIRECT") and _aligned(buf, length)
         fd = -1
@@ -85,7 +87,7 @@ class LocalStorage:
         back as zeros. Fails with ``FileExistsError`` if ``key`` exists.
         """
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             _pwrite_all(fd, memoryview(header), 0)
@@ -98,7 +100,7 @@ class LocalStorage:
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         path = self._p(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(os.path.dirname(path))
         if if_absent:
             # Write aside, then link: link(2) fails if the target exists, so two writers cannot
             # both win, and a reader never sees a half-written object.
@@ -121,6 +123,18 @@ class LocalStorage:
                     os.unlink(tmp)
                 raise
 
+    def probe(self, *, write: bool) -> None:
+        """The root is a directory (created with ``write``) that this process can list, and write to with ``write``."""
+        if os.path.lexists(self.root) and not os.path.isdir(self.root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.root)
+        if not write:
+            if os.path.isdir(self.root):
+                with os.scandir(self.root):  # EACCES for a directory this process cannot read
+                    pass
+            return
+        _makedirs(self.root)
+        _probe_write(self.root)
+
     # -- reading ---------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes:
@@ -135,7 +149,7 @@ class LocalStorage:
             os.close(fd)
 
     def read_sequential(self, key: str, offset: int, buf: memoryview, *, chunk: int,
-                        on_piece: Callable[[memoryview], None] | None = None) -> None:
+                        on_piece: Callable[[memoryview], None] | None = None, cached: bool = False) -> None:
         """Fill ``buf`` from ``key`` at ``offset`` through one open file, ``chunk`` bytes a call.
 
         A range that is mostly not in the page cache (``mincore``; zerostall's own
@@ -144,11 +158,14 @@ class LocalStorage:
         and is filled only to be thrown away. Otherwise one descriptor for the whole range keeps
         the kernel's readahead window growing (a fresh open per piece restarts it), and the range
         is announced up front (``POSIX_FADV_WILLNEED``). ``on_piece`` sees each piece of ``buf``,
-        in order, right after it lands, while it is still in cache.
+        in order, right after it lands, while it is still in cache. A range wholly cached, or
+        ``cached`` (the caller just read it through the cache), skips the advice: on cached pages
+        it only walks them once more.
         """
         fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            if len(buf) >= _DIRECT_READ_MIN and _cold(fd, offset, len(buf)):
+            frac = None if cached or len(buf) < _DIRECT_READ_MIN else _resident(fd, offset, len(buf))
+            if frac is not None and frac < 0.5:
                 try:
                     dfd = os.open(self._p(key), os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
                 except OSError as exc:
@@ -160,7 +177,7 @@ class LocalStorage:
                             return
                     finally:
                         os.close(dfd)
-            if hasattr(os, "posix_fadvise") and len(buf):
+            if hasattr(os, "posix_fadvise") and len(buf) and not cached and frac != 1.0:
                 os.posix_fadvise(fd, offset, len(buf), os.POSIX_FADV_WILLNEED)
             for off in range(0, len(buf), chunk):
                 piece = buf[off:off + chunk]
@@ -170,7 +187,7 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
+    def read_vectored(self, key: str, offset: int, bufs: list[memoryview], *, cached: bool = False) -> None:
         """Fill ``bufs`` one after the other from the contiguous range of ``key`` at ``offset``.
 
         One ``preadv`` scatters a run of neighbouring leaves straight into their destinations:
@@ -179,7 +196,7 @@ class LocalStorage:
         total = sum(len(b) for b in bufs)
         fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            if hasattr(os, "posix_fadvise") and total:
+            if hasattr(os, "posix_fadvise") and total and not cached:
                 os.posix_fadvise(fd, offset, total, os.POSIX_FADV_WILLNEED)
             done, idx, skip = 0, 0, 0
             while done < total:
@@ -196,6 +213,78 @@ class LocalStorage:
                     else:
                         skip += got
                         got = 0
+        finally:
+            os.close(fd)
+
+    def scan(self, key: str, offset: int, length: int, on_piece: Callable[[memoryview], None], *,
+             chunk: int = _SCRATCH) -> None:
+        """Hand ``on_piece`` the bytes of ``key`` at ``offset``, in order, without keeping them.
+
+        What a load verifies before it writes anything into its templates, for bytes not yet in
+        the page cache (cached ones it checks through :meth:`map_file`): buffered reads into this
+        thread's scratch buffer (``chunk`` bytes at most, checksummed while in L2), which also
+        leave the range in the page cache for the copy that follows. Pieces are valid only
+        during the call.
+        """
+        if not length:
+            return
+        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            scratch = _scratch()
+            step = max(1, min(chunk, len(scratch)))
+            for a in range(offset, offset + length, step):
+                piece = scratch[:min(step, offset + length - a)]
+                _pread_full(fd, piece, a, key)
+                on_piece(piece)
+        finally:
+            os.close(fd)
+
+    def fill_cache(self, key: str, offset: int, length: int) -> None:
+        """Bring the range into the page cache, reporting read errors, without copying it anywhere.
+
+        ``sendfile`` to ``/dev/null``: the kernel reads the pages into the cache and discards
+        them at the other end (a tenth of the CPU of reading them into a buffer, measured), and a
+        failed read is an ``OSError`` with its errno here, not later. Does nothing where that is
+        not available; the caller checks what is cached either way.
+        """
+        if not length or not hasattr(os, "sendfile"):
+            return
+        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            null = _devnull()
+            if null is None:
+                return
+            pos, end = offset, offset + length
+            while pos < end:
+                try:
+                    n = os.sendfile(null, fd, pos, min(end - pos, 1 << 30))
+                except OSError as exc:
+                    if exc.errno in (errno.EINVAL, errno.ENOSYS) and pos == offset:
+                        return  # this kernel or filesystem cannot: the caller reads instead
+                    raise
+                if n == 0:
+                    raise EOFError(f"{key}: object ends before byte {end}")
+                pos += n
+        finally:
+            os.close(fd)
+
+    def map_file(self, key: str) -> MappedFile | None:
+        """A read-only mapping of the whole of ``key`` (None when it is empty or cannot be mapped).
+
+        For bytes already in the page cache: a load checksums them and copies them out of the
+        cache's own pages, with no system call per piece and no copy into a scratch buffer.
+        """
+        fd = os.open(self._p(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            if not size or _libc() is None:
+                return None
+            try:
+                return MappedFile(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+            except (OSError, ValueError):
+                return None
         finally:
             os.close(fd)
 
@@ -239,6 +328,47 @@ class LocalStorage:
             os.close(fd)
 
 
+class MappedFile:
+    """A read-only mapping of a data file, touched only where the page cache holds it.
+
+    A page of a file mapping that is not in the cache is read from disk when first touched, and
+    a read error there is a ``SIGBUS`` rather than an ``EIO``: callers ask :meth:`cached` right
+    before they touch a range, and read the ordinary way when it says no.
+    """
+
+    def __init__(self, m: mmap.mmap) -> None:
+        self._m = m
+        self.view = memoryview(m)
+        self._arr = np.frombuffer(m, dtype=np.uint8)
+        self._addr = int(self._arr.ctypes.data)
+
+    def cached(self, offset: int, length: int) -> bool:
+        """Whether every page of the range is in the page cache right now (``mincore``)."""
+        libc = _libc()
+        if libc is None or offset < 0 or offset + length > len(self._arr):
+            return False
+        start = offset - offset % mmap.PAGESIZE
+        size = offset + length - start
+        vec = np.zeros((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE, dtype=np.uint8)
+        if libc.mincore(ctypes.c_void_p(self._addr + start), ctypes.c_size_t(size),
+                        vec.ctypes.data_as(ctypes.c_void_p)) != 0:
+            return False
+        return bool((vec & 1).all())
+
+    def copy_into(self, offset: int, dest: memoryview) -> None:
+        """Copy the bytes at ``offset`` into ``dest`` (numpy: without holding the GIL)."""
+        out = np.frombuffer(dest, dtype=np.uint8)
+        np.copyto(out, self._arr[offset:offset + len(out)])
+
+    def close(self) -> None:
+        self.view.release()
+        del self._arr
+        try:
+            self._m.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -277,27 +407,27 @@ def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: in
             pass
 
 
-def _cold(fd: int, offset: int, length: int) -> bool:
-    """Whether most of the range is missing from the page cache (``mincore`` on a mapping of it).
+def _resident(fd: int, offset: int, length: int) -> float | None:
+    """The fraction of the range's pages in the page cache (``mincore`` on a mapping of it); None
+    when that cannot be told.
 
     Mapping a file without touching it reads nothing, and ``mincore`` only looks the pages up;
     a probe read (even ``RWF_NOWAIT``) would start readahead of the very range it asks about.
     """
     libc = _libc()
     if libc is None:
-        return False
+        return None
     start = offset - offset % mmap.PAGESIZE
     size = offset + length - start
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
     if addr is None or addr == ctypes.c_void_p(-1).value:
-        return False
+        return None
     try:
         pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
         vec = np.zeros(pages, dtype=np.uint8)
         if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p)) != 0:
-            return False
-        resident = int(np.count_nonzero(vec & 1))
-        return resident * 2 < pages
+            return None
+        return int(np.count_nonzero(vec & 1)) / pages
     finally:
         libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
 
@@ -324,6 +454,25 @@ def _bounce() -> tuple[memoryview, np.ndarray]:
     if b is None:
         m = mmap.mmap(-1, _BOUNCE)
         b = _local.bounce = (memoryview(m), np.frombuffer(m, dtype=np.uint8))
+    return b
+
+
+def _devnull() -> int | None:
+    """A descriptor on /dev/null for :meth:`LocalStorage.fill_cache`, opened once per process."""
+    global _DEVNULL
+    if _DEVNULL is False:
+        try:
+            _DEVNULL = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            _DEVNULL = None
+    return _DEVNULL if isinstance(_DEVNULL, int) and not isinstance(_DEVNULL, bool) else None
+
+
+def _scratch() -> memoryview:
+    """This thread's scan buffer, made on first use."""
+    b: memoryview | None = getattr(_local, "scratch", None)
+    if b is None:
+        b = _local.scratch = memoryview(mmap.mmap(-1, _SCRATCH))
     return b
 
 
@@ -383,3 +532,34 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, except that a file in the way is ``ENOTDIR``.
+
+    ``makedirs`` reports a regular file at ``path`` as ``FileExistsError``, which would reach the
+    caller as ``CheckpointExistsError``: the truth is that the directory cannot be created.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory (a file is in the way)", path) from None
+
+
+def _probe_write(directory: str) -> None:
+    """Create a file in ``directory`` and remove it: what a save does first (root is not exempt
+    from a read-only mount, a full quota or a missing directory, so this fails for root too)."""
+    try:
+        # An unnamed file (O_TMPFILE) leaves nothing behind even if this process dies right here.
+        fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o600)
+        os.close(fd)
+        return
+    except AttributeError:
+        pass  # no O_TMPFILE in this Python build
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    path = os.path.join(directory, f".zerostall-probe-{os.getpid()}-{threading.get_ident():x}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    os.close(fd)
+    os.unlink(path)

@@ -403,6 +403,23 @@ class S3Storage:
         names.discard("")
         return sorted(names)
 
+    def probe(self, *, write: bool) -> None:
+        """The bucket exists and these credentials may list the prefix (one HEAD and one LIST).
+
+        Write permission is not probed (that would write an object): a bucket that refuses
+        writes fails the first save, which is then raised (see ``BackgroundSaveError``).
+        """
+        with _errors(f"s3://{self.bucket}"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except bex.ClientError as exc:
+                code, status = _code(exc)
+                if status == 404 or code in _NOT_FOUND:
+                    raise FileNotFoundError(errno.ENOENT, f"S3 bucket {self.bucket!r} does not exist",
+                                            f"s3://{self.bucket}") from exc
+                raise
+            self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._dir(""), MaxKeys=1)
+
     # -- metadata ----------------------------------------------------------------------------
 
     def delete(self, prefix: str) -> None:

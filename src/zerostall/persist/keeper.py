@@ -1,0 +1,493 @@
+"""The memory tier's keeper: the writer process, holding the newest step in memory for a restart.
+
+With ``Checkpointer(memory_tier=MemoryTier(...))`` the writer process is also the *keeper*.
+Every save is a memory-tier job (:attr:`SaveJob.memory`): the keeper checksums the staged
+buffers, builds the same manifest storage would get, and then holds those buffers (the staging
+slot itself: no copy) as the newest in-memory step. Only when a newer step has committed to
+memory does it hand the older step's slot back (:class:`Released`), so the trainer never stages
+into the bytes of the step the keeper holds, and a crash in the middle of a save leaves the
+previous complete step in place. Jobs whose ``persist`` is set are also written to storage first.
+
+The keeper already outlives its trainer (its own session, so torchrun's ``killpg`` of a failed
+worker group does not reach it). When the trainer dies (the socket reaches EOF), the keeper
+persists the newest memory-only step, then *lingers* up to ``linger_s`` on an abstract unix
+socket named after the user, the checkpoint directory and the rank (:func:`keeper_address`).
+A new trainer of the same triple connects (:func:`adopt`), both ends check that the other is the
+same user (``SO_PEERCRED``), and the keeper becomes that trainer's writer, still holding the
+step. A trainer asks for the held step with :class:`ImageQuery`; the keeper answers with an
+:class:`Image` and the buffers' descriptors, which the trainer maps read-only to restore from.
+On expiry the keeper exits; the kernel frees the memory, and an abstract socket leaves no file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import mmap
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+from zerostall.commit import committed_steps
+from zerostall.errors import ZerostallError
+from zerostall.messages import (
+    Adopt,
+    Hello,
+    Image,
+    ImageFile,
+    ImageQuery,
+    LeafRow,
+    Message,
+    Released,
+    SaveJob,
+    WriterStats,
+    decode,
+    encode,
+)
+from zerostall.options import RetentionPolicy
+from zerostall.persist.job import SoloStep, run_save, solo_manifest
+from zerostall.storage import Storage, local_path, open_storage
+
+__all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
+           "held_steps", "ADDRESS_PREFIX"]
+
+ADDRESS_PREFIX = b"\0zerostall-keeper-"
+#: how long a new trainer waits for a keeper that accepted it to hand over (it may be persisting
+#: its dead trainer's newest step first)
+ADOPT_TIMEOUT_S = 600.0
+_HELLO_TIMEOUT_S = 10.0
+
+
+def _root_key(root: str) -> str:
+    local = local_path(root)
+    return os.path.realpath(local) if local is not None else root
+
+
+def keeper_address(root: str, rank: int, uid: int | None = None) -> bytes:
+    """The abstract socket name of the keeper of ``(user, directory, rank)`` on this host."""
+    uid = os.getuid() if uid is None else uid
+    digest = hashlib.sha256(f"{uid}\0{_root_key(root)}\0{rank}".encode()).hexdigest()[:32]
+    return ADDRESS_PREFIX + digest.encode()
+
+
+@dataclass(frozen=True)
+class KeeperSpec:
+    """Which keeper a trainer's writer is: the Checkpointer's directory and rank, and its linger."""
+
+    root: str
+    rank: int
+    linger_s: float
+
+    @property
+    def address(self) -> bytes:
+        return keeper_address(self.root, self.rank)
+
+    def argv(self) -> list[str]:
+        """The writer's extra command-line arguments that make it this keeper."""
+        return [self.address.hex(), repr(float(self.linger_s)), self.root, str(self.rank)]
+
+    @staticmethod
+    def from_argv(args: list[str]) -> tuple[bytes, KeeperSpec]:
+        return bytes.fromhex(args[0]), KeeperSpec(root=args[2], rank=int(args[3]), linger_s=float(args[1]))
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _connect(address: bytes) -> socket.socket | None:
+    """A connection to the keeper at ``address`` run by this user, or None."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+    except OSError:
+        sock.close()
+        return None
+    _, uid, _ = peer_credentials(sock)
+    if uid != os.getuid():  # another user holds the name: never talk to it
+        sock.close()
+        return None
+    return sock
+
+
+def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connection, Hello] | None:
+    """Claim the lingering keeper of ``spec``: the connection (its writer from now on) and its Hello.
+
+    None when there is no keeper, it belongs to another user, it serves a live trainer, or it
+    speaks another protocol; the caller then starts a writer of its own.
+    """
+    sock = _connect(spec.address)
+    if sock is None:
+        return None
+    conn = Connection(sock.detach())
+    try:
+        conn.send_bytes(encode(Adopt(root=spec.root, rank=spec.rank)))
+        if not conn.poll(timeout_s):
+            conn.close()
+            return None
+        msg = decode(conn.recv_bytes())
+    except (EOFError, OSError, ZerostallError):
+        conn.close()
+        return None
+    if not isinstance(msg, Hello):
+        conn.close()
+        return None
+    return conn, msg
+
+
+def query_held(root: str, rank: int) -> Image | None:
+    """The step the keeper of ``(root, rank)`` holds, without claiming it (for ``zerostall list``).
+
+    None when no keeper of this user answers.
+    """
+    sock = _connect(keeper_address(root, rank))
+    if sock is None:
+        return None
+    conn = Connection(sock.detach())
+    try:
+        conn.send_bytes(encode(ImageQuery()))
+        if not conn.poll(_HELLO_TIMEOUT_S):
+            return None
+        msg = decode(conn.recv_bytes())
+    except (EOFError, OSError, ZerostallError):
+        return None
+    finally:
+        conn.close()
+    return msg if isinstance(msg, Image) else None
+
+
+def _listening_keepers() -> set[bytes]:
+    """The abstract names of the keepers listening on this host (any user's)."""
+    names: set[bytes] = set()
+    try:
+        with open("/proc/net/unix") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[-1].startswith("@zerostall-keeper-"):
+                    names.add(b"\0" + parts[-1][1:].encode())
+    except OSError:
+        pass
+    return names
+
+
+def held_steps(root: str, max_rank: int = 4096) -> list[tuple[int, Image]]:
+    """``(rank, image)`` of every keeper of this user and ``root`` on this host that holds a step."""
+    names = _listening_keepers()
+    out: list[tuple[int, Image]] = []
+    if not names:
+        return out
+    for rank in range(max_rank):
+        if keeper_address(root, rank) in names:
+            img = query_held(root, rank)
+            if img is not None and img.step is not None:
+                out.append((rank, img))
+    return out
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: its sockets are already closed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _silence(fd: int) -> None:
+    """Point ``fd`` at /dev/null (releasing the pipe or terminal it had)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(null, fd)
+    os.close(null)
+
+
+class MemoryStep:
+    """The step of a memory-only save: nothing is written; the manifest is built and kept."""
+
+    applies_retention = False
+    writes = False
+
+    def __init__(self, job: SaveJob) -> None:
+        self.job = job
+        self.manifest_bytes = b""
+        self.check_lease: Callable[[], None] = lambda: None  # nothing is leased: nothing is written
+
+    def begin(self) -> None:
+        return None
+
+    def data_key(self, file_name: str) -> str:  # pragma: no cover - writes nothing
+        return file_name
+
+    def owned(self, views: Any, hash_leaf: Callable[[LeafRow], bool]) -> list[int]:
+        return list(range(len(self.job.leaves)))
+
+    def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
+        self.manifest_bytes = solo_manifest(self.job, written, files, "data")
+
+    def fail(self, exc: BaseException) -> BaseException:
+        return exc
+
+    def after_commit(self) -> None:
+        return None
+
+    def lease_targets(self) -> list[str]:
+        return []  # nothing is created under the root
+
+    def retain(self, storage: Storage, policy: RetentionPolicy | None, newest: int | None,
+               deleted: list[int]) -> None:
+        return None  # retention applies to storage only
+
+
+class _Held:
+    """One complete step in memory: its job, manifest and its own mappings of the staged buffers."""
+
+    def __init__(self, job: SaveJob, manifest: bytes, fds: list[int], sizes: list[int], session: int,
+                 persisted: bool) -> None:
+        self.job, self.manifest, self.fds, self.sizes = job, manifest, fds, sizes
+        self.session, self.persisted = session, persisted
+        self.maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                     for fd, size in zip(fds, sizes, strict=True)]
+        self.views = {f.buffer: memoryview(m) for f, m in zip(job.files, self.maps, strict=True)}
+
+    def image(self, with_files: bool = True) -> Image:
+        return Image(step=self.job.step, name=self.job.name, manifest=self.manifest.decode(),
+                     files=tuple(ImageFile(name=f.name, length=f.length, size=s)
+                                 for f, s in zip(self.job.files, self.sizes, strict=True)) if with_files else ())
+
+    def close(self) -> None:
+        for v in self.views.values():
+            v.release()
+        for m in self.maps:
+            try:
+                m.close()
+            except BufferError:  # a failed job's traceback may still reference a slice
+                pass
+        for fd in self.fds:
+            os.close(fd)
+        self.views, self.maps, self.fds = {}, [], []
+
+
+def _empty_image() -> Image:
+    return Image(step=None, name="", manifest="", files=())
+
+
+class Keeper:
+    """The keeper's state across trainer sessions (runs in the writer process)."""
+
+    def __init__(self, address: bytes, spec: KeeperSpec) -> None:
+        self.address, self.spec = address, spec
+        self._fds: dict[int, tuple[int, int]] = {}  # this session's buffer id -> (dup'ed fd, size)
+        self.held: _Held | None = None
+        self.session = 0
+        self._cond = threading.Condition()
+        self._trainer_pid: int | None = None
+        self._waiting: Connection | None = None
+        self._listener: socket.socket | None = None
+
+    # -- the listening socket -------------------------------------------------------------
+
+    def listen(self) -> bool:
+        """Bind the keeper's name; False if another keeper of this triple holds it."""
+        _silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.address)
+        except OSError:
+            sock.close()
+            print("zerostall keeper: another keeper holds this directory and rank; this one will not be "
+                  "adoptable after a crash", file=sys.stderr, flush=True)
+            return False
+        sock.listen(8)
+        self._listener = sock
+        threading.Thread(target=self._accept_loop, name="zerostall-keeper-accept", daemon=True).start()
+        return True
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                _, uid, _ = peer_credentials(sock)
+            except OSError:
+                uid = -1
+            if uid != os.getuid():  # only the same user may see or claim the memory
+                sock.close()
+                continue
+            conn = Connection(sock.detach())
+            try:
+                self._greet(conn)
+            except Exception:  # noqa: BLE001 - one bad client must not stop the keeper
+                conn.close()
+
+    def _greet(self, conn: Connection) -> None:
+        if not conn.poll(_HELLO_TIMEOUT_S):
+            conn.close()
+            return
+        msg = decode(conn.recv_bytes())
+        if isinstance(msg, ImageQuery):  # a look, not a claim
+            with self._cond:
+                img = self.held.image(with_files=False) if self.held is not None else _empty_image()
+            conn.send_bytes(encode(img))
+            conn.close()
+            return
+        if not isinstance(msg, Adopt) or msg.rank != self.spec.rank or _root_key(msg.root) != _root_key(self.spec.root):
+            conn.close()
+            return
+        with self._cond:
+            if self._trainer_pid is not None and _pid_running(self._trainer_pid):
+                conn.close()  # our trainer lives: the caller starts a writer of its own
+                return
+            if self._waiting is not None:
+                self._waiting.close()
+            self._waiting = conn
+            self._cond.notify_all()
+
+    # -- a session ------------------------------------------------------------------------
+
+    def session_started(self, conn: Connection) -> None:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            pid, _, _ = peer_credentials(sock)
+        finally:
+            sock.close()
+        with self._cond:
+            self.session += 1
+            self._trainer_pid = pid
+
+    def on_map(self, buffer: int, fd: int, size: int) -> None:
+        old = self._fds.pop(buffer, None)
+        if old is not None:
+            os.close(old[0])
+        self._fds[buffer] = (os.dup(fd), size)
+
+    def on_unmap(self, buffer: int) -> None:
+        old = self._fds.pop(buffer, None)
+        if old is not None:
+            os.close(old[0])
+
+    def run(self, job: SaveJob, views: dict[int, memoryview], send: Callable[[Message], None]) -> WriterStats:
+        """Run a memory-tier job: persist it if asked, then hold its buffers as the newest step.
+
+        A collective step that persists is written like any collective save and not held
+        (its manifest on storage is the ranks' merged one): storage then has the newer step.
+        """
+        if job.collective is not None and job.persist:
+            stats = run_save(job, views, lambda: send(Released(job=job.id)))
+            self._drop_held(send)  # storage now has a newer step than memory held
+            return stats
+        storage = open_storage(job.root)
+        step: SoloStep | MemoryStep = SoloStep(job, storage) if job.persist else MemoryStep(job)
+        stats = run_save(job, views, lambda: None, step=step)
+        fds = [os.dup(self._fds[f.buffer][0]) for f in job.files]
+        held = _Held(job, step.manifest_bytes, fds, [self._fds[f.buffer][1] for f in job.files], self.session,
+                     persisted=job.persist)
+        self._drop_held(send, held)
+        return dataclasses.replace(stats, tiers=("memory", "storage") if job.persist else ("memory",))
+
+    def _drop_held(self, send: Callable[[Message], None], new: _Held | None = None) -> None:
+        """Make ``new`` the held step (the new one first: never a moment without a complete
+        step), then give the old one's slot back to its trainer."""
+        with self._cond:
+            old, self.held = self.held, new
+        if old is not None:
+            if old.session == self.session:  # its slot may be staged into again
+                send(Released(job=old.job.id))
+            old.close()
+
+    def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
+        held = self.held
+        if held is None:
+            send(_empty_image())
+            return
+        send(held.image())
+        for fd in held.fds:
+            send_handle(conn, fd, 0)
+
+    def session_ended(self, closed: bool) -> Connection | None:
+        """The trainer closed (``closed``) or died: persist the newest memory-only step; linger
+        for a new trainer if it died. Returns the new trainer's connection, or None to exit."""
+        with self._cond:
+            self._trainer_pid = None
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        self.persist_held()
+        if closed or self._listener is None:
+            return None
+        # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
+        # launcher, a test) would wait for the keeper to expire.
+        _silence(2)
+        deadline = time.monotonic() + self.spec.linger_s
+        with self._cond:
+            while self._waiting is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            conn, self._waiting = self._waiting, None
+            return conn
+
+    def persist_held(self, closing: bool = False) -> None:
+        """Write the held step to storage if only memory has it (its trainer closed or died).
+
+        A collective step is persisted only at a clean close (``closing``), when every rank's
+        keeper persists the same step together; after a crash the ranks' keepers may hold
+        different steps and would wait for each other until the collective timeout.
+        """
+        held = self.held
+        if held is None or held.persisted or (held.job.collective is not None and not closing):
+            return
+        job = dataclasses.replace(held.job, persist=True)
+        try:
+            storage = open_storage(job.root)
+            if held.job.step is not None and held.job.step in committed_steps(storage):
+                held.persisted = True
+                return
+            run_save(job, held.views, lambda: None,
+                     step=SoloStep(job, storage) if job.collective is None else None)
+            held.persisted = True
+        except BaseException as exc:  # nobody to report to but stderr
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            print(f"zerostall keeper: persisting {job.path} after its trainer died failed: {exc}",
+                  file=sys.stderr, flush=True)
+            if os.environ.get("ZEROSTALL_DEBUG"):
+                traceback.print_exc()
+
+    def shutdown(self) -> None:
+        """Free everything: the name, the held step, the descriptors."""
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        with self._cond:
+            held, self.held = self.held, None
+            waiting, self._waiting = self._waiting, None
+        if held is not None:
+            held.close()
+        if waiting is not None:
+            waiting.close()
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds = {}

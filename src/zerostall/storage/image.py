@@ -1,0 +1,161 @@
+"""A read-only backend over the memory tier's step: the keeper's buffers, mapped in this process.
+
+The keeper hands over its newest in-memory step as a manifest and one shared-memory descriptor
+per data file (the staged file images, which are the data files byte for byte). Registered as
+``zsimage://<token>`` for as long as a load uses it, so the restore code reads it like any other
+storage: the manifest is validated and every leaf is checksummed as usual.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+from zerostall.storage import register_scheme
+
+__all__ = ["ImageStorage", "open_image", "SCHEME"]
+
+SCHEME = "zsimage"
+_IMAGES: dict[str, ImageStorage] = {}
+_LOCK = threading.Lock()
+_tokens = itertools.count(1)
+
+
+class ImageStorage:
+    """Checkpoint ``name``: ``manifest`` and data files ``data/<file>`` mapped read-only from ``fds``.
+
+    Takes ownership of the descriptors (closed once mapped). Use as a context manager; leaving
+    unmaps the files and unregisters the URL.
+    """
+
+    atomic_rename = False
+
+    def __init__(self, name: str, manifest: bytes, files: Sequence[tuple[str, int, int, int]]) -> None:
+        """``files``: ``(file name, length, mapping size, fd)`` per data file."""
+        self.name = name
+        self._objects: dict[str, bytes] = {f"{name}/manifest.json": manifest}
+        self._maps: list[mmap.mmap] = []
+        self._views: dict[str, memoryview] = {}
+        try:
+            for fname, length, size, fd in files:
+                m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                self._maps.append(m)
+                self._views[f"{name}/data/{fname}"] = memoryview(m)[:length]
+        finally:
+            for *_, fd in files:
+                os.close(fd)
+        self.token = f"{os.getpid()}-{next(_tokens)}"
+        self.url = f"{SCHEME}://{self.token}"
+        with _LOCK:
+            _IMAGES[self.token] = self
+
+    def close(self) -> None:
+        with _LOCK:
+            _IMAGES.pop(self.token, None)
+        for v in self._views.values():
+            v.release()
+        self._views = {}
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view handed out is still alive: unmapped when it goes
+                pass
+        self._maps = []
+
+    def __enter__(self) -> ImageStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _missing(self, key: str) -> FileNotFoundError:
+        return FileNotFoundError(errno.ENOENT, "not in the memory tier's step", key)
+
+    def get(self, key: str) -> bytes:
+        if key in self._objects:
+            return self._objects[key]
+        v = self._views.get(key)
+        if v is None:
+            raise self._missing(key)
+        return bytes(v)
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> None:
+        v = self._views.get(key)
+        if v is None:
+            data = self.get(key)
+            if offset + len(buf) > len(data):
+                raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
+            buf[:] = data[offset:offset + len(buf)]
+            return
+        if offset + len(buf) > len(v):
+            raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
+        buf[:] = v[offset:offset + len(buf)]
+
+    def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
+        for b in bufs:
+            self.read_into(key, offset, b)
+            offset += len(b)
+
+    def size(self, key: str) -> int:
+        if key in self._objects:
+            return len(self._objects[key])
+        v = self._views.get(key)
+        if v is None:
+            raise self._missing(key)
+        return len(v)
+
+    def exists(self, key: str) -> bool:
+        keys = list(self._objects) + list(self._views)
+        return any(k == key or k.startswith(key + "/") for k in keys) or key == ""
+
+    def list(self, prefix: str) -> list[str]:
+        base = prefix.rstrip("/") + "/" if prefix else ""
+        keys = list(self._objects) + list(self._views)
+        return sorted({k[len(base):].split("/", 1)[0] for k in keys if k.startswith(base)})
+
+    # -- no writing: the memory tier is written by the keeper only --------------------------
+
+    def _read_only(self, key: str) -> OSError:
+        return OSError(errno.EROFS, "the memory tier's step is read-only here", key)
+
+    def write_from_buffer(self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int,
+                          direct: bool) -> None:
+        raise self._read_only(key)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        raise self._read_only(key)
+
+    def delete(self, prefix: str) -> None:
+        raise self._read_only(prefix)
+
+    def rename(self, src: str, dst: str) -> None:
+        raise self._read_only(src)
+
+    def sync(self, prefix: str) -> None:
+        return None
+
+    def probe(self, *, write: bool) -> None:
+        return None  # an image that is mapped is reachable; it is never written
+
+
+def _open(url: str) -> ImageStorage:
+    token = url.split("://", 1)[1].rstrip("/")
+    with _LOCK:
+        img = _IMAGES.get(token)
+    if img is None:
+        raise FileNotFoundError(errno.ENOENT, "no such memory-tier image in this process", url)
+    return img
+
+
+def open_image(name: str, manifest: bytes, files: Sequence[tuple[str, int, int, int]]) -> ImageStorage:
+    """Map the memory tier's step ``name`` and register it under its :attr:`ImageStorage.url`."""
+    return ImageStorage(name, manifest, files)
+
+
+register_scheme(SCHEME, _open)

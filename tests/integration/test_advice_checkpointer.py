@@ -1,0 +1,162 @@
+"""The interval advisor wired into the Checkpointer: ``advice()`` and ``save_interval="auto"``,
+with a real writer process. Costs are either given (deterministic intervals, compared with the
+Young/Daly closed forms) or measured on the loop (structural checks only: no timing asserted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerostall import Checkpointer, ZerostallError
+from zerostall.advice import Advice, MeasuredCosts, Model, SaveCost, advise
+from zerostall.errors import AdviceError
+
+HOUR = 3600.0
+COSTS = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s=1.9, durable_s=4.0))
+
+
+def state(i: int) -> dict[str, object]:
+    return {"w": torch.full((64,), float(i)), "step": i}
+
+
+def test_advice_on_given_costs_matches_young_and_daly(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, mtbf_s=HOUR) as ck:
+        young = ck.advice(costs=COSTS, model=Model.YOUNG)
+        daly = ck.advice(costs=COSTS)
+        other = ck.advice(2 * HOUR, costs=COSTS, model=Model.YOUNG)
+    c = COSTS.persisted.cost_s
+    tau = math.sqrt(2 * c * HOUR)  # Young: sqrt(2 C M) training seconds between saves
+    assert isinstance(young, Advice) and young.model is Model.YOUNG
+    assert young.interval_steps in (math.floor(tau), math.ceil(tau))
+    assert young.interval_s == pytest.approx(young.interval_steps * COSTS.step_s + c)
+    r = c / (2 * HOUR)
+    tau_daly = math.sqrt(2 * c * HOUR) * (1 + math.sqrt(r) / 3 + r / 9) - c
+    assert daly.model is Model.DALY and daly.interval_steps in (math.floor(tau_daly), math.ceil(tau_daly))
+    assert other.interval_steps in (math.floor(tau * math.sqrt(2)), math.ceil(tau * math.sqrt(2)))
+    assert young.costs is COSTS and young.mtbf_s == HOUR
+    assert 0 < young.save_overhead < young.overhead < 1 and young.work_lost_s > COSTS.persisted.durable_s
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        young.interval_steps = 1  # type: ignore[misc]
+
+
+def test_advice_errors_name_what_is_missing(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ck:
+        with pytest.raises(AdviceError) as e:
+            ck.advice(costs=COSTS)
+        assert e.value.key == "mtbf_s" and isinstance(e.value, ValueError)
+        with pytest.raises(AdviceError) as e:
+            ck.advice(HOUR)  # nothing measured yet
+        assert e.value.key == "costs" and isinstance(e.value, ZerostallError)
+        assert "should_save" in str(e.value)
+    with pytest.raises(AdviceError):
+        Checkpointer(tmp_path / "x", save_interval="auto")  # no mtbf_s
+    with pytest.raises(ValueError):
+        Checkpointer(tmp_path / "y", save_interval="auto", mtbf_s=HOUR, save_interval_steps=5)
+    with pytest.raises(ValueError):
+        Checkpointer(tmp_path / "z", save_interval="hourly")  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()  # refused before anything was created
+
+
+def test_auto_with_given_costs_saves_at_the_advised_cadence(tmp_path: Path) -> None:
+    mtbf = 600.0
+    expected = advise(COSTS, mtbf_s=mtbf).interval_steps
+    assert expected > 2
+    saved = []
+    with Checkpointer(tmp_path, save_interval="auto", mtbf_s=mtbf, costs=COSTS, keep_last=2) as ck:
+        for step in range(1, 4 * expected + 1):
+            if ck.should_save(step):
+                ck.save_pytree(step, state(step))  # committed before the next step: nothing in flight
+                saved.append(step)
+        assert ck.advice().interval_steps == expected
+    # the advice holds from the first step: the first save is due at once, then every `expected` steps
+    assert saved == list(range(1, 4 * expected + 1, expected))
+
+
+def test_auto_measures_then_follows_the_advice(tmp_path: Path) -> None:
+    """Measured costs: warm-up saves measured alone, then saves spaced as the advice in force says.
+
+    The MTBF is tiny so that the advised interval is tens of steps whatever this machine's speed;
+    the loop runs until three saves have followed the advice (bounded)."""
+    decisions: list[tuple[int, int | None]] = []  # (step, interval advised at that save)
+    x = torch.randn(64, 64)
+    with Checkpointer(tmp_path, save_interval="auto", mtbf_s=0.5, keep_last=1) as ck:
+        auto = ck._cadence.auto
+        assert auto is not None
+        for step in range(1, 5001):
+            time.sleep(0.002)  # the "training step"
+            x = torch.tanh(x @ x.T * 1e-2)
+            if ck.should_save(step):
+                decisions.append((step, auto.advice.interval_steps if auto.advice else None))
+                ck.save_pytree(step, {"x": x})
+                if sum(i is not None for _, i in decisions) >= 3:
+                    break
+        a = ck.advice()  # measured costs are in by now
+    warm = [s for s, i in decisions if i is None]
+    assert len(warm) >= 3 and warm[0] == 9  # the first save after 8 clean steps
+    assert all(b - a_ > 8 for a_, b in zip(warm, warm[1:]))  # each warm-up save measured alone
+    followed = [(s, i) for s, i in decisions if i is not None]
+    assert len(followed) == 3, decisions
+    prev = warm[-1]
+    for s, interval in followed:
+        # nothing in flight (each save committed before the next step), and the advice changes only
+        # on the step after a save: exactly the interval advised
+        assert s - prev == interval, decisions
+        prev = s
+    assert a.costs.step_s > 0 and a.costs.persisted.durable_s > 0 and a.interval_steps >= 1
+    assert a.costs.persisted.blocked_s <= a.costs.persisted.durable_s
+
+
+RANK_SCRIPT = """
+import datetime, json, sys, time
+import torch, torch.distributed as dist
+from zerostall import Checkpointer, SaveOptions
+from zerostall.options import DistributedOptions
+rank, port, d = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+saved, advised = [], []
+opts = SaveOptions(distributed=DistributedOptions(timeout_s=30))
+with Checkpointer(f"{d}/ck", save_interval="auto", mtbf_s=0.5, keep_last=1, save_options=opts) as ck:
+    for step in range(1, 301):
+        time.sleep(0.002 if rank == 0 else 0.006)  # the ranks measure different iteration times
+        if ck.should_save(step):
+            ck.save_pytree(step, {"w": torch.full((1000,), float(step)), "rank": rank})
+            saved.append(step)
+    a = ck._cadence.auto.advice
+    advised = a.interval_steps if a is not None else None
+json.dump({"saved": saved, "advised": advised}, open(f"{d}/out-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+def test_auto_under_torch_distributed_every_rank_saves_the_same_steps(tmp_path: Path) -> None:
+    """Two gloo ranks whose own measurements differ: rank 0's decisions are followed by both."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(r), str(port), str(tmp_path)], env=env)
+             for r in range(2)]
+    try:
+        rcs = [p.wait(240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert rcs == [0, 0]
+    out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    assert out[0]["saved"] == out[1]["saved"] and len(out[0]["saved"]) >= 4
+    assert out[0]["saved"][0] == 9  # warm-up as on one process

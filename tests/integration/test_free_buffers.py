@@ -1,0 +1,168 @@
+"""The free functions' staging buffers: reused across calls per layout, bounded, released on demand,
+and made ready ahead of the first save by ``zerostall.prepare`` (real writer processes)."""
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall
+from zerostall import api
+from zerostall.errors import BackgroundSaveError
+from zerostall.options import SaveOptions
+from zerostall.stage import BufferPool, make_plan
+from zerostall.tree import flatten
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engines():
+    """Each test starts and ends with no shared engine and the default cache bound."""
+    limit = api._cache_bytes
+    api.release_buffers()
+    yield
+    api.release_buffers()
+    api.set_buffer_cache_limit(limit)
+
+
+def _state(n: int, size: int = 4096) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((size,), float(i)) for i in range(n)}
+
+
+def _buffer_ids() -> set[int]:
+    pool = api._engines[SaveOptions()].pool
+    ids = {b.id for s in pool._all for b in s.buffers}
+    return ids | {b.id for p in pool._parked.values() for b in p.buffers}
+
+
+def test_same_layout_reuses_the_buffers_across_calls(tmp_path):
+    state = _state(3)
+    zerostall.save_pytree(tmp_path / "a", state)
+    pool = api._engines[SaveOptions()].pool
+    allocated, ids = pool.allocations, _buffer_ids()
+    for i in range(3):
+        state["w0"].add_(1)
+        zerostall.save_pytree(tmp_path / f"b{i}", state)
+    assert pool.allocations == allocated and _buffer_ids() == ids
+    assert torch.equal(zerostall.load_pytree(tmp_path / "b2")["w0"], state["w0"])
+
+
+def test_alternating_layouts_each_keep_their_buffers(tmp_path):
+    small, large = _state(2), _state(5)
+    zerostall.save_pytree(tmp_path / "s0", small)
+    zerostall.save_pytree(tmp_path / "l0", large)
+    pool = api._engines[SaveOptions()].pool
+    allocated = pool.allocations
+    assert pool.parked_layouts() == 1  # the small layout's set waits for its next save
+    zerostall.save_pytree(tmp_path / "s1", small)
+    views = {id(v) for s in pool._all for v in [s.views]} | {id(p.views) for p in pool._parked.values()}
+    for i in range(2, 4):
+        zerostall.save_pytree(tmp_path / f"l{i}", large)
+        zerostall.save_pytree(tmp_path / f"s{i}", small)
+    assert pool.allocations == allocated  # no allocation after the first save of each layout
+    # each layout kept its typed views (and headers): nothing was re-planned into the buffers
+    assert views == {id(s.views) for s in pool._all} | {id(p.views) for p in pool._parked.values()}
+    out = zerostall.load_pytree(tmp_path / "s3")
+    assert set(out) == set(small) and all(torch.equal(out[k], small[k]) for k in small)
+    out = zerostall.load_pytree(tmp_path / "l3")
+    assert all(torch.equal(out[k], large[k]) for k in large)
+
+
+def test_the_cache_bound_evicts_least_recently_used_layouts(tmp_path):
+    layouts = [_state(n, 64 << 10) for n in (1, 2, 3)]  # 256 KiB, 512 KiB, 768 KiB of data
+    one = sum(t.numel() * 4 for t in layouts[2].values())
+    api.set_buffer_cache_limit(2 * one)  # room for about two of them
+    for i, s in enumerate(layouts):
+        zerostall.save_pytree(tmp_path / f"x{i}", s)
+    pool = api._engines[SaveOptions()].pool
+    assert pool.held_bytes() <= 2 * one
+    assert pool.parked_layouts() == 1  # the oldest layout was evicted, the middle one kept
+    allocated = pool.allocations
+    zerostall.save_pytree(tmp_path / "again1", layouts[1])  # kept: no allocation
+    assert pool.allocations == allocated
+    zerostall.save_pytree(tmp_path / "again0", layouts[0])  # evicted: allocates (or reuses a spare)
+    assert pool.held_bytes() <= 2 * one
+    out = zerostall.load_pytree(tmp_path / "again0")
+    assert torch.equal(out["w0"], layouts[0]["w0"])
+
+
+def test_bound_zero_keeps_only_the_buffers_in_use(tmp_path):
+    api.set_buffer_cache_limit(0)
+    zerostall.save_pytree(tmp_path / "a", _state(4))
+    zerostall.save_pytree(tmp_path / "b", _state(6))
+    pool = api._engines[SaveOptions()].pool
+    assert pool.parked_layouts() == 0
+    assert pool.held_bytes() == sum(b.size for s in pool._all for b in s.buffers)
+
+
+def test_release_buffers_frees_them_and_stops_the_writer(tmp_path):
+    state = _state(3)
+    zerostall.save_pytree(tmp_path / "a", state)
+    zerostall.save_pytree(tmp_path / "b", _state(5))
+    eng = api._engines[SaveOptions()]
+    held = eng.pool.held_bytes()
+    pid = eng.writer.pid
+    assert held > 0 and pid is not None
+    assert zerostall.release_buffers() == held
+    assert eng.closed and eng.pool.held_bytes() == 0 and not eng.writer.alive()
+    assert SaveOptions() not in api._engines
+    assert zerostall.release_buffers() == 0  # nothing left
+    zerostall.save_pytree(tmp_path / "c", state)  # a fresh engine
+    assert api._engines[SaveOptions()] is not eng
+    assert torch.equal(zerostall.load_pytree(tmp_path / "c")["w2"], state["w2"])
+
+
+def test_release_buffers_raises_an_unreceived_background_failure(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"x")  # the writer's mkdir under it fails with ENOTDIR
+    r = zerostall.save_pytree_async(blocker / "ckpt", _state(1))
+    r._wait()  # finished, its error not received
+    with pytest.raises(BackgroundSaveError) as ei:
+        zerostall.release_buffers()
+    assert str(blocker / "ckpt") in (ei.value.path or "")
+    assert not api._engines
+    assert zerostall.release_buffers() == 0  # reported once
+
+
+def test_prepare_allocates_then_the_first_save_only_copies(tmp_path):
+    state = _state(4)
+    nbytes = zerostall.prepare(state)
+    eng = api._engines[SaveOptions()]
+    assert nbytes == eng.pool.held_bytes() > 0
+    assert eng.writer.alive()
+    allocated = eng.pool.allocations
+    zerostall.save_pytree(tmp_path / "a", state)
+    assert eng.pool.allocations == allocated
+    out = zerostall.load_pytree(tmp_path / "a")
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_prepare_items_and_options(tmp_path):
+    opts = SaveOptions(max_in_flight=2)
+    items = {"model": _state(2), "extra": {"np": np.arange(10)}}
+    nbytes = zerostall.prepare(items=items, options=opts)
+    pool = api._engines[opts].pool
+    assert nbytes == pool.held_bytes() and all(s.buffers for s in pool._all)  # both slots
+    allocated = pool.allocations
+    zerostall.save_checkpointables(tmp_path / "a", items, options=opts)
+    zerostall.save_checkpointables(tmp_path / "b", items, options=opts)
+    assert pool.allocations == allocated
+    out = zerostall.load_checkpointables(tmp_path / "b")
+    assert np.array_equal(out["extra"]["np"], items["extra"]["np"])
+    with pytest.raises(ValueError):
+        zerostall.prepare()
+    with pytest.raises(ValueError):
+        zerostall.prepare(state := _state(1), items={"a": state})
+
+
+def test_pool_without_cache_replaces_buffers_like_before():
+    """cache_bytes=0 (the Checkpointer's pools): a larger layout frees the old set first."""
+    freed = []
+    pool = BufferPool(1, on_free=freed.append)
+    slot = pool.acquire()
+    a = make_plan(flatten({"p": _state(1)}))
+    b = make_plan(flatten({"p": _state(3)}))
+    assert pool.fit(slot, [f.alloc for f in a.files], signature=a.signature)
+    old = slot.buffers[0]
+    assert pool.fit(slot, [f.alloc for f in b.files], signature=b.signature)
+    assert freed == [old] and pool.parked_layouts() == 0
+    assert not pool.fit(slot, [f.alloc for f in a.files], signature=a.signature)  # fits: reused
+    pool.close()

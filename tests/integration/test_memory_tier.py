@@ -1,0 +1,367 @@
+"""The memory tier with real processes: a SIGKILLed trainer resumes from its keeper's memory.
+
+The trainers are subprocesses (``_memory_trainer.py``, numpy state only); the test process
+itself plays the restarted trainer, so it adopts the keeper the dead trainer left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zerostall import Checkpointer, MemoryTier, SaveOptions, WriterKind
+from zerostall.commit import step_name
+from zerostall.persist.keeper import ADDRESS_PREFIX, keeper_address
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _memory_trainer import state
+
+TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "torchrun_ddp.py")
+DEADLINE_S = 120.0  # generous: only a hung keeper takes this long
+
+
+def _trainer(d: Path, first: int, last: int, every: int, linger: float, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, TRAINER, str(d), str(first), str(last), str(every), str(linger), mode],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _run(d: Path, first: int, last: int, every: int, linger: float, mode: str) -> tuple[int, int, dict[int, str]]:
+    """Run a trainer to its end: (return code, keeper pid, {step: tiers})."""
+    p = _trainer(d, first, last, every, linger, mode)
+    out, _ = p.communicate(timeout=DEADLINE_S)
+    keeper, saved = _parse(out.splitlines())
+    return p.returncode, keeper, saved
+
+
+def _parse(lines: list[str]) -> tuple[int, dict[int, str]]:
+    keeper = -1
+    saved: dict[int, str] = {}
+    for line in lines:
+        parts = line.split()
+        if parts[0] == "KEEPER":
+            keeper = int(parts[1])
+        elif parts[0] == "SAVED":
+            saved[int(parts[1])] = parts[2]
+    return keeper, saved
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _storage_steps(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
+
+
+def _keeper_sockets() -> set[bytes]:
+    names = set()
+    with open("/proc/net/unix") as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[-1].startswith("@zerostall-keeper-"):
+                names.add(b"\0" + parts[-1][1:].encode())
+    return names
+
+
+def _assert_state(got: dict, want: dict) -> None:
+    """Bit for bit: same keys, dtypes, shapes and bytes."""
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, np.ndarray):
+            assert isinstance(g, np.ndarray) and g.dtype == w.dtype and g.shape == w.shape, k
+            assert g.tobytes() == w.tobytes(), k
+        elif isinstance(w, dict):
+            _assert_state(g, w)
+        else:
+            assert list(g) == list(w) if isinstance(w, list) else g == w, k
+
+
+def _memory(every: int = 3, linger: float = 60.0) -> MemoryTier:
+    return MemoryTier(persist_interval_steps=every, linger_s=linger)
+
+
+def test_resume_from_memory_after_sigkill(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    rc, keeper, saved = _run(d, 1, 7, 3, 60, "kill")
+    assert rc == -signal.SIGKILL
+    assert saved == {s: ("memory,storage" if s % 3 == 0 else "memory") for s in range(1, 8)}
+    # Once its trainer is gone the keeper persists the newest memory-only step.
+    _wait(lambda: 7 in _storage_steps(d), "step 7 on storage")
+    assert _storage_steps(d) == [3, 6, 7]
+    assert _running(keeper)  # lingering
+    # Remove step 7 from storage: what the new trainer restores can only come from memory.
+    shutil.rmtree(d / step_name(7))
+    with Checkpointer(d, memory_tier=_memory()) as ck:
+        assert ck._engine.writer.adopted and ck._engine.writer.pid == keeper
+        assert ck.memory_step() == 7 and ck.latest_step() == 7 and ck.steps() == [3, 6, 7]
+        _assert_state(ck.load_pytree(), state(7))
+        tmpl = state(0)
+        w = tmpl["w"]
+        out = ck.load_pytree(template=tmpl)
+        assert out["w"] is w and w.tobytes() == state(7)["w"].tobytes()  # in place
+        ck.save_pytree(8, state(8))
+        assert ck.stats()[-1].tiers == ("memory",)
+        assert ck.memory_step() == 8 and 8 not in _storage_steps(d)
+    # A clean close persists what only memory holds, and the keeper exits without lingering.
+    assert 8 in _storage_steps(d)
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    assert keeper_address(str(d), 0) not in _keeper_sockets()
+    with Checkpointer(d) as ck:
+        _assert_state(ck.load_pytree(8), state(8))
+
+
+def test_linger_expiry_leaves_nothing_behind(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    rc, keeper, saved = _run(d, 1, 2, 5, 0.5, "kill")
+    assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
+    _wait(lambda: not _running(keeper), "the keeper to exit after linger_s")
+    assert not Path(f"/proc/{keeper}/fd").exists() or not _running(keeper)
+    assert keeper_address(str(d), 0) not in _keeper_sockets()
+    assert [p.name for p in d.iterdir()] == [step_name(2)]  # persisted before it left; no temp dirs
+    with Checkpointer(d, memory_tier=_memory()) as ck:  # no keeper to adopt: a fresh writer
+        assert not ck._engine.writer.adopted and ck.memory_step() is None and ck.latest_step() == 2
+        _assert_state(ck.load_pytree(), state(2))
+
+
+@pytest.mark.parametrize("run", range(20 if os.environ.get("ZEROSTALL_STRESS") else 3))
+def test_kill_during_saves_restores_a_complete_verified_step(tmp_path: Path, run: int) -> None:
+    rng = random.Random(run)
+    d = tmp_path / "run"
+    p = _trainer(d, 1, 0, 3, 60, "loop")
+    assert p.stdout is not None
+    lines: list[str] = []
+    want = rng.randint(1, 8)
+    while sum(1 for x in lines if x.startswith("SAVED")) < want:
+        line = p.stdout.readline()
+        assert line, "the trainer ended early"
+        lines.append(line)
+    time.sleep(rng.random() * 0.05)  # a random moment: staging, checksumming or persisting
+    p.send_signal(signal.SIGKILL)
+    rest, _ = p.communicate(timeout=DEADLINE_S)
+    keeper, saved = _parse(lines + rest.splitlines())
+    newest_saved = max(saved)
+    with Checkpointer(d, memory_tier=_memory()) as ck:
+        assert ck._engine.writer.pid == keeper
+        latest = ck.latest_step()
+        assert latest is not None and latest >= newest_saved
+        _assert_state(ck.load_pytree(), state(latest, big=True))
+    assert not any(".zs-tmp-" in x.name for x in d.iterdir())
+
+
+def test_another_user_cannot_connect(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    d = tmp_path / "run"
+    os.chmod(tmp_path, 0o755)
+    rc, keeper, _ = _run(d, 1, 1, 5, 60, "kill")
+    assert rc == -signal.SIGKILL and _running(keeper)
+    address = keeper_address(str(d), 0)
+    # A process of another user finds the keeper's name but is refused: no Hello, no image.
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            import socket
+            from multiprocessing.connection import Connection
+
+            from zerostall.messages import Adopt, ImageQuery, encode
+            os.setgid(65534)
+            os.setuid(65534)
+            for first in (Adopt(root=str(d), rank=0), ImageQuery()):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(address)
+                c = Connection(s.detach())
+                try:
+                    c.send_bytes(encode(first))
+                    got = c.recv_bytes() if c.poll(30) else b"timeout"
+                except (EOFError, ConnectionResetError, BrokenPipeError):  # closed on us (unread: a reset)
+                    got = b""
+                assert got == b"", got
+            code = 0
+        except BaseException as exc:
+            print("child:", repr(exc), file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # ...and the keeper is still ours to adopt.
+    with Checkpointer(d, memory_tier=_memory()) as ck:
+        assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
+
+
+def test_a_trainer_does_not_adopt_another_users_socket(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    d = tmp_path / "run"
+    address = keeper_address(str(d), 0)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child: squats on our keeper's name
+        import socket
+        os.close(r)
+        os.setgid(65534)
+        os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(address)
+        s.listen(8)
+        os.write(w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"x"
+        with Checkpointer(d, memory_tier=_memory()) as ck:
+            assert not ck._engine.writer.adopted
+            ck.save_pytree(1, state(1))
+            assert ck.memory_step() == 1  # the memory tier works; only adoption after a crash is lost
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(r)
+
+
+def test_memory_tier_options_are_checked(tmp_path: Path) -> None:
+    for bad in ({"persist_interval_steps": 0}, {"persist_interval_steps": 1.5}, {"persist_interval_s": 0},
+                {"linger_s": -1}):
+        with pytest.raises(ValueError):
+            MemoryTier(**bad)
+    with pytest.raises(ValueError, match="process writer"):
+        Checkpointer(tmp_path, memory_tier=MemoryTier(), save_options=SaveOptions(writer=WriterKind.THREAD))
+    with pytest.raises(TypeError):
+        Checkpointer(tmp_path, memory_tier=3)  # type: ignore[arg-type]
+    assert keeper_address(str(tmp_path), 0).startswith(ADDRESS_PREFIX)
+
+
+def test_persist_interval_s_persists_the_first_save_after_it(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=1000, persist_interval_s=3600,
+                                                      linger_s=0)) as ck:
+        ck.save_pytree(1, state(1))
+        ck._last_persist -= 3600  # as if an hour had passed
+        ck.save_pytree(2, state(2))
+        ck.save_pytree(3, state(3))
+        assert [s.tiers for s in ck.stats()] == [("memory",), ("memory", "storage"), ("memory",)]
+        assert _storage_steps(tmp_path) == [2]
+        assert ck.latest_step() == 3
+
+
+def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from zerostall.cli import main
+
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=2, linger_s=0)) as ck:
+        ck.save_pytree(1, state(1))
+        ck.save_pytree(2, state(2))
+        ck.save_pytree(3, state(3))
+        assert main(["list", "--json", str(tmp_path)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert [r["step"] for r in doc["checkpoints"]] == [2]
+        assert doc["memory_only"] == [{"name": step_name(3), "step": 3, "rank": 0}]
+        assert main(["list", str(tmp_path)]) == 0
+        assert "in memory only" in capsys.readouterr().out
+    assert main(["list", "--json", str(tmp_path)]) == 0  # closed: step 3 persisted, the keeper gone
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in doc["checkpoints"]] == [2, 3] and doc["memory_only"] == []
+
+
+def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", EXAMPLE, "--dir", str(d), "--steps", str(steps),
+                        "--persist-every", str(every), "--fail-at-step", str(kill_step)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [line for line in p.stdout.splitlines() if "resumed" in line]
+
+
+def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import zerostall
+
+    plain, crashed = tmp_path / "plain", tmp_path / "crashed"
+    _torchrun(plain, 12, 4, 0)
+    lines = _torchrun(crashed, 12, 4, 6)
+    # Step 6 was in memory only (storage had step 4): both ranks adopted their keepers and resumed there.
+    assert sorted(line.split(", data")[0] for line in lines) == [
+        "rank 0: resumed at step 6 from memory", "rank 1: resumed at step 6 from memory"]
+    for name in ("step_00000012",):
+        a = zerostall.load_pytree(plain / name)
+        b = zerostall.load_pytree(crashed / name)
+        flat_a, flat_b = _flatten(a), _flatten(b)
+        assert flat_a.keys() == flat_b.keys()
+        for k, v in flat_a.items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == flat_b[k].dtype and torch.equal(v, flat_b[k]), k
+            else:
+                assert v == flat_b[k], k
+    for d in (plain, crashed):
+        for rank in (0, 1):
+            _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}/{k}"))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}/{i}"))
+        return out
+    return {prefix: tree}
+
+
+def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=3, linger_s=0)) as ck:
+        for s in range(1, 5):
+            ck.save_pytree(s, state(s))
+        keeper = ck._engine.writer.pid
+        assert keeper is not None and ck.memory_step() == 4
+        os.kill(keeper, signal.SIGKILL)
+        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
+        # Step 4 lived only in the dead keeper's memory: storage's newest is what is left.
+        assert ck.memory_step() is None and ck.latest_step() == 3
+        _assert_state(ck.load_pytree(), state(3))
+        ck.save_pytree(5, state(5))  # a new keeper takes the next save
+        assert ck._engine.writer.pid != keeper and ck.memory_step() == 5
+    assert ck.memory_step() is None and ck.steps() == [3, 5]
+
+
+def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), \
+            Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        ck.save_pytree(1, state(1))
+        keeper = ck._engine.writer.pid
+        raise RuntimeError("boom")
+    assert keeper is not None and _running(keeper)  # lingering, as after a crash
+    _wait(lambda: 1 in _storage_steps(tmp_path), "step 1 persisted by the keeper")
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
+        _assert_state(ck.load_pytree(), state(1))
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
