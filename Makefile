@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench stress lint typecheck clean
+.PHONY: demo test bench bench-gpu stress lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(PY) benchmarks/run.py
+
+# One GPU: overlapped vs blocking staging vs DCP async_save vs torch.save on a >= 4 GB bf16
+# transformer loop (benchmarks/gpu.py); says so and exits 0 where there is no CUDA device.
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/gpu.py --out benchmarks/results/gpu.json
 
 stress: $(STAMP)
 	ZEROSTALL_STRESS=1 $(PY) -m pytest -q -p no:cacheprovider tests -k "crash or stress"

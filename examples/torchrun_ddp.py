@@ -2,6 +2,13 @@
 
     torchrun --nproc-per-node 2 examples/torchrun_ddp.py --dir /tmp/zs-ddp --steps 60
 
+With ``--persist-every K`` every step is checkpointed into host memory (the memory tier) and every
+K-th is also persisted; ``--fail-at-step N`` makes rank 1 SIGKILL itself once step N is in memory,
+on the first attempt only, so that torchrun restarts the group and it resumes from memory:
+
+    torchrun --nproc-per-node 2 --max-restarts 1 examples/torchrun_ddp.py --dir /tmp/zs-ddp-mem \
+        --steps 60 --persist-every 10 --fail-at-step 25
+
 Every rank calls the same Checkpointer methods with the same step. The model and optimizer
 are identical on every rank (DDP): zerostall writes them once in total, spread over the ranks'
 writers. Each rank's own state (its RNG, its data position) is kept per rank and comes back to
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -48,7 +56,12 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/zs-ddp")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--persist-every", type=int, default=0,
+                    help="use the memory tier: save every step to memory, persist every this many")
+    ap.add_argument("--fail-at-step", type=int, default=0,
+                    help="rank 1 SIGKILLs itself once this step is saved (first attempt only)")
     a = ap.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
@@ -58,11 +71,15 @@ def main() -> int:
     mine = RankState(rank)
     state = {"model": model, "optim": opt, "rank": mine}
 
-    with zerostall.Checkpointer(a.dir, keep_last=3, save_interval_steps=a.save_every) as ckpt:
-        start = ckpt.latest_step() or 0
+    memory = zerostall.MemoryTier(persist_interval_steps=a.persist_every) if a.persist_every else None
+    with zerostall.Checkpointer(a.dir, keep_last=3, save_interval_steps=1 if memory else a.save_every,
+                                memory_tier=memory) as ckpt:
+        held = ckpt.memory_step()  # this host's memory tier (a keeper left by a crashed attempt)
+        start = ckpt.latest_step() or 0  # with a memory tier: agreed by all ranks
         if start:
             ckpt.load_pytree(template=state)  # collective; replicated tensors read once and broadcast
-            print(f"rank {rank}: resumed at step {start}, data position {mine.position}", flush=True)
+            where = "memory" if held == start and memory else "storage"
+            print(f"rank {rank}: resumed at step {start} from {where}, data position {mine.position}", flush=True)
         for step in range(start + 1, a.steps + 1):
             x, y = mine.batch()
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -70,7 +87,13 @@ def main() -> int:
             loss.backward()
             opt.step()
             if ckpt.should_save(step):
-                ckpt.save_pytree_async(step, state)  # every rank, same step
+                r = ckpt.save_pytree_async(step, state)  # every rank, same step
+                if step == a.fail_at_step and attempt == 0:
+                    r.result()
+                    dist.barrier()  # every rank has the step (in memory at least)
+                    if rank == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)  # the injected failure
+                    dist.barrier()  # the other ranks wait here until torchrun stops the group
         ckpt.wait()
         on_disk = ckpt.steps()  # collective: every rank calls it, every rank gets the same list
         if rank == 0:

@@ -24,13 +24,15 @@ from zerostall.errors import (
     CorruptCheckpointError,
     MismatchError,
     MissingKeyError,
+    NoValidCheckpointError,
     StorageError,
+    TornSnapshotError,
     UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
 )
-from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
 
@@ -48,8 +50,29 @@ __all__ = [
     "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
     "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
     "UnsupportedLeafError", "StorageError", "WriterError",
+    "NoValidCheckpointError",
+    # overlapped staging
+    "Staging", "TornSnapshotError",
 ]
 
 from zerostall.errors import BackgroundSaveError, ReadOnlyError
 
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+from zerostall.api import load_metadata  # noqa: E402 - added apart from the block above to keep merges simple
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, MetadataTypeError  # noqa: E402
+
+__all__ += ["load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
+
+import importlib as _importlib  # noqa: E402
+
+from zerostall.tree import register_lazy_integration as _register_lazy  # noqa: E402
+
+
+# JAX arrays and pytrees work without an explicit import: the integration loads at the first save or
+# load after jax itself has been imported (so `import zerostall` never imports jax).
+def _load_jax_integration() -> None:
+    _importlib.import_module("zerostall.integrations.jax")
+
+
+_register_lazy("jax", _load_jax_integration)

@@ -19,23 +19,30 @@ Example::
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from typing import Any
 
-from zerostall.distributed import DistContext, load
+from zerostall.commit import committed_steps, is_committed, parse_step, step_name
+from zerostall.distributed import DistContext, active, agree_step, load
 from zerostall.engine import Engine
-from zerostall.errors import MissingKeyError
+from zerostall.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError, NoValidCheckpointError
 from zerostall.options import LoadOptions, SaveOptions
 from zerostall.response import Response
-from zerostall.storage import split_url
+from zerostall.restore import read_manifest
+from zerostall.storage import open_storage, split_url
+from zerostall.validate import check_instance, check_items, check_path, clean_metadata
 
 __all__ = [
     "PYTREE",
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-    "load_pytree", "load_checkpointables",
+    "load_pytree", "load_checkpointables", "load_metadata",
+    "load_newest_valid",
     "prepare", "release_buffers", "set_buffer_cache_limit",
 ]
+
+log = logging.getLogger("zerostall")
 
 #: the item name under which ``save_pytree`` stores its tree
 PYTREE = "pytree"
@@ -83,7 +90,7 @@ def _raise_shared_failures() -> None:
 
 
 def _path(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
+    return check_path(path)
 
 
 def save_checkpointables_async(
@@ -92,23 +99,33 @@ def save_checkpointables_async(
 ) -> Response:
     """Stage ``{name: item}`` and return; the checkpoint at ``path`` commits in the background.
 
-    ``path`` must not hold a checkpoint yet. On return every array has been copied: the caller
-    may mutate its tensors. ``metadata`` is plain JSON stored in the manifest. Under
+    ``path`` must not hold a checkpoint yet. On return every array has been copied, except the
+    tensors only ``optimizer.step()`` modifies (overlapped staging, the default: the next
+    ``step()`` waits for their copy; see :meth:`Response.wait_staged` and docs/guarantees.md).
+    ``metadata`` is plain JSON stored in the manifest. Under
     ``torch.distributed`` the call is collective (docs/distributed.md).
 
     Raises:
         CheckpointExistsError: ``path`` already holds something (a committed checkpoint or not).
         UnsupportedLeafError: a leaf zerostall cannot save (the error names its key).
+        MetadataError: ``metadata`` holds NaN or infinity, or (``MetadataTypeError``) a value JSON
+            cannot hold; the error names the key. Checked before anything is staged; numpy
+            scalars are converted (see :func:`zerostall.validate.clean_metadata`).
+        ArgumentTypeError, InvalidArgumentError: ``path``, ``items`` or ``options`` is malformed.
         WriterError: no writer could take the save.
-        Errors of the background part (``StorageError`` with its errno, ``WriterError``, ...) are
-        raised by the returned response's ``result()``.
+        Errors of the background part (``StorageError`` with its errno, ``WriterError``,
+        ``TornSnapshotError``, ...) are raised by the returned response's ``result()``.
         BackgroundSaveError: an earlier free-function save failed in the background and its
             response never raised it (``result()``); it names that save's step or path and cause.
             Nothing was saved by this call. A failure never received is warned about at
             interpreter exit (``RuntimeWarning``).
     """
+    where = _path(path)
+    check_items(items, where)
+    check_instance("options", options, SaveOptions)
+    metadata = clean_metadata(metadata, path=where)
     _raise_shared_failures()
-    parent, name = split_url(_path(path))
+    parent, name = split_url(where)
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
 
 
@@ -144,6 +161,7 @@ def save_pytree(
 
 def load_checkpointables(
     path: str | os.PathLike[str], items: dict[str, Any] | None = None, *, options: LoadOptions | None = None,
+    fallback: bool = False,
 ) -> dict[str, Any]:
     """Load named items. ``items`` maps a name to a template (filled in place) or ``None``.
 
@@ -159,23 +177,115 @@ def load_checkpointables(
         CorruptCheckpointError: a data file is missing, truncated or malformed.
         UnsupportedFormatError: the checkpoint is of a newer format, or names an unregistered handler.
         StorageError: an I/O failure.
+        NoValidCheckpointError: ``fallback=True`` and no candidate checkpoint loads.
+
+    ``fallback=True`` walks back to the newest checkpoint that loads and verifies: ``path`` is a
+    run directory (a :class:`~zerostall.Checkpointer`'s; its committed steps are tried newest
+    first) or one of its ``step_…`` folders (that step first, then older ones). A checkpoint
+    that is corrupt (``CorruptCheckpointError``, checksums included) or gone
+    (``CheckpointNotFoundError``) is skipped with a WARNING on the ``zerostall`` logger naming it
+    and why, and another naming the one loaded instead; other errors (a template mismatch)
+    are raised at once. In-place loads are all-or-nothing (``LoadOptions.atomic``), so a skipped
+    step leaves the templates as they were.
     """
-    parent, name = split_url(_path(path))
+    where = _path(path)
+    if items is not None:
+        check_items(items, where)
+    check_instance("options", options, LoadOptions)
+    if fallback:
+        root, names = _fallback_candidates(where, options)
+        return load_newest_valid(root, names, items, options)[1]
+    parent, name = split_url(where)
     return load(parent, name, items, options)
 
 
 def load_pytree(
     path: str | os.PathLike[str], template: Any = None, *, options: LoadOptions | None = None,
+    fallback: bool = False,
 ) -> Any:
     """Load the tree saved by :func:`save_pytree`, into ``template`` in place if given.
+
+    ``fallback=True``: the newest checkpoint of a run that loads (see :func:`load_checkpointables`).
 
     Raises:
         The errors of :func:`load_checkpointables`.
     """
-    out = load_checkpointables(path, {PYTREE: template}, options=options)
+    out = load_checkpointables(path, {PYTREE: template}, options=options, fallback=fallback)
     if PYTREE not in out:  # pragma: no cover - load_items raises first
         raise MissingKeyError("no pytree item", path=str(path), key=PYTREE)
     return out[PYTREE]
+
+
+def _fallback_candidates(path: str, options: LoadOptions | None) -> tuple[str, list[str]]:
+    """Where a fallback load looks: (root, checkpoint names under it, newest first)."""
+    parent, name = split_url(path)
+    step = parse_step(name)
+    if step is not None:  # a step of a run: it, then the older committed ones
+        older = [s for s in committed_steps(open_storage(parent)) if s < step]
+        root, names = parent, [name, *(step_name(s) for s in reversed(older))]
+    elif not is_committed(open_storage(parent), name) and (steps := committed_steps(open_storage(path))):
+        root, names = path, [step_name(s) for s in reversed(steps)]  # a run directory
+    else:
+        root, names = parent, [name]  # a lone checkpoint: nothing older to fall back to
+    dopts = (options or LoadOptions()).distributed
+    if active(dopts):  # every rank tries the same checkpoints in the same order
+        root, names = agree_step((root, names), dopts)
+    return root, names
+
+
+def load_newest_valid(root: str, names: list[str], items: dict[str, Any] | None,
+                      options: LoadOptions | None = None) -> tuple[str, dict[str, Any]]:
+    """Load the first of ``names`` (checkpoints under ``root``, newest first) that loads and verifies.
+
+    Returns its name and the loaded items. Each skipped checkpoint is logged (WARNING, the
+    ``zerostall`` logger) with the error that skipped it, and the one loaded instead as well.
+
+    Raises:
+        CheckpointNotFoundError: ``names`` is empty.
+        NoValidCheckpointError: none of them loads; the message names each and why.
+        The other errors of :func:`load_checkpointables` at once (they would recur on every step).
+    """
+    if not names:
+        raise CheckpointNotFoundError("no committed checkpoint to load", path=root)
+    failures: list[tuple[str, BaseException]] = []
+    for name in names:
+        try:
+            out = load(root, name, items, options)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            failures.append((name, exc))
+            log.warning("fallback: skipping %s/%s, it does not load: %s: %s", root.rstrip("/"), name,
+                        type(exc).__name__, exc)
+            continue
+        if failures:
+            log.warning("fallback: loaded %s/%s instead of %s (%d newer checkpoint(s) skipped)", root.rstrip("/"),
+                        name, failures[0][0], len(failures))
+        return name, out
+    tried = "; ".join(f"{n}: {type(e).__name__}: {e}" for n, e in failures)
+    raise NoValidCheckpointError(f"no checkpoint loads ({len(failures)} tried, newest first: {tried})",
+                                 path=root) from failures[-1][1]
+
+
+def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``metadata=`` a checkpoint was saved with (a Checkpointer's step adds ``"step"``).
+
+    Reads the manifest only: no array data, no writer, no torch. ``path`` is one checkpoint
+    (for a :class:`~zerostall.Checkpointer`, one ``step_...`` directory; or use its
+    :meth:`~zerostall.Checkpointer.metadata`).
+
+    Raises:
+        CheckpointNotFoundError: nothing is committed at ``path``.
+        CorruptCheckpointError, UnsupportedFormatError: the manifest is malformed or newer.
+        StorageError: an I/O failure.
+
+    Example::
+
+        >>> zerostall.save_pytree("/tmp/zs-doc/m", {"w": 1}, metadata={"loss": 0.5})   # doctest: +SKIP
+        >>> zerostall.load_metadata("/tmp/zs-doc/m")                                   # doctest: +SKIP
+        {'loss': 0.5}
+    """
+    where = _path(path)
+    parent, name = split_url(where)
+    return dict(read_manifest(open_storage(parent), name, path=where).metadata)
 
 
 # -- the shared engines' buffers ---------------------------------------------------------------

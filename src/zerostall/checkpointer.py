@@ -23,18 +23,41 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE
-from zerostall.commit import check_reachable, committed_steps, step_name
+from zerostall.api import PYTREE, load_newest_valid
+from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
+from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
-from zerostall.errors import AdviceError, BackgroundSaveError, CheckpointNotFoundError, ReadOnlyError
+from zerostall.errors import (
+    AdviceError,
+    BackgroundSaveError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    NoValidCheckpointError,
+    ReadOnlyError,
+    StorageError,
+    ZerostallError,
+)
+from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response, SaveStats
-from zerostall.restore import load_items
+from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage
 from zerostall.storage.image import open_image
+from zerostall.validate import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_items,
+    check_number,
+    check_optional_int,
+    check_path,
+    check_step,
+    clean_metadata,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -78,7 +101,9 @@ class Checkpointer:
             interval is fixed by them and ``mtbf_s``.
 
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
+            naming it) or of the wrong type (:class:`~zerostall.errors.ArgumentTypeError`, also a
+            ``TypeError``: ``keep_last=2.5``).
         StorageError: the location cannot be reached, created or written (a missing bucket,
             refused credentials, an unreachable endpoint, a regular file in the way, ...);
             ``errno`` and ``path`` say which. Raised here, not at the first save.
@@ -127,6 +152,11 @@ class Checkpointer:
         mtbf_s: float | None = None,
         costs: MeasuredCosts | None = None,
     ) -> None:
+        directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
+                                save_interval_steps=save_interval_steps, save_options=save_options,
+                                load_options=load_options, on_error=on_error, read_only=read_only)
+        _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
+                            save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
@@ -153,7 +183,7 @@ class Checkpointer:
             if not isinstance(memory_tier, MemoryTier):
                 raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
             if so.writer is not WriterKind.PROCESS:
-                raise ValueError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
                                  "the memory must outlive the trainer")
             keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
         self._last_persist = time.monotonic()
@@ -177,6 +207,8 @@ class Checkpointer:
         # Wait for the writer's hello so that no save waits for the writer to boot (the first
         # save's slot is released only once the writer has written it).
         self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
+        self.last_loaded_step: int | None = None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -207,7 +239,7 @@ class Checkpointer:
         save allocates.
         """
         if (items is None) == (tree is None):
-            raise ValueError("pass exactly one of items or tree=")
+            raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
@@ -222,10 +254,10 @@ class Checkpointer:
             ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
             The errors of :func:`zerostall.save_checkpointables_async` (``step`` exists: ``CheckpointExistsError``).
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = check_step(step, path=self.directory)
+        check_items(items, self._step_path(step))
         self._check_writable(step)
-        meta = dict(metadata or {}, step=step)
+        meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
@@ -298,17 +330,43 @@ class Checkpointer:
         return lo if lo is not None else self._save_dist
 
     def latest_step(self) -> int | None:
-        """The newest committed step (in either tier), or None (under torch.distributed:
-        collective, the same on every rank)."""
+        """The newest committed step (in either tier), or None.
+
+        Under torch.distributed this is collective (every rank calls it) and every rank gets the
+        same answer. With a memory tier: the memory tier's step if every rank holds it and it is
+        not older than storage's newest, else storage's newest.
+        """
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._agree(None)[0]
         s = self.steps()
         return s[-1] if s else None
+
+    def _load_dopts(self) -> DistributedOptions | None:
+        return self.load_options.distributed if self.load_options is not None else None
+
+    def _agree(self, step: int | None) -> tuple[int | None, bool]:
+        """Collectively: which step to load (``step``, or the latest) and whether every rank
+        reads it from its memory tier (only if every rank holds it; else storage for all)."""
+        dopts = self._load_dopts()
+        stored = committed_steps(self._storage)
+        gathered = gather_objects((self.memory_step(), stored[-1] if stored else None), dopts)
+        held = [g[0] for g in gathered]
+        everywhere = held[0] if held[0] is not None and all(h == held[0] for h in held) else None
+        newest_stored = gathered[0][1]  # rank 0's view of the shared storage, as agree_step
+        if step is None:
+            if everywhere is not None and (newest_stored is None or everywhere >= newest_stored):
+                return everywhere, True
+            return newest_stored, False
+        return step, everywhere == step
 
     def memory_step(self) -> int | None:
         """The step this host's memory tier holds (None: no memory tier, or nothing held).
 
         Waits for the saves already handed to the writer to finish first.
         """
-        got = self._engine.writer.query_image() if self.memory_tier is not None else None
+        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
+            return None
+        got = self._engine.writer.query_image()
         if got is None:
             return None
         img, fds = got
@@ -317,32 +375,68 @@ class Checkpointer:
         return img.step
 
     def _resolve(self, step: int | None) -> int:
+        if step is not None:
+            step = check_step(step, path=self.directory)
         if step is None:
             step = self.latest_step()  # collective under torch.distributed: every rank loads the same step
             if step is None:
                 raise CheckpointNotFoundError("no committed step to load", path=self.directory)
         return step
 
-    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None) -> dict[str, Any]:
+    def load_checkpointables(self, step: int | None = None, items: dict[str, Any] | None = None, *,
+                             fallback: bool = False) -> dict[str, Any]:
         """Load ``step`` (default: latest committed); see :func:`zerostall.load_checkpointables`.
+
+        ``fallback=True``: if that step is corrupt or gone, the next older committed step that
+        loads instead, logged (WARNING, ``zerostall`` logger); :attr:`last_loaded_step` says which.
 
         Raises:
             CheckpointNotFoundError: no step is committed (or not ``step``).
+            NoValidCheckpointError: ``fallback=True`` and no step from ``step`` down loads.
             The errors of :func:`zerostall.load_checkpointables`.
         """
-        step = self._resolve(step)
-        if self.memory_tier is not None:
-            got = self._load_from_memory(step, items)
-            if got is not None:
-                return got
-        return load(self.directory, step_name(step), items, self.load_options)
+        if fallback:
+            name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
+            self.last_loaded_step = parse_step(name)
+            return out
+        if self.memory_tier is not None and active(self._load_dopts()):
+            return self._load_collective(step, items)
+        resolved = self._resolve(step)
+        got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
+        out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+        self.last_loaded_step = resolved
+        return out
 
-    def _load_from_memory(self, step: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Load ``step`` from this host's memory tier if it holds it (verified as from storage)."""
-        dopts = self.load_options.distributed if self.load_options is not None else None
-        if active(dopts):  # the collective load is not taught to read memory yet: storage
+    def _load_collective(self, step: int | None, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load with a memory tier: every rank from its own memory, or all from storage."""
+        agreed, from_memory = self._agree(step)
+        if agreed is None:
+            raise CheckpointNotFoundError("no committed step to load", path=self.directory)
+        if not from_memory:
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        out: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            out = self._load_from_memory(agreed, items, collective=True)
+            if out is None:  # the keeper let go of it since we agreed (it died)
+                raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                              path=f"{self.directory}/{step_name(agreed)}")
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            err = exc
+        raise_together(err, self._load_dopts(), f"{self.directory}/{step_name(agreed)}")
+        assert out is not None
+        return out
+
+    def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage).
+
+        Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
+        rank then restores the tree it saved from its own memory, with no collective traffic.
+        """
+        if not collective and active(self._load_dopts()):
             return None
-        got = self._engine.writer.query_image()
+        got = self._engine.writer.query_image() if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got
@@ -354,9 +448,72 @@ class Checkpointer:
         with open_image(img.name, img.manifest.encode(), files) as image:
             return load_items(image.url, img.name, items, self.load_options)
 
-    def load_pytree(self, step: int | None = None, template: Any = None) -> Any:
-        """Load ``step`` (default: latest committed) into ``template`` in place, if given."""
-        return self.load_checkpointables(step, {PYTREE: template})[PYTREE]
+    def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
+        """Load ``step`` (default: latest committed) into ``template`` in place, if given.
+
+        ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
+        """
+        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+
+    def _agreed_steps(self) -> list[int]:
+        steps = self.steps()
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):  # every rank walks the steps rank 0 sees
+            steps = agree_step(steps, dopts)
+        return list(steps)
+
+    def _fallback_names(self, step: int | None) -> list[str]:
+        steps = self._agreed_steps()
+        if step is None:
+            return [step_name(s) for s in reversed(steps)]
+        return [step_name(step), *(step_name(s) for s in reversed(steps) if s < step)]
+
+    def latest_valid_step(self) -> int | None:
+        """The newest committed step whose every file and leaf checksum verifies, or None if none is committed.
+
+        Reads every byte of each step it checks (newest first, stopping at the first good one);
+        each step skipped is logged (WARNING, ``zerostall`` logger) with what is wrong with it.
+        Under torch.distributed, rank 0 verifies and every rank gets its answer.
+
+        Raises:
+            NoValidCheckpointError: steps are committed but none verifies (the message names each
+                step and its first problem).
+
+        Example::
+
+            >>> step = ckpt.latest_valid_step()                                # doctest: +SKIP
+            >>> if step is not None:                                           # doctest: +SKIP
+            ...     ckpt.load_pytree(step, template=state)
+        """
+        dopts = self.load_options.distributed if self.load_options is not None else None
+        if active(dopts):
+            import torch.distributed as dist
+
+            group = dopts.process_group if dopts is not None else None
+            answer = self._verify_newest_first() if dist.get_rank(group) == 0 else None
+            agreed: tuple[int | None, list[str]] = agree_step(answer, dopts)
+            step, failures = agreed
+        else:
+            step, failures = self._verify_newest_first()
+        if step is None and failures:
+            raise NoValidCheckpointError(f"no committed step verifies ({len(failures)} checked, newest first: "
+                                         f"{'; '.join(failures)})", path=self.directory)
+        return step
+
+    def _verify_newest_first(self) -> tuple[int | None, list[str]]:
+        failures: list[str] = []
+        for s in reversed(self.steps()):
+            path = f"{self.directory.rstrip('/')}/{step_name(s)}"
+            try:
+                report = verify_checkpoint(path)
+                problem = None if report.ok else f"{len(report.problems)} problem(s), first: {report.problems[0]}"
+            except ZerostallError as exc:  # manifest gone or malformed
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                return s, failures
+            failures.append(f"step {s}: {problem}")
+            log.warning("latest_valid_step: step %d of %s does not verify: %s", s, self.directory, problem)
+        return None, failures
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -367,6 +524,8 @@ class Checkpointer:
             BackgroundSaveError: a save failed in the background and its response never raised
                 it (unless ``on_error`` took it); names the step and the cause.
         """
+        if timeout is not None:
+            check_number("timeout", timeout)
         self._engine.wait(timeout)
         self._engine.raise_failures()
 
@@ -391,6 +550,11 @@ class Checkpointer:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and self.memory_tier is not None and not self._engine.closed:
+            # Leaving on an error (torchrun's SIGTERM included) is a crash to the memory tier: the
+            # keeper keeps the newest step for a restart instead of persisting it and exiting.
+            self._engine.wait()
+            self._engine.writer.abandon()
         if exc_type is None:
             self.close()  # raises an unreceived background failure
             return
@@ -405,6 +569,80 @@ class Checkpointer:
             raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+    # -- metadata and deletion (issue 12) ----------------------------------------------------
+
+    def _step_path(self, step: int) -> str:
+        return f"{self.directory.rstrip('/')}/{step_name(step)}"
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The ``metadata=`` saved with ``step`` (default: the latest committed), ``"step"`` included.
+
+        Reads the manifest only (no array data). Not collective: any rank may call it alone
+        (with ``step=None`` it lists this rank's view of the storage, not the agreed one).
+
+        Raises:
+            CheckpointNotFoundError: no step is committed (or not ``step``).
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            CorruptCheckpointError, UnsupportedFormatError, StorageError: as a load.
+
+        Example::
+
+            >>> ckpt.save_pytree(100, state, metadata={"loss": 0.25})    # doctest: +SKIP
+            >>> ckpt.metadata(100)                                       # doctest: +SKIP
+            {'loss': 0.25, 'step': 100}
+        """
+        mem = self._memory_metadata() if self.memory_tier is not None else None
+        if step is None:
+            steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
+            if not steps:
+                raise CheckpointNotFoundError("no committed step", path=self.directory)
+            step = max(steps)
+        step = check_step(step, path=self.directory)
+        if mem is not None and mem[0] == step:
+            return mem[1]
+        return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+
+    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        if img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
+
+    def delete(self, step: int) -> None:
+        """Delete the committed ``step``: it stops being listed at once, then its files are removed.
+
+        Not collective: under torch.distributed call it on one rank (the storage is shared),
+        then make the others wait (a barrier) before they list steps. A save of ``step`` that
+        is still in flight is not a committed step: wait for it first.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed here.
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            ReadOnlyError: the Checkpointer was opened with ``read_only=True``.
+            StorageError: the storage failed (the step is then either whole or no longer listed).
+
+        Example::
+
+            >>> ckpt.delete(100)        # doctest: +SKIP
+        """
+        step = check_step(step, path=self.directory)
+        self._check_writable(step)
+        path = self._step_path(step)
+        if step not in committed_steps(self._storage):
+            raise CheckpointNotFoundError("no committed step to delete", path=path)
+        try:
+            delete_checkpoint(self._storage, step_name(step))
+        except OSError as exc:
+            raise StorageError(f"cannot delete: {exc.strerror or exc}", errno=exc.errno, path=path) from exc
+        log.info("zerostall: deleted %s", path)
+
 
     # -- the interval advisor ------------------------------------------------------------------
 
@@ -466,6 +704,50 @@ class Checkpointer:
             kind = SaveKind(got) if got is not None else None
         self._cadence.decided = (step, kind)
         return kind is not None
+
+
+#: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them
+RESERVED_METADATA_KEYS = ("step",)
+
+
+def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: object, save_interval_steps: object,
+                save_options: object, load_options: object, on_error: object, read_only: object) -> str:
+    """Type and range checks of the constructor's arguments, before anything starts."""
+    path = check_path(directory, "directory")
+    check_optional_int("keep_last", keep_last, lo=1, path=path)
+    check_optional_int("keep_every_n_steps", keep_every_n_steps, lo=1, path=path)
+    check_optional_int("save_interval_steps", save_interval_steps, lo=1, path=path)
+    check_instance("save_options", save_options, SaveOptions)
+    check_instance("load_options", load_options, LoadOptions)
+    check_callable("on_error", on_error)
+    check_bool("read_only", read_only, path=path)
+    return path
+
+
+def _check_cadence_args(*, memory_tier: object, save_interval: object, save_interval_steps: object,
+                        mtbf_s: object, costs: object) -> None:
+    """The memory-tier and save-interval arguments, typed (``_Cadence`` checks how they combine)."""
+    check_instance("memory_tier", memory_tier, MemoryTier)
+    if save_interval is not None:
+        check_choice("save_interval", save_interval, ("auto",))
+        if save_interval_steps is not None:
+            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both",
+                                       argument="save_interval")
+    if mtbf_s is not None:
+        check_number("mtbf_s", mtbf_s, positive=True)
+    check_instance("costs", costs, MeasuredCosts)
+
+
+def _keeper_rank(dopts: DistributedOptions | None) -> int:
+    """This process's rank for the keeper's name: torch.distributed's if initialized, else
+    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
+    torch = sys.modules.get("torch")
+    if active(dopts) and torch is not None:
+        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 class _Cadence:
@@ -555,14 +837,3 @@ class _FixedCosts(CadenceEstimator):
 
     def costs(self) -> MeasuredCosts | None:
         return self._fixed
-
-def _keeper_rank(dopts: DistributedOptions | None) -> int:
-    """This process's rank for the keeper's name: torch.distributed's if initialized, else
-    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
-    torch = sys.modules.get("torch")
-    if active(dopts) and torch is not None:
-        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0

@@ -6,6 +6,8 @@
     zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
     zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
     zerostall gc DIR            remove partial saves whose writers are provably gone (any host)
+    zerostall rm PATH...        delete committed checkpoints (a step directory, or DIR --step N)
+    zerostall --version         the installed version (also: python -m zerostall ...)
 
 Each takes ``--json`` (one JSON document on stdout, errors included). Exit status: 0 when all is
 well, 1 on any failure (a bad checksum, a missing file, a malformed manifest, an I/O error), 2
@@ -32,8 +34,9 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, parse_step, step_name
-from zerostall.errors import CheckpointNotFoundError, StorageError, ZerostallError
+from zerostall._version import __version__
+from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, delete_checkpoint, parse_step, step_name
+from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, StorageError, ZerostallError
 from zerostall.interop import export_checkpoint, import_checkpoint
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
@@ -66,11 +69,14 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     steps = set(committed_steps(storage))
     rows = []
     unfinished = []
+    blocked: list[str] = []
     for n in names:
         if TMP_MARK in n or DEL_MARK in n:
             unfinished.append(n)
             continue
         if not storage.exists(f"{n}/{MANIFEST_NAME}"):
+            if parse_step(n) is not None:
+                blocked.append(n)  # a step folder without a manifest: in flight, crashed, or in the way
             continue
         step = parse_step(n)
         row: dict[str, Any] = {"name": n, "step": step if step in steps else None}
@@ -86,7 +92,8 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
                    for rank, img in held_steps(storage.url)
                    if img.step is not None and img.step not in steps]
     return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
-            "unfinished": unfinished, "memory_only": memory_only}
+            "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
+            "memory_only": memory_only}
 
 
 def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
@@ -112,6 +119,9 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
         raise _hint_run_directory(_url(args.path), exc) from exc
     leaves = [{"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "nbytes": lf.nbytes,
                "file": m.files[lf.file].path, "offset": lf.offset, "crc32c": lf.crc32c} for lf in m.leaves]
+    ranks = _leaf_ranks(m.ranks, len(m.leaves))
+    for row, rk in zip(leaves, ranks, strict=True):
+        row["ranks"] = rk
     by_dtype: Counter[str] = Counter()
     for lf in m.leaves:
         by_dtype[lf.dtype] += lf.nbytes
@@ -124,17 +134,24 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
         "items": {k: _summarize(v) for k, v in m.items.items()},
         "files": [{"path": f.path, "size": f.size} for f in m.files],
         "leaves": leaves,
+        "values": _values(m.items),
+        "saving_ranks": len(m.ranks) or None,
         "totals": {"leaves": len(m.leaves), "nbytes": sum(lf.nbytes for lf in m.leaves),
                    "file_bytes": sum(f.size for f in m.files), "by_dtype": dict(sorted(by_dtype.items()))},
     }
 
 
 def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        with _progress(args, f"verify {args.path}"):
-            report = verify_checkpoint(_url(args.path))
-    except CheckpointNotFoundError as exc:
-        raise _hint_run_directory(_url(args.path), exc) from exc
+    url = _url(args.path)
+    steps = _run_steps(url)
+    if steps or args.latest:
+        return _verify_run(args, url, steps)
+    with _progress(args, f"verify {args.path}") as progress:
+        report = verify_checkpoint(url, progress=progress)
+    return _report_doc(report)
+
+
+def _report_doc(report: Any) -> dict[str, Any]:
     return {
         "path": report.path,
         "ok": report.ok,
@@ -207,6 +224,9 @@ def _print_list(r: dict[str, Any]) -> None:
     if r["unfinished"]:
         _out(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
               f"{', '.join(r['unfinished'])})")
+    for n in r.get("partial", []):
+        _out(f"{n:<24} PARTIAL: no manifest (in flight, crashed, or not a checkpoint): never loaded; "
+             "it blocks a save of this step")
 
 
 def _print_inspect(r: dict[str, Any]) -> None:
@@ -221,15 +241,22 @@ def _print_inspect(r: dict[str, Any]) -> None:
         _out(f"metadata       {json.dumps(r['metadata'])[:200]}")
     for name, summary in r["items"].items():
         _out(f"item {name!r}: {summary}")
+    per_rank = r.get("saving_ranks") is not None
     if r["leaves"]:
         width = min(60, max(len(lf["key"]) for lf in r["leaves"]))
-        _out(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}")
+        rank_head = f" {'ranks':<8}" if per_rank else ""
+        _out(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}{rank_head}")
         for lf in r["leaves"]:
             shape = "x".join(map(str, lf["shape"])) or "()"
-            _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}")
+            rank_col = f" {_rank_label(lf.get('ranks'), r['saving_ranks']):<8}" if per_rank else ""
+            _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}{rank_col}")
+    _print_values(r.get("values", []))
 
 
 def _print_verify(r: dict[str, Any]) -> None:
+    if "steps" in r:
+        _print_verify_run(r)
+        return
     if r["ok"]:
         _out(f"OK {r['path']}: {r['leaves']} leaves, {_size(r['nbytes_checked'])} checked")
         return
@@ -304,6 +331,7 @@ def _summarize(node: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerostall", description="List, inspect, verify, export and import zerostall checkpoints.")
+    p.add_argument("--version", action="version", version=f"zerostall {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext, arg in (
         ("list", "list the committed checkpoints in a directory", "dir"),
@@ -314,6 +342,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument(arg)
         sp.add_argument("--json", action="store_true", help="print one JSON document")
     _add_interop_parsers(sub)
+    _add_ops_parsers(sub)
     gc = sub.add_parser("gc", help="remove partial saves whose writers are provably gone (expired lease, or dead "
                                    "on this host)")
     gc.add_argument("dir")
@@ -379,6 +408,175 @@ def _error_doc(exc: BaseException) -> dict[str, Any]:
 def _one_line(exc: BaseException) -> str:
     text = str(exc) if isinstance(exc, ZerostallError) else f"{type(exc).__name__}: {exc}"
     return " ".join(text.split())[:1000]
+
+
+
+# -- operations: verify a run, rm, inspect's values and ranks (issue 12) -----------------------
+
+
+def _add_ops_parsers(sub: Any) -> None:
+    verify = sub.choices["verify"]
+    verify.add_argument("--latest", action="store_true",
+                        help="PATH is a run directory: verify only its newest committed step (default: every step)")
+    rm = sub.add_parser("rm", help="delete committed checkpoints (made invisible first, then removed)")
+    rm.add_argument("paths", nargs="+", metavar="PATH", help="a checkpoint (a step directory), or a run directory "
+                                                                 "with --step")
+    rm.add_argument("--step", type=_step_arg, action="append", help="with a run DIR: delete this step (repeatable)")
+    rm.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def _step_arg(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"a step is a non-negative integer, got {text!r}")
+    return step
+
+
+def _run_steps(url: str) -> list[int]:
+    """The committed steps under ``url`` if it is a run directory; [] if it is anything else."""
+    try:
+        storage = open_storage(url)
+        if storage.exists(MANIFEST_NAME):
+            return []  # a checkpoint itself
+        return committed_steps(storage)
+    except (OSError, ZerostallError):
+        return []  # not a run directory: the single-checkpoint path reports the real error
+
+
+def _verify_run(args: argparse.Namespace, url: str, steps: list[int]) -> dict[str, Any]:
+    if not steps:
+        raise CheckpointNotFoundError("no committed step under this directory (--latest takes a run directory)",
+                                      path=args.path)
+    chosen = steps[-1:] if args.latest else steps
+    docs: list[dict[str, Any]] = []
+    for s in chosen:
+        path = f"{url.rstrip('/')}/{step_name(s)}"
+        try:
+            with _progress(args, f"verify {step_name(s)} ({len(docs) + 1}/{len(chosen)})") as progress:
+                doc = _report_doc(verify_checkpoint(path, progress=progress))
+        except ZerostallError as exc:  # an unreadable manifest fails that step, not the whole run
+            doc = {"path": path, "ok": False, "leaves": 0, "nbytes_checked": 0, "bad_keys": [],
+                   "problems": [{"kind": "manifest", "key": None, "file": MANIFEST_NAME, "message": _one_line(exc)}]}
+        docs.append(dict(doc, step=s))
+    return {"path": url, "ok": all(d["ok"] for d in docs), "steps": docs}
+
+
+def _print_verify_run(r: dict[str, Any]) -> None:
+    for d in r["steps"]:
+        _print_verify(d)
+    bad = [d["step"] for d in r["steps"] if not d["ok"]]
+    _out(f"{'OK' if not bad else 'FAILED'} {r['path']}: {len(r['steps'])} step(s) verified"
+         + (f", {len(bad)} bad: {', '.join(map(str, bad))}" if bad else ""))
+
+
+def cmd_rm(args: argparse.Namespace) -> dict[str, Any]:
+    targets: list[str] = []
+    if args.step:
+        if len(args.paths) != 1:
+            raise _usage("--step takes exactly one run directory")
+        base = _url(args.paths[0]).rstrip("/")
+        targets = [f"{base}/{step_name(s)}" for s in args.step]
+    else:
+        targets = [_url(p) for p in args.paths]
+    removed = []
+    for path in targets:
+        root, name = split_url(path)
+        storage = open_storage(root)
+        if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+            exc = CheckpointNotFoundError("no committed checkpoint to delete (no manifest)", path=path)
+            raise _hint_run_directory(path, exc)
+        try:
+            delete_checkpoint(storage, name)
+        except OSError as exc:
+            raise StorageError(f"cannot delete: {exc.strerror or exc}", errno=exc.errno, path=path) from exc
+        removed.append(path)
+    return {"removed": removed, "ok": True}
+
+
+def _print_rm(r: dict[str, Any]) -> None:
+    for p in r["removed"]:
+        _out(f"removed {p}")
+
+
+_COMMANDS["rm"] = (cmd_rm, _print_rm)
+
+
+def _usage(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message, argument="rm")
+
+
+def _leaf_ranks(rank_trees: tuple[dict[str, Any], ...], n_leaves: int) -> list[list[int] | None]:
+    """For a collective save, which saving ranks' trees use each leaf (None for a one-process save)."""
+    if not rank_trees:
+        return [None] * n_leaves
+    out: list[list[int] | None] = [[] for _ in range(n_leaves)]
+    for r, items in enumerate(rank_trees):
+        stack: list[Any] = list(items.values())
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                li = node.get("leaf")
+                if type(li) is int and 0 <= li < n_leaves:
+                    users = out[li]
+                    assert users is not None
+                    if not users or users[-1] != r:
+                        users.append(r)
+                stack.extend(node.get("values") or [])
+                stack.extend(node.get("shards") or [])
+    return out
+
+
+def _rank_label(ranks: list[int] | None, saving: int | None) -> str:
+    if ranks is None:
+        return ""
+    if saving is not None and len(ranks) == saving and saving > 1:
+        return "all"
+    return ",".join(map(str, ranks)) or "-"
+
+
+def _values(items: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Python values (not arrays) of each item's tree, by key, in tree order."""
+    out: list[dict[str, Any]] = []
+    stack: list[tuple[str, Any]] = [(name, node) for name, node in reversed(list(items.items()))]
+    while stack:
+        key, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        t = node.get("type")
+        if t in ("dict", "list", "tuple", "namedtuple"):
+            vals = node.get("values") or []
+            labels = node.get("keys") if t == "dict" else node.get("fields") if t == "namedtuple" else None
+            labels = labels if isinstance(labels, list) and len(labels) == len(vals) else list(range(len(vals)))
+            stack.extend((f"{key}/{k}", v) for k, v in reversed(list(zip(labels, vals, strict=True))))
+        elif t in ("none", "bool", "int", "str"):
+            out.append({"key": key, "type": t, "value": node.get("value")})
+        elif t == "float":
+            try:
+                value: Any = float.fromhex(str(node.get("value")))
+            except (ValueError, OverflowError):
+                value = node.get("value")
+            out.append({"key": key, "type": t, "value": value})
+        elif t == "custom" and "json" in node:
+            out.append({"key": key, "type": f"custom:{node.get('handler')}", "value": node.get("json")})
+    return out
+
+
+_MAX_VALUES_SHOWN = 200
+
+
+def _print_values(values: list[dict[str, Any]]) -> None:
+    if not values:
+        return
+    _out(f"values ({len(values)}, not arrays):")
+    width = min(60, max(len(v["key"]) for v in values))
+    for v in values[:_MAX_VALUES_SHOWN]:
+        text = repr(v["value"]) if v["type"] != "none" else "None"
+        _out(f"  {v['key']:<{width}} = {text[:200]}")
+    if len(values) > _MAX_VALUES_SHOWN:
+        _out(f"  ... {len(values) - _MAX_VALUES_SHOWN} more (--json lists them all)")
 
 
 if __name__ == "__main__":

@@ -25,12 +25,15 @@ from typing import Any, Protocol
 from zerostall.commit import exists_error
 from zerostall.errors import BackgroundSaveError, WriterError
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
-from zerostall.options import RetentionPolicy, SaveOptions
+from zerostall.options import RetentionPolicy, SaveOptions, Staging
 from zerostall.persist.client import OnDone, WriterClient
 from zerostall.persist.job import storage_env
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
+from zerostall.stage.buffers import Slot
+from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task
+from zerostall.stage.ownership import deferrable
 from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
@@ -83,8 +86,8 @@ class Engine:
                                    sched=self.options.writer_sched, keeper=keeper)
         # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
         # memory: one more slot than in flight, so a save never waits for the held one.
+        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines).
         slots = self.options.max_in_flight + (1 if keeper is not None else 0)
-        # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines)
         self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
@@ -100,6 +103,9 @@ class Engine:
         #: called with each background failure instead of raising it later (Checkpointer(on_error=))
         self.on_error: Callable[[BackgroundSaveError], None] | None = None
         _ENGINES.add(self)
+        # overlapped staging: the background copies and the hand-offs queued behind them
+        self._copier = Copier()
+        self._streams: dict[Any, Any] = {}  # one CUDA side stream per device, kept across saves
         if prewarm:
             self.writer.start()
 
@@ -198,11 +204,19 @@ class Engine:
             raise exists_error(storage, name, path)
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
+        GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
+        split = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        defer = split[0] if split is not None else None
         slot = self.pool.acquire()
+        task: OverlapTask | None = None
         try:
             self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
             t_copy = time.perf_counter()
-            stage(flat, plan, slot)
+            views = stage(flat, plan, slot, skip=defer)
+            if split is not None:
+                task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1])
+            elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
+                GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy
         except BaseException:
             self.pool.release(slot)
@@ -223,15 +237,45 @@ class Engine:
         with self._lock:
             self._inflight.add(response)
         response._add_before_done(self._on_done)
+        if task is not None:
+            response._staged.clear()
+            task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done)
+            self._copier.submit(task)
+        elif self._copier.in_order(lambda: self._hand_off_quietly(job, slot, on_done)):
+            self._hand_off(job, slot, on_done, raised_to=response)
+        response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
+        if task is None:
+            response._staged_s = response._stall_s
+        return response
+
+    def _hand_off(self, job: SaveJob, slot: Slot, on_done: OnDone, raised_to: Response | None = None) -> None:
+        """Submit ``job``; ``raised_to``: the response of a caller that gets the error raised here."""
         try:
             self.writer.submit(job, slot.buffers, on_released=lambda: self.pool.release(slot), on_done=on_done)
         except BaseException as exc:
             self.pool.release(slot)
-            response._received = True  # raised right here: not a background failure
+            if raised_to is not None:
+                raised_to._received = True  # raised to the caller right here: not a background failure
             on_done(None, exc)
             raise
-        response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
-        return response
+
+    def _hand_off_quietly(self, job: SaveJob, slot: Slot, on_done: OnDone) -> None:
+        """The hand-off on the copier thread: a failure is the save's, reported through ``on_done``."""
+        try:
+            self._hand_off(job, slot, on_done)
+        except BaseException:  # noqa: BLE001,S110 - on_done reported it
+            pass
+
+    def _staged(self, response: Response, t0: float, err: BaseException | None, job: SaveJob, slot: Slot,
+                on_done: OnDone) -> None:
+        """An overlapped copy finished (copier thread): hand the save off, or fail it (torn)."""
+        response._staged_s = time.perf_counter() - t0
+        response._staged.set()
+        if err is not None:
+            self.pool.release(slot)
+            on_done(None, err)
+            return
+        self._hand_off_quietly(job, slot, on_done)
 
     def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:
@@ -252,11 +296,14 @@ class Engine:
             pending = list(self._inflight)
         for r in pending:
             r._wait(timeout)  # errors stay with their responses, unreceived
+        GUARD.tidy()
 
     def close(self) -> None:
         if self._closed:
             return
         self.wait()
+        self._copier.drain()
+        GUARD.tidy()
         self._closed = True
         self.writer.close()
         self.pool.close()

@@ -12,10 +12,15 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── MismatchError(ValueError)                    template and checkpoint disagree (shape, dtype, kind)
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
+    ├── InvalidArgumentError(ValueError)             an argument out of range (.argument names it)
+    │   ├── ArgumentTypeError(+TypeError)            an argument of the wrong type
+    │   └── MetadataError                            metadata= cannot be stored (NaN, reserved key)
+    │       └── MetadataTypeError(+TypeError)        metadata= holds a non-JSON type
     ├── StorageError(OSError)                        an I/O failure, errno preserved
     │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
-    └── WriterError(RuntimeError)                    the background writer died or was closed
-        └── BackgroundSaveError                      a save that failed in the background, raised later
+    ├── WriterError(RuntimeError)                    the background writer died or was closed
+    │   └── BackgroundSaveError                      a save that failed in the background, raised later
+    └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
 class and errno they had in the writer.
@@ -38,6 +43,7 @@ __all__ = [
     "UnsupportedLeafError",
     "StorageError",
     "WriterError",
+    "TornSnapshotError",
     "WireError",
     "to_wire",
     "from_wire",
@@ -150,6 +156,15 @@ class WriterError(ZerostallError, RuntimeError):
     """The background writer died (killed, crashed) or was closed before the save committed."""
 
 
+class TornSnapshotError(ZerostallError, RuntimeError):
+    """A tensor staged in the background (overlapped staging) was modified in place before its copy
+    was done, outside ``optimizer.step()``. ``key`` names the leaf; nothing of the save is committed.
+
+    Call ``response.wait_staged()`` before such in-place changes, or save with
+    ``SaveOptions(staging="blocking")``.
+    """
+
+
 _BY_NAME: dict[str, type[ZerostallError]] = {
     cls.__name__: cls
     for cls in (
@@ -164,6 +179,7 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
         UnsupportedLeafError,
         StorageError,
         WriterError,
+        TornSnapshotError,
     )
 }
 
@@ -268,6 +284,56 @@ class ReadOnlyError(StorageError):
 _BY_NAME["BackgroundSaveError"] = BackgroundSaveError
 _BY_NAME["ReadOnlyError"] = ReadOnlyError
 __all__ += ["BackgroundSaveError", "ReadOnlyError"]
+
+
+class NoValidCheckpointError(CorruptCheckpointError):
+    """A fallback load or ``latest_valid_step`` found committed checkpoints, but none that verifies.
+
+    The message names every checkpoint tried and why it was skipped, newest first.
+    """
+
+
+_BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
+__all__ += ["NoValidCheckpointError"]
+
+
+class InvalidArgumentError(ZerostallError, ValueError):
+    """An argument of a public function or option is out of range (``step=-1``, ``keep_last=0``).
+
+    ``argument`` names the parameter (``"keep_last"``, ``"SaveOptions.io_threads"``); ``path``
+    and ``key`` say where, when there is a where.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 rank: int | None = None, argument: str | None = None) -> None:
+        super().__init__(message, path=path, key=key, rank=rank)
+        self.argument = argument
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (``keep_last=2.5``, ``step="10"``, ``path=None``).
+
+    Also a ``ValueError`` (as :class:`InvalidArgumentError`), so code that caught the
+    ``ValueError`` zerostall raised for such arguments before keeps working.
+    """
+
+
+class MetadataError(InvalidArgumentError):
+    """``metadata=`` cannot be stored as given; ``key`` names the offending entry (``"a/b/0"``).
+
+    Raised on the training thread before anything is staged: a NaN or infinite float (manifests
+    are strict JSON, RFC 8259, readable by any parser), a reserved key (``"step"`` in a
+    :class:`~zerostall.Checkpointer`), or nesting deeper than 64 levels.
+    """
+
+
+class MetadataTypeError(MetadataError, TypeError):
+    """A ``metadata=`` value or key has a type JSON cannot hold (a tensor, an object, a non-str key)."""
+
+
+for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
+    _BY_NAME[_cls.__name__] = _cls
+__all__ += ["InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
 
 
 class AdviceError(ZerostallError, ValueError):

@@ -58,6 +58,7 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     MissingKeyError,
     StorageError,
     UnsupportedFormatError,
@@ -176,8 +177,8 @@ def export_checkpoint(
     """
     fmt = _export_format(out, format)
     if chunk_bytes < 4096:
-        raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
-    out_path = os.path.abspath(os.fspath(out))
+        raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {chunk_bytes}", argument="chunk_bytes")
+    out_path = os.path.abspath(os.path.expanduser(os.fspath(out)))
     _check_out(out_path, overwrite)
     root, name = split_url(_url(src))
     storage = open_storage(root)
@@ -202,10 +203,10 @@ def _export_format(out: str | os.PathLike[str], format: str | None) -> ExportFor
         if suffix not in _SUFFIXES:
             raise UnsupportedFormatError(
                 f"cannot tell the format from the suffix of {os.fspath(out)!r}: name it .safetensors or .pt, or "
-                "pass format='safetensors' or format='torch'")
+                "pass format='safetensors' or format='torch'", path=os.fspath(out))
         return _SUFFIXES[suffix]
     if format not in ("safetensors", "torch"):
-        raise UnsupportedFormatError(f"format must be 'safetensors' or 'torch', got {format!r}")
+        raise UnsupportedFormatError(f"format must be 'safetensors' or 'torch', got {format!r}", path=os.fspath(out))
     return "safetensors" if format == "safetensors" else "torch"
 
 
@@ -635,7 +636,7 @@ def import_checkpoint(
         >>> zerostall.load_pytree("/ckpt/imported")["epoch"]                                     # doctest: +SKIP
         3
     """
-    source = os.path.abspath(os.fspath(src))
+    source = os.path.abspath(os.path.expanduser(os.fspath(src)))
     if not os.path.exists(source):
         raise CheckpointNotFoundError("no such file or directory to import", path=source)
     fmt: ImportFormat

@@ -6,8 +6,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError
+from zerostall.validate import check_bool, check_choice, check_instance, check_int, check_number, check_optional_int
+
 __all__ = ["WriterKind", "SaveOptions", "LoadOptions", "DistributedOptions", "Replicated", "RetentionPolicy",
-           "MemoryTier"]
+           "MemoryTier", "Staging"]
 
 MiB = 1 << 20
 
@@ -25,6 +28,20 @@ class WriterKind(enum.Enum):
     THREAD = "thread"
 
 
+class Staging(enum.Enum):
+    """When ``save_*_async`` returns relative to the copy of the state (docs/guarantees.md).
+
+    ``OVERLAP`` (default): tensors that only an optimizer's ``step()`` modifies (its parameters
+    and its ``state``) are copied in the background while training goes on; the next
+    ``step()`` of any optimizer waits for that copy first (zerostall installs the guard).
+    Everything else is copied before the call returns. ``BLOCKING``: everything is copied
+    before the call returns. A string value (``"overlap"``, ``"blocking"``) is accepted.
+    """
+
+    OVERLAP = "overlap"
+    BLOCKING = "blocking"
+
+
 class Replicated(enum.Enum):
     """How a collective load reads leaves that every saving rank had identical (DDP state).
 
@@ -38,8 +55,7 @@ class Replicated(enum.Enum):
 
 
 def _positive_int_or_none(name: str, value: object) -> None:
-    if value is not None and (type(value) is not int or value < 1):
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    check_optional_int(name, value, lo=1)  # typed: ArgumentTypeError / InvalidArgumentError (both ValueError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +106,13 @@ class DistributedOptions:
     poll_s: float = 0.02
 
     def __post_init__(self) -> None:
+        check_bool("DistributedOptions.enabled", self.enabled)
+        check_number("DistributedOptions.timeout_s", self.timeout_s, positive=True)
+        check_number("DistributedOptions.poll_s", self.poll_s, positive=True)
         if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise InvalidArgumentError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.poll_s > 0:
-            raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
+            raise InvalidArgumentError(f"poll_s must be > 0, got {self.poll_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +139,7 @@ class SaveOptions:
             training saturates the cores) or ``"normal"``.
         distributed: collective behaviour under ``torch.distributed`` (None: the defaults of
             :class:`DistributedOptions`, i.e. collective whenever it is initialized).
+        staging: ``"overlap"`` (default) or ``"blocking"``; see :class:`Staging`.
     """
 
     writer: WriterKind = WriterKind.PROCESS
@@ -130,18 +150,35 @@ class SaveOptions:
     writer_nice: int = 10
     distributed: DistributedOptions | None = None
     writer_sched: str = "batch"
+    staging: Staging = Staging.OVERLAP
 
     def __post_init__(self) -> None:
+        if isinstance(self.writer, str):  # "thread" / "process", as the enum's values
+            check_choice("SaveOptions.writer", self.writer, tuple(k.value for k in WriterKind))
+            object.__setattr__(self, "writer", WriterKind(self.writer))
+        check_instance("SaveOptions.writer", self.writer, WriterKind, optional=False)
+        check_int("SaveOptions.max_in_flight", self.max_in_flight, lo=1)
+        check_bool("SaveOptions.direct_io", self.direct_io)
+        check_int("SaveOptions.io_threads", self.io_threads, lo=1)
+        check_int("SaveOptions.chunk_bytes", self.chunk_bytes, lo=MiB)
+        check_int("SaveOptions.writer_nice", self.writer_nice)
+        check_instance("SaveOptions.distributed", self.distributed, DistributedOptions)
+        check_choice("SaveOptions.writer_sched", self.writer_sched, ("batch", "idle", "normal"))
+        if not isinstance(self.staging, Staging):
+            try:
+                object.__setattr__(self, "staging", Staging(self.staging))
+            except ValueError:
+                raise InvalidArgumentError(f"staging must be 'overlap' or 'blocking', got {self.staging!r}") from None
         if not isinstance(self.writer, WriterKind):
-            raise TypeError(f"writer must be a WriterKind, got {self.writer!r}")
+            raise ArgumentTypeError(f"writer must be a WriterKind, got {self.writer!r}")
         if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < MiB or self.chunk_bytes % 4096:
-            raise ValueError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
         if self.writer_sched not in ("batch", "idle", "normal"):
-            raise ValueError(f"writer_sched must be 'batch', 'idle' or 'normal', got {self.writer_sched!r}")
+            raise InvalidArgumentError(f"writer_sched must be 'batch', 'idle' or 'normal', got {self.writer_sched!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,17 +209,25 @@ class LoadOptions:
     atomic: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        check_bool("LoadOptions.verify", self.verify)
+        check_int("LoadOptions.io_threads", self.io_threads, lo=1)
+        check_int("LoadOptions.chunk_bytes", self.chunk_bytes, lo=4096)
+        check_instance("LoadOptions.distributed", self.distributed, DistributedOptions)
+        if not isinstance(self.atomic, bool):
+            check_choice("LoadOptions.atomic", self.atomic, (True, False, "auto"))
+        if not isinstance(self.replicated, Replicated):
+            check_choice("LoadOptions.replicated", self.replicated, tuple(r.value for r in Replicated))
         if not (isinstance(self.atomic, bool) or self.atomic == "auto"):
-            raise ValueError(f"atomic must be True, False or 'auto', got {self.atomic!r}")
+            raise InvalidArgumentError(f"atomic must be True, False or 'auto', got {self.atomic!r}")
         if not isinstance(self.replicated, Replicated):
             try:
                 object.__setattr__(self, "replicated", Replicated(self.replicated))
             except ValueError:
-                raise ValueError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
+                raise InvalidArgumentError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
         if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +252,7 @@ class MemoryTier:
             and frees the memory (after persisting the newest memory-only step).
 
     Raises:
-        ValueError: a field is out of range.
+        InvalidArgumentError: a field is out of range (a ``ValueError``).
 
     Example::
 
@@ -221,9 +266,9 @@ class MemoryTier:
 
     def __post_init__(self) -> None:
         if type(self.persist_interval_steps) is not int or self.persist_interval_steps < 1:
-            raise ValueError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
+            raise InvalidArgumentError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
         if self.persist_interval_s is not None and not (
                 isinstance(self.persist_interval_s, (int, float)) and self.persist_interval_s > 0):
-            raise ValueError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
+            raise InvalidArgumentError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
         if not (isinstance(self.linger_s, (int, float)) and self.linger_s >= 0):
-            raise ValueError(f"linger_s must be >= 0, got {self.linger_s!r}")
+            raise InvalidArgumentError(f"linger_s must be >= 0, got {self.linger_s!r}")

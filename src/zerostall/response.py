@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerostall.messages import WriterStats
+from zerostall.validate import check_number
 
 __all__ = ["Response", "SaveStats"]
 
@@ -30,6 +31,8 @@ class SaveStats:
         writer_peak_rss: the writer process's peak resident memory in bytes.
         tiers: where the save is committed: ``("storage",)``, or with a memory tier
             ``("memory",)`` (memory only) or ``("memory", "storage")``; empty until committed.
+        staged_s: seconds from the call until every byte was in host memory (with overlapped
+            staging, later than ``stall_s``; None until then).
     """
 
     path: str
@@ -41,6 +44,7 @@ class SaveStats:
     commit_s: float | None = None
     writer_peak_rss: int | None = None
     tiers: tuple[str, ...] = ()
+    staged_s: float | None = None
 
     def summary(self) -> str:
         mib = self.nbytes / (1 << 20)
@@ -53,8 +57,10 @@ class SaveStats:
 class Response:
     """Handle of an asynchronous save.
 
-    When ``save_*_async`` returns, the state has been copied: the caller may modify its
-    tensors at once. ``result()`` waits until the checkpoint is committed and returns its
+    When ``save_*_async`` returns, the state has been copied, except, with overlapped staging
+    (the default), the tensors only ``optimizer.step()`` modifies, whose copy the next ``step()``
+    waits for by itself; before changing those in place outside ``step()``, call
+    :meth:`wait_staged`. ``result()`` waits until the checkpoint is committed and returns its
     :class:`SaveStats`, or raises the background error with its original type.
     """
 
@@ -74,6 +80,10 @@ class Response:
         self._step: int | None = None
         #: set once the caller has been handed this save's error (result() raised it, exception() returned it)
         self._received = False
+        # set once every byte is in host memory; the engine clears it for an overlapped save
+        self._staged = threading.Event()
+        self._staged.set()
+        self._staged_s: float | None = None
 
     @property
     def stats(self) -> SaveStats:
@@ -81,7 +91,7 @@ class Response:
         w = self._writer
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
-                             staging_gbps=self._staging_gbps)
+                             staging_gbps=self._staging_gbps, staged_s=self._staged_s)
         write_s = w.write_s or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
@@ -93,6 +103,7 @@ class Response:
             commit_s=w.commit_s,
             writer_peak_rss=w.writer_peak_rss,
             tiers=w.tiers,
+            staged_s=self._staged_s,
         )
 
     def done(self) -> bool:
@@ -109,6 +120,8 @@ class Response:
                 Raising it here counts as receiving it: the next save, ``wait()`` or ``close()``
                 does not raise it again as a ``BackgroundSaveError``.
         """
+        if timeout is not None:
+            check_number("timeout", timeout)
         try:
             self._future.result(timeout)
         except BaseException:
@@ -117,8 +130,36 @@ class Response:
             raise
         return self.stats
 
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once every byte of this save is in host memory (the state may then be changed freely).
+
+        With overlapped staging (the default), ``save_*_async`` returns before the tensors that
+        only ``optimizer.step()`` modifies are copied, and the next ``step()`` waits for them by
+        itself. Call this before modifying such tensors in place *outside* ``step()`` (weight
+        clipping, an EMA written into the parameters, ``load_state_dict``); otherwise the save
+        fails with :class:`~zerostall.errors.TornSnapshotError`. A failed copy is reported by
+        :meth:`result`, not here.
+
+        Example::
+
+            >>> r = ckpt.save_pytree_async(step, {"model": model, "optim": opt})  # doctest: +SKIP
+            >>> r.wait_staged()                                                   # doctest: +SKIP
+            >>> with torch.no_grad(): model.weight.clamp_(-1, 1)                  # doctest: +SKIP
+
+        Raises:
+            TimeoutError: the copy did not finish within ``timeout`` seconds (it goes on).
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"{self._path}: staging did not finish within {timeout} s")
+
+    def staged(self) -> bool:
+        """True once every byte of this save is in host memory (see :meth:`wait_staged`)."""
+        return self._staged.is_set()
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed); returning it counts as receiving it."""
+        if timeout is not None:
+            check_number("timeout", timeout)
         exc = self._future.exception(timeout)
         if exc is not None:
             self._received = True

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 from zerostall.dtypes import ITEMSIZE, numpy_dtype_name, torch_dtype_name
-from zerostall.errors import UnsupportedLeafError
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedLeafError
 
 __all__ = [
     "Stateful",
@@ -37,6 +37,9 @@ __all__ = [
     "add_torch_leaf",
     "key_join",
     "handler_by_name",
+    "register_lazy_integration",
+    "load_lazy_integrations",
+    "flatten_child",
 ]
 
 JSON = Any
@@ -107,10 +110,19 @@ def register_handler(
     in the process that loads the checkpoint.
 
     Raises:
-        ValueError: ``format`` is neither ``"bytes"`` nor ``"json"``.
+        InvalidArgumentError: ``format`` is neither ``"bytes"`` nor ``"json"``, or ``name`` is empty
+            (a ``ValueError``).
+        ArgumentTypeError: ``type_`` is not a class, or ``encode`` / ``decode`` is not callable.
     """
+    if not isinstance(type_, type):
+        raise ArgumentTypeError(f"type_ must be a class, got {type_!r}", argument="type_")
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"name must be a non-empty str, got {name!r}", argument="name")
+    for arg, fn in (("encode", encode), ("decode", decode)):
+        if not callable(fn):
+            raise ArgumentTypeError(f"{arg} must be callable, got {fn!r}", argument=arg)
     if format not in ("bytes", "json"):
-        raise ValueError(f"format must be 'bytes' or 'json', got {format!r}")
+        raise InvalidArgumentError(f"format must be 'bytes' or 'json', got {format!r}", argument="format")
     handler = LeafHandler(name=name, type=type_, encode=encode, decode=decode, format=format)
     with _HANDLER_LOCK:
         _HANDLERS_BY_TYPE[type_] = handler
@@ -193,12 +205,37 @@ def _flattener_for(t: type) -> LeafFlattener | None:
         return fn
 
 
+_LAZY: dict[str, Callable[[], None]] = {}  # module whose import enables an integration -> its loader
+
+
+def register_lazy_integration(module: str, load: Callable[[], None]) -> None:
+    """Run ``load`` (once) at the first save or load after ``module`` has been imported by anyone.
+
+    How an integration turns itself on without this layer importing it, and without
+    ``import zerostall`` importing a framework: :mod:`zerostall` registers the JAX integration
+    for ``"jax"`` (an object of a JAX type cannot exist before ``jax`` is imported).
+    """
+    with _HANDLER_LOCK:
+        _LAZY[module] = load
+
+
+def load_lazy_integrations() -> None:
+    """Load the integrations whose trigger module is imported by now (one dict check when none is)."""
+    if not _LAZY:
+        return
+    with _HANDLER_LOCK:
+        due = [_LAZY.pop(m) for m in [m for m in _LAZY if m in sys.modules]]
+    for load in due:
+        load()
+
+
 def key_join(prefix: str, part: Any) -> str:
     return f"{prefix}/{part}" if prefix else str(part)
 
 
 def flatten(items: dict[str, Any]) -> FlatState:
     """Walk ``{item name: tree}`` into JSON nodes and array leaves."""
+    load_lazy_integrations()
     leaves: list[ArrayLeaf] = []
     out: dict[str, Node] = {}
     for name, tree in items.items():
@@ -271,6 +308,11 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
     raise UnsupportedLeafError(
         f"cannot save a leaf of type {t.__module__}.{t.__qualname__}; save its state_dict(), "
         "or register a handler with zerostall.register_handler", key=key)
+
+
+def flatten_child(obj: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
+    """Walk ``obj`` at ``key`` with the tree's own rules: for flatteners of container types."""
+    return _flatten(obj, key, leaves, depth=key.count("/"))
 
 
 def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> Node:

@@ -139,9 +139,9 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
         return orig_seq(self, key, offset, buf, **kw)
     orig_vec = LocalStorage.read_vectored
 
-    def counting_vec(self, key, offset, bufs):  # type: ignore[no-untyped-def]
+    def counting_vec(self, key, offset, bufs, **kw):  # type: ignore[no-untyped-def]
         sizes.append(sum(len(b) for b in bufs))
-        return orig_vec(self, key, offset, bufs)
+        return orig_vec(self, key, offset, bufs, **kw)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]
@@ -398,15 +398,55 @@ def scenario_slow(rank: int, world: int, d: str) -> dict:
         return {"done_at_return": done_at_return, "slow_report_seen": slow_report_seen, "steps": ck.steps()}
 
 
-def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240) -> list[dict]:
-    """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results."""
+def scenario_atomic(rank: int, world: int, d: str) -> dict:
+    """A corrupt leaf only the last rank reads: every rank raises, no rank's template changes;
+    then the fallback load and latest_valid_step agree on the older step everywhere."""
+    def state(step: int) -> dict:
+        return {"mine": torch.full((200_000,), float(rank * 10 + step)), "shared": torch.arange(3000.0) * step}
+
+    with Checkpointer(f"{d}/ck") as ck:
+        ck.save_pytree(1, state(1))
+        ck.save_pytree(2, state(2))
+    dist.barrier()
+    if rank == world - 1:  # flip a byte of this rank's own leaf in step 2
+        step2 = f"{d}/ck/step_00000002"
+        m = json.load(open(f"{step2}/manifest.json"))
+        leaf = next(lf for lf in m["leaves"] if lf["key"] == "pytree/mine" and m["files"][lf["file"]]["path"].endswith(
+            f"rank-{rank:05d}.safetensors"))
+        with open(f"{step2}/data/{m['files'][leaf['file']]['path'].split('/')[-1]}", "r+b") as f:
+            f.seek(leaf["offset"] + 1000)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+    dist.barrier()
+    tmpl = {"mine": torch.full((200_000,), -1.0), "shared": torch.full((3000,), -1.0)}
+    with Checkpointer(f"{d}/ck") as ck:
+        try:
+            ck.load_pytree(2, tmpl)
+            err = None
+        except ZerostallError as exc:
+            err = type(exc).__name__
+        untouched = bool((tmpl["mine"] == -1).all() and (tmpl["shared"] == -1).all())
+        ck.load_pytree(template=tmpl, fallback=True)
+        loaded = ck.last_loaded_step
+        good = torch.equal(tmpl["mine"], state(1)["mine"]) and torch.equal(tmpl["shared"], state(1)["shared"])
+        valid = ck.latest_valid_step()
+    return {"error": err, "untouched": untouched, "loaded": loaded, "good": good, "valid": valid}
+
+
+def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240,
+           script: str | None = None) -> list[dict]:
+    """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results.
+
+    ``script``: a worker of another test module that adds scenarios and then calls :func:`main`.
+    """
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     e = dict(os.environ, **(env or {}))
     e.pop("ZEROSTALL_FAULTS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), ",".join(scenarios), str(r),
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(script or __file__), ",".join(scenarios), str(r),
                                str(world), str(port), d], env=e) for r in range(world)]
     try:
         for p in procs:

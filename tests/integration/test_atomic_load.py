@@ -197,23 +197,33 @@ def test_auto_streams_beyond_its_memory_bound_and_says_so(ckpt: Path, monkeypatc
     assert untouched(tmpl)
 
 
-def test_a_read_error_in_the_verify_pass_leaves_templates_untouched(ckpt: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("via", ["fill_cache", "scan"])
+def test_a_read_error_in_the_verify_pass_leaves_templates_untouched(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     via: str) -> None:
+    """EIO while the first pass reads (into the page cache, or into the scratch buffer when the
+    cache cannot be used): a typed error, every template untouched."""
     import errno
 
     from zerostall.storage.local import LocalStorage
 
-    real = LocalStorage.scan
+    real = getattr(LocalStorage, via)
 
-    def failing_scan(self: Any, key: str, offset: int, length: int, on_piece: Any, **kw: Any) -> None:
+    def failing(self: Any, key: str, offset: int, length: int, *a: Any, **kw: Any) -> None:
         if length < 4 * MiB:  # the run after the large leaf fails, the large one verifies
             raise OSError(errno.EIO, "injected read error")
-        real(self, key, offset, length, on_piece, **kw)
+        real(self, key, offset, length, *a, **kw)
+        fd = os.open(data_file(ckpt), os.O_RDONLY)  # what readahead brought in past it: out again
+        os.posix_fadvise(fd, offset + length + 4096, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
 
-    monkeypatch.setattr(LocalStorage, "scan", failing_scan)
+    monkeypatch.setattr(LocalStorage, via, failing)
+    if via == "scan":
+        monkeypatch.setattr(LocalStorage, "fill_cache", lambda *a, **k: None)  # nothing cached: scan reads
+        monkeypatch.setattr(LocalStorage, "map_file", lambda *a, **k: None)
+    cache(ckpt, warm=False)
     tmpl = sentinel()
-    with pytest.raises(StorageError) as info:
-        zerostall.load_pytree(ckpt, tmpl)
+    with pytest.raises(StorageError) as info:  # one thread: the large leaf first, then the rest
+        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(io_threads=1))
     assert info.value.errno == errno.EIO and untouched(tmpl)
 
 

@@ -35,7 +35,7 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "views"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "views", "atomic"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -196,3 +196,10 @@ def test_steps_latest_and_retention_agree_when_views_differ(two, four, world):
     # views agree again: step 5 commits and retention keeps the two newest everywhere
     assert all(r["on_disk_after_5"] == ["step_00000004", "step_00000005"] for r in res)
     assert all(r["steps_after_5"] == [4, 5] for r in res)
+
+
+def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two):
+    """LoadOptions.atomic across the group: no rank writes until every rank verified."""
+    for res in _ok(two[1], "atomic"):
+        got = {k: res[k] for k in ("error", "untouched", "loaded", "good", "valid")}
+        assert got == {"error": "ChecksumMismatchError", "untouched": True, "loaded": 1, "good": True, "valid": 1}

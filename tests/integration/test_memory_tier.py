@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
 
 TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "torchrun_ddp.py")
 DEADLINE_S = 120.0  # generous: only a hung keeper takes this long
 
 
@@ -146,7 +147,7 @@ def test_linger_expiry_leaves_nothing_behind(tmp_path: Path) -> None:
         _assert_state(ck.load_pytree(), state(2))
 
 
-@pytest.mark.parametrize("run", range(3))
+@pytest.mark.parametrize("run", range(20 if os.environ.get("ZEROSTALL_STRESS") else 3))
 def test_kill_during_saves_restores_a_complete_verified_step(tmp_path: Path, run: int) -> None:
     rng = random.Random(run)
     d = tmp_path / "run"
@@ -285,3 +286,82 @@ def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.Capture
     assert main(["list", "--json", str(tmp_path)]) == 0  # closed: step 3 persisted, the keeper gone
     doc = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in doc["checkpoints"]] == [2, 3] and doc["memory_only"] == []
+
+
+def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "--max-restarts", "1", EXAMPLE, "--dir", str(d), "--steps", str(steps),
+                        "--persist-every", str(every), "--fail-at-step", str(kill_step)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [line for line in p.stdout.splitlines() if "resumed" in line]
+
+
+def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import zerostall
+
+    plain, crashed = tmp_path / "plain", tmp_path / "crashed"
+    _torchrun(plain, 12, 4, 0)
+    lines = _torchrun(crashed, 12, 4, 6)
+    # Step 6 was in memory only (storage had step 4): both ranks adopted their keepers and resumed there.
+    assert sorted(line.split(", data")[0] for line in lines) == [
+        "rank 0: resumed at step 6 from memory", "rank 1: resumed at step 6 from memory"]
+    for name in ("step_00000012",):
+        a = zerostall.load_pytree(plain / name)
+        b = zerostall.load_pytree(crashed / name)
+        flat_a, flat_b = _flatten(a), _flatten(b)
+        assert flat_a.keys() == flat_b.keys()
+        for k, v in flat_a.items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == flat_b[k].dtype and torch.equal(v, flat_b[k]), k
+            else:
+                assert v == flat_b[k], k
+    for d in (plain, crashed):
+        for rank in (0, 1):
+            _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}/{k}"))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(_flatten(v, f"{prefix}/{i}"))
+        return out
+    return {prefix: tree}
+
+
+def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=3, linger_s=0)) as ck:
+        for s in range(1, 5):
+            ck.save_pytree(s, state(s))
+        keeper = ck._engine.writer.pid
+        assert keeper is not None and ck.memory_step() == 4
+        os.kill(keeper, signal.SIGKILL)
+        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
+        # Step 4 lived only in the dead keeper's memory: storage's newest is what is left.
+        assert ck.memory_step() is None and ck.latest_step() == 3
+        _assert_state(ck.load_pytree(), state(3))
+        ck.save_pytree(5, state(5))  # a new keeper takes the next save
+        assert ck._engine.writer.pid != keeper and ck.memory_step() == 5
+    assert ck.memory_step() is None and ck.steps() == [3, 5]
+
+
+def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"), \
+            Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        ck.save_pytree(1, state(1))
+        keeper = ck._engine.writer.pid
+        raise RuntimeError("boom")
+    assert keeper is not None and _running(keeper)  # lingering, as after a crash
+    _wait(lambda: 1 in _storage_steps(tmp_path), "step 1 persisted by the keeper")
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
+        assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
+        _assert_state(ck.load_pytree(), state(1))
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")

@@ -158,3 +158,50 @@ def test_cli_gc_text_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert f"removed {staging}" in capsys.readouterr().out and os.listdir(run) == []
     assert cli_main(["gc", str(tmp_path / "missing")]) == 1
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_a_writer_whose_lease_lapsed_does_not_commit(tmp_path: Path) -> None:
+    """A writer suspended past its lease (SIGSTOP) may have lost its partial to a collector: on
+    resuming it fails the save instead of committing (no torn checkpoint)."""
+    import signal
+
+    run = tmp_path / "run"
+    url = str(run)
+    gate = tmp_path / "gate"
+    t = orph.start_held(url, tmp_path, 7, "manifest", f"wait:{gate}")
+    try:
+        orph.wait_mark(t.mark, "manifest")  # type: ignore[attr-defined]
+        os.kill(t.writer, signal.SIGSTOP)
+        try:
+            storage = open_storage(url)
+            (lease,) = read_leases(storage)
+            while time.time() <= (lease.expires or 0) + 0.05:
+                time.sleep(0.05)
+            report = collect_garbage(storage)
+            assert len(report.removed) == 1 and report.leases_removed == [lease.key]
+        finally:
+            os.kill(t.writer, signal.SIGCONT)
+        gate.touch()
+        out, err = t.proc.communicate(timeout=120)
+    finally:
+        if t.proc.poll() is None:
+            t.kill()
+    assert t.proc.returncode != 0 and "COMMITTED" not in out
+    assert "WriterError" in err and "lease" in err, err[-2000:]
+    assert os.listdir(run) == []  # nothing committed, nothing left (its renewed lease released too)
+
+
+def test_lease_check_raises_after_a_lapse(tmp_path: Path) -> None:
+    from zerostall.errors import WriterError
+    from zerostall.lease import Lease
+
+    lease = Lease(open_storage(str(tmp_path)), ["x"], duration_s=0.2).acquire()
+    lease.check()
+    lease._stop.set()  # renewals stop, as in a stalled process
+    assert lease._thread is not None
+    lease._thread.join()
+    time.sleep(0.3)
+    with pytest.raises(WriterError, match="lapsed"):
+        lease.check("/ckpt/step_1")
+    lease.release()
+    assert os.listdir(tmp_path) == []

@@ -307,7 +307,9 @@ def test_public_api_is_frozen():
         "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
         "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
         "UnsupportedLeafError", "StorageError", "WriterError",
-        "BackgroundSaveError", "ReadOnlyError"])
+        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
+        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
+        "Staging", "TornSnapshotError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
@@ -366,14 +368,15 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     calls = []
     orig = LocalStorage.read_vectored
 
-    def spy(self, key, offset, bufs):
+    def spy(self, key, offset, bufs, **kw):
         calls.append(len(bufs))
-        return orig(self, key, offset, bufs)
+        return orig(self, key, offset, bufs, **kw)
 
     LocalStorage.read_vectored = spy
     try:
         tmpl = {k: torch.zeros(37) for k in state}
-        zerostall.load_pytree(ckdir / "c", tmpl)
+        # one streaming pass (an atomic load checksums and copies cached runs through a mapping)
+        zerostall.load_pytree(ckdir / "c", tmpl, options=zerostall.LoadOptions(atomic=False))
     finally:
         LocalStorage.read_vectored = orig
     assert calls and max(calls) > 60  # one call scattered into all leaves (and their alignment gaps)
@@ -384,9 +387,11 @@ def test_vectored_reads_cover_runs_of_small_leaves_and_find_corruption(ckdir):
     raw = bytearray(data.read_bytes())
     raw[leaf["offset"] + 5] ^= 1
     data.write_bytes(bytes(raw))
-    with pytest.raises(zerostall.ChecksumMismatchError) as ei:
-        zerostall.load_pytree(ckdir / "c", {k: torch.zeros(37) for k in state})
-    assert ei.value.key == "pytree/t41"
+    for atomic in (False, True):
+        with pytest.raises(zerostall.ChecksumMismatchError) as ei:
+            zerostall.load_pytree(ckdir / "c", {k: torch.zeros(37) for k in state},
+                                  options=zerostall.LoadOptions(atomic=atomic))
+        assert ei.value.key == "pytree/t41"
 
 
 class TestResponseHooks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,12 +18,16 @@ from zerostall import SaveOptions, WriterError, WriterKind
 from zerostall.errors import StorageError, to_wire
 from zerostall.messages import (
     PROTOCOL,
+    Adopt,
     Close,
     Collective,
     Done,
     Failed,
     FileRow,
     Hello,
+    Image,
+    ImageFile,
+    ImageQuery,
     LeafRow,
     MapBuffer,
     ProtocolMismatchError,
@@ -56,6 +61,13 @@ MESSAGES = [
     Done(job=7, stats=WriterStats(nbytes=4160, write_s=0.1, commit_s=0.01, persist_s=0.2, writer_peak_rss=10,
                                   deleted_steps=(1, 2), retention_error="x", rank=1, leaves_written=1)),
     Failed(job=7, error=to_wire(StorageError("disk full", errno=28, path="/r/s", key="k", rank=2))),
+    # the memory tier
+    Adopt(root="/r", rank=1), ImageQuery(),
+    Image(step=3, name="step_00000003", manifest="{}", files=(ImageFile(name="rank-00000.safetensors", length=4160,
+                                                                      size=8192),)),
+    Image(step=None, name="", manifest="", files=()),
+    dataclasses.replace(JOB, memory=True, persist=False),
+    Done(job=7, stats=WriterStats(nbytes=4160, tiers=("memory",))),
 ]
 
 
@@ -78,7 +90,7 @@ def _doc(msg: object) -> dict:
     (lambda d: d.update(id="7"), "save.id must be int"),
     (lambda d: d["leaves"][0].update(shape="2x3"), "save.leaves[0].shape must be a list"),
     (lambda d: d["files"][0].pop("buffer"), "save.files[0] lacks 'buffer'"),
-    (lambda d: d["retention"].update(keep_last=0), "keep_last must be a positive int"),
+    (lambda d: d["retention"].update(keep_last=0), "keep_last must be >= 1"),
     (lambda d: d["write"].update(direct_io=1), "save.write.direct_io must be bool"),
     (lambda d: d.update(env=[]), "save.env must be an object"),
 ])

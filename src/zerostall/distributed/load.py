@@ -27,7 +27,7 @@ from zerostall.restore import (
 )
 from zerostall.storage import open_storage
 
-__all__ = ["load", "load_collective", "replicated_leaves", "agree_step"]
+__all__ = ["load", "load_collective", "replicated_leaves", "agree_step", "gather_objects", "raise_together"]
 
 _BATCH = 256 << 20
 
@@ -192,3 +192,19 @@ def agree_step(local_latest: Any, opts: DistributedOptions | None) -> Any:
     box = [local_latest]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return box[0]
+
+
+def gather_objects(obj: Any, opts: DistributedOptions | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (one ``all_gather_object``)."""
+    import torch.distributed as dist
+
+    group, _, world = group_rank_world(opts)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def raise_together(err: BaseException | None, opts: DistributedOptions | None, path: str) -> None:
+    """Raise on every rank the first error any rank had (``err`` is this rank's, or None)."""
+    _, rank, _ = group_rank_world(opts)
+    _raise_first(gather_objects(_wire(err, rank, path), opts), rank, err)

@@ -314,7 +314,7 @@ def _place(tree: Any, move: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _local_path(path: PathLike) -> str:
-    p = os.fspath(path)
+    p = os.path.expanduser(os.fspath(path))
     if p.startswith("file://"):
         return p[len("file://"):]
     if "://" in p:

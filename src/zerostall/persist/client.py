@@ -240,6 +240,25 @@ class WriterClient:
         self._conn = None
         self._closing = False
 
+    def abandon(self) -> None:
+        """Leave the writer as a crash would (no :class:`Close`): a keeper then lingers for a
+        restarted trainer instead of exiting. Call after waiting for the jobs submitted."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._closing = True
+            try:  # wakes our listener (EOF) and tells the keeper its trainer is gone
+                socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if self._listener is not None and self._listener is not threading.current_thread():
+                self._listener.join(timeout=60)
+            conn.close()
+        self._release_held()
+        self._proc = None  # not waited for: it lingers (Popen reaps it if it exits before us)
+        self._adopted_pid = None
+        self._listener = None
+        self._closing = False
+
     # -- jobs ------------------------------------------------------------------------------
 
     def _send(self, msg: Message, fd: int | None = None) -> None:

@@ -312,6 +312,7 @@ class CollectiveStep:
         # storage: then the others find rank 0's deletions done), with what every rank agreed.
         self.applies_retention = True
         self._views: list[list[int]] | None = None
+        self.check_lease: Callable[[], None] = lambda: None  # set by run_save
 
     def begin(self) -> None:
         if self.names.rename and self.storage.exists(self.names.name):
@@ -358,6 +359,7 @@ class CollectiveStep:
         manifest = encode_manifest(items=trees[0], leaves=all_leaves, files=all_files, metadata=job.metadata,
                                    library_version=__version__, ranks=trees, attempt=names.attempt)
         faults.hit("commit")
+        self.check_lease()
         dec = decide(storage, names, {"decision": "commit", "by": 0})
         if dec.get("decision") != "commit":
             raise error_of(dec)

@@ -90,6 +90,8 @@ class Step(Protocol):
 
     #: whether this writer deletes old steps once the save is committed
     applies_retention: bool
+    #: called right before the commit becomes visible: raises if the writer's lease lapsed
+    check_lease: Callable[[], None]
 
     def begin(self) -> None:
         """Start the attempt; raises ``CheckpointExistsError`` if the checkpoint exists."""
@@ -132,6 +134,8 @@ class SoloStep:
     def __init__(self, job: SaveJob, storage: Storage) -> None:
         self.job = job
         self.protocol: CommitProtocol = protocol_for(storage)
+        #: set by run_save: raises if the writer's lease lapsed (its partial may be gone)
+        self.check_lease: Callable[[], None] = _no_check
 
     def begin(self) -> None:
         self.attempt = self.protocol.begin(self.job.name)
@@ -148,6 +152,7 @@ class SoloStep:
         #: kept for the memory tier, which holds the same manifest as storage
         self.manifest_bytes = manifest
         faults.hit("commit")
+        self.check_lease()
         self.protocol.commit(self.attempt, manifest)
 
     def fail(self, exc: BaseException) -> BaseException:
@@ -197,6 +202,9 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         # (A memory-only save creates nothing under the root: no lease.)
         targets = step.lease_targets()
         lease = Lease(storage, targets).acquire() if targets else None
+        if lease is not None:
+            held = lease
+            step.check_lease = lambda: held.check(job.path)
         mine = step.owned(views, lambda lf: lf.shared)
         crcs: list[int] = [0] * len(mine)
         crc_error: list[BaseException] = []
@@ -231,8 +239,6 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         for lf, c in zip(written, crcs, strict=True):
             lf["crc32c"] = c
         t_commit = time.perf_counter()
-        if lease is not None:
-            lease.check(job.path)
         step.commit(written, files)
         commit_s = time.perf_counter() - t_commit
     except BaseException as exc:
@@ -265,6 +271,10 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         rank=job.collective.rank if job.collective is not None else None,
         leaves_written=len(mine) if job.collective is not None else None,
     )
+
+
+def _no_check() -> None:
+    return None
 
 
 def _release_after_failure(lease: Lease, storage: Storage) -> None:

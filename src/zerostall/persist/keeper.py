@@ -225,6 +225,7 @@ class MemoryStep:
     def __init__(self, job: SaveJob) -> None:
         self.job = job
         self.manifest_bytes = b""
+        self.check_lease: Callable[[], None] = lambda: None  # nothing is leased: nothing is written
 
     def begin(self) -> None:
         return None
@@ -324,16 +325,19 @@ class Keeper:
             except OSError:
                 return
             try:
-                self._greet(sock)
-            except Exception:  # noqa: BLE001 - one bad client must not stop the keeper
+                _, uid, _ = peer_credentials(sock)
+            except OSError:
+                uid = -1
+            if uid != os.getuid():  # only the same user may see or claim the memory
                 sock.close()
+                continue
+            conn = Connection(sock.detach())
+            try:
+                self._greet(conn)
+            except Exception:  # noqa: BLE001 - one bad client must not stop the keeper
+                conn.close()
 
-    def _greet(self, sock: socket.socket) -> None:
-        _, uid, _ = peer_credentials(sock)
-        if uid != os.getuid():  # only the same user may see or claim the memory
-            sock.close()
-            return
-        conn = Connection(sock.detach())
+    def _greet(self, conn: Connection) -> None:
         if not conn.poll(_HELLO_TIMEOUT_S):
             conn.close()
             return
@@ -386,20 +390,27 @@ class Keeper:
         (its manifest on storage is the ranks' merged one): storage then has the newer step.
         """
         if job.collective is not None and job.persist:
-            return run_save(job, views, lambda: send(Released(job=job.id)))
+            stats = run_save(job, views, lambda: send(Released(job=job.id)))
+            self._drop_held(send)  # storage now has a newer step than memory held
+            return stats
         storage = open_storage(job.root)
         step: SoloStep | MemoryStep = SoloStep(job, storage) if job.persist else MemoryStep(job)
         stats = run_save(job, views, lambda: None, step=step)
         fds = [os.dup(self._fds[f.buffer][0]) for f in job.files]
         held = _Held(job, step.manifest_bytes, fds, [self._fds[f.buffer][1] for f in job.files], self.session,
                      persisted=job.persist)
+        self._drop_held(send, held)
+        return dataclasses.replace(stats, tiers=("memory", "storage") if job.persist else ("memory",))
+
+    def _drop_held(self, send: Callable[[Message], None], new: _Held | None = None) -> None:
+        """Make ``new`` the held step (the new one first: never a moment without a complete
+        step), then give the old one's slot back to its trainer."""
         with self._cond:
-            old, self.held = self.held, held
+            old, self.held = self.held, new
         if old is not None:
             if old.session == self.session:  # its slot may be staged into again
                 send(Released(job=old.job.id))
             old.close()
-        return dataclasses.replace(stats, tiers=("memory", "storage") if job.persist else ("memory",))
 
     def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
         held = self.held
@@ -434,10 +445,15 @@ class Keeper:
             conn, self._waiting = self._waiting, None
             return conn
 
-    def persist_held(self) -> None:
-        """Write the held step to storage if only memory has it (its trainer is gone)."""
+    def persist_held(self, closing: bool = False) -> None:
+        """Write the held step to storage if only memory has it (its trainer closed or died).
+
+        A collective step is persisted only at a clean close (``closing``), when every rank's
+        keeper persists the same step together; after a crash the ranks' keepers may hold
+        different steps and would wait for each other until the collective timeout.
+        """
         held = self.held
-        if held is None or held.persisted or held.job.collective is not None:
+        if held is None or held.persisted or (held.job.collective is not None and not closing):
             return
         job = dataclasses.replace(held.job, persist=True)
         try:
@@ -445,7 +461,8 @@ class Keeper:
             if held.job.step is not None and held.job.step in committed_steps(storage):
                 held.persisted = True
                 return
-            run_save(job, held.views, lambda: None, step=SoloStep(job, storage))
+            run_save(job, held.views, lambda: None,
+                     step=SoloStep(job, storage) if job.collective is None else None)
             held.persisted = True
         except BaseException as exc:  # nobody to report to but stderr
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

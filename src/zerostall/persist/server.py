@@ -105,7 +105,7 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
                 keeper.send_image(conn, lambda m: _send(conn, m))
             elif isinstance(msg, Close):
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
-                    keeper.persist_held()
+                    keeper.persist_held(closing=True)
                 return True
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")

@@ -12,7 +12,15 @@ collective load in :mod:`zerostall.distributed` uses the same public planning an
 
 from zerostall.restore.files import DataFiles, check_local_file, read_manifest
 from zerostall.restore.load import assemble, load_items, new_planner, plan_items
-from zerostall.restore.plan import ReadPlanner, ReadRequest, TemplateBox, Thunk, register_template_box
+from zerostall.restore.plan import (
+    NodeReader,
+    ReadPlanner,
+    ReadRequest,
+    TemplateBox,
+    Thunk,
+    register_node_reader,
+    register_template_box,
+)
 from zerostall.restore.read import execute_reads, prepare_reads
 from zerostall.restore.verify import Problem, VerifyReport, verify_checkpoint
 
@@ -21,4 +29,5 @@ __all__ = [
     "DataFiles", "check_local_file", "ReadPlanner", "ReadRequest", "TemplateBox", "Thunk", "register_template_box",
     "execute_reads", "plan_items", "new_planner", "assemble",
     "prepare_reads",
+    "NodeReader", "register_node_reader",
 ]

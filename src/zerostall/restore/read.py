@@ -15,6 +15,7 @@ it returns writes into the templates, and by then nothing is left to verify.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -86,10 +87,17 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
                 q.dest[:] = s.dest
         return copy_staged
     held_tasks = r.tasks(held)
-    r.run([(g, False) for g in r.tasks(fresh)] + [(g, True) for g in held_tasks], r.read_or_scan)
+    try:
+        r.run([(g, False) for g in r.tasks(fresh)] + [(g, True) for g in held_tasks], r.read_or_scan)
+    except BaseException:
+        r.close()
+        raise
 
     def copy_verified() -> None:
-        r.run(held_tasks, r.read_unverified)
+        try:
+            r.run(held_tasks, r.copy_held)
+        finally:
+            r.close()
     return copy_verified
 
 
@@ -127,6 +135,10 @@ class _Reader:
         self.vectored = getattr(storage, "read_vectored", None)
         self.sequential = getattr(storage, "read_sequential", None)
         self.scan = getattr(storage, "scan", None)
+        self.map_file = getattr(storage, "map_file", None)
+        self._maps: dict[int, Any] = {}  # data file index -> MappedFile or None
+        self._maps_lock = threading.Lock()
+        self._mapped: set[int] = set()  # id() of held groups verified through a mapping
 
     def tasks(self, reads: list[ReadRequest]) -> list[list[ReadRequest]]:
         tasks = _group(reads, self.chunk) if self.vectored is not None else [[r] for r in reads]
@@ -171,7 +183,7 @@ class _Reader:
 
     # -- reading into destinations -----------------------------------------------------------
 
-    def read_one(self, r: ReadRequest, want: bool, chunk: int) -> None:
+    def read_one(self, r: ReadRequest, want: bool, chunk: int, cached: bool = False) -> None:
         leaf = r.leaf
         got = 0
 
@@ -181,7 +193,8 @@ class _Reader:
 
         try:
             if self.sequential is not None:  # one open file per leaf: readahead spans the leaf
-                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None)
+                kw = {"cached": True} if cached else {}
+                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None, **kw)
             else:
                 for off in range(0, leaf.nbytes, chunk):
                     piece = r.dest[off:off + chunk]
@@ -193,10 +206,10 @@ class _Reader:
         if want:
             self.check(r, got)
 
-    def read_group(self, group: list[ReadRequest], verify: bool = True) -> None:
+    def read_group(self, group: list[ReadRequest], verify: bool = True, cached: bool = False) -> None:
         want = [verify and self.opts.verify and r.verify for r in group]
         if len(group) == 1:
-            self.read_one(group[0], want[0], self.chunk if want[0] else self.opts.chunk_bytes)
+            self.read_one(group[0], want[0], self.chunk if want[0] else self.opts.chunk_bytes, cached)
             return
         first = group[0].leaf
         bufs: list[memoryview] = []
@@ -208,7 +221,7 @@ class _Reader:
             pos = r.leaf.offset + r.leaf.nbytes
         try:
             assert self.vectored is not None
-            self.vectored(self.key(first), first.offset, bufs)
+            self.vectored(self.key(first), first.offset, bufs, **({"cached": True} if cached else {}))
         except (EOFError, OSError) as exc:
             raise self.fail(exc, first) from exc
         for r, w in zip(group, want, strict=True):
@@ -216,7 +229,8 @@ class _Reader:
                 self.check(r, checksum(r.dest))
 
     def read_unverified(self, group: list[ReadRequest]) -> None:
-        self.read_group(group, verify=False)
+        # The scan just went through the page cache (local backend): no residency checks again.
+        self.read_group(group, verify=False, cached=True)
 
     # -- verifying where the bytes lie -------------------------------------------------------
 
@@ -242,7 +256,7 @@ class _Reader:
 
         assert self.scan is not None
         try:
-            self.scan(self.key(group[0].leaf), start, end - start, on_piece, chunk=_VERIFY_CHUNK)
+            self.scan(self.key(group[0].leaf), start, end - start, on_piece)
         except (EOFError, OSError) as exc:
             raise self.fail(exc, group[0].leaf) from exc
         for r, c in zip(group, crcs, strict=True):
@@ -250,10 +264,70 @@ class _Reader:
 
     def read_or_scan(self, task: tuple[list[ReadRequest], bool]) -> None:
         group, held = task
-        if held:
-            self.scan_group(group)
-        else:
+        if not held:
             self.read_group(group)
+        elif not self.verify_mapped(group):
+            self.scan_group(group)
+
+    # -- bytes already in the page cache: checksum and copy them where they lie ---------------
+
+    def mapping(self, file: int) -> Any:
+        with self._maps_lock:
+            if file not in self._maps:
+                try:
+                    self._maps[file] = self.map_file(self.key_of_file(file)) if self.map_file is not None else None
+                except OSError:
+                    self._maps[file] = None  # read the ordinary way, which reports the error properly
+            return self._maps[file]
+
+    def key_of_file(self, file: int) -> str:
+        return f"{self.name}/{self.m.files[file].path}"
+
+    def verify_mapped(self, group: list[ReadRequest]) -> bool:
+        """Checksum a run of leaves in the page cache's own pages (read into the cache first if need
+        be); False if they cannot be had there."""
+        mf = self.mapping(group[0].leaf.file)
+        start = group[0].leaf.offset
+        end = group[-1].leaf.offset + group[-1].leaf.nbytes
+        if mf is None:
+            return False
+        if not mf.cached(start, end - start):
+            fill = getattr(self.storage, "fill_cache", None)
+            if fill is None:
+                return False
+            try:  # read into the cache only, errors reported; then checksum it there
+                fill(self.key(group[0].leaf), start, end - start)
+            except (EOFError, OSError) as exc:
+                raise self.fail(exc, group[0].leaf) from exc
+            if not mf.cached(start, end - start):  # evicted already: verify a copy instead
+                return False
+        for r in group:
+            lf = r.leaf
+            got = 0
+            for a in range(lf.offset, lf.offset + lf.nbytes, _VERIFY_CHUNK):
+                got = checksum(mf.view[a:min(a + _VERIFY_CHUNK, lf.offset + lf.nbytes)], got)
+            self.check(r, got)
+        self._mapped.add(id(group))
+        return True
+
+    def copy_held(self, group: list[ReadRequest]) -> None:
+        """Write a verified run of leaves into their destinations: from the mapping while the
+        pages are still cached (checked again: they may have been evicted since), else by reads."""
+        mf = self._maps.get(group[0].leaf.file)
+        start = group[0].leaf.offset
+        end = group[-1].leaf.offset + group[-1].leaf.nbytes
+        if id(group) in self._mapped and mf is not None and mf.cached(start, end - start):
+            for r in group:
+                mf.copy_into(r.leaf.offset, r.dest)
+            return
+        self.read_unverified(group)
+
+    def close(self) -> None:
+        with self._maps_lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for mf in maps:
+            if mf is not None:
+                mf.close()
 
 
 def _group(reads: Iterable[ReadRequest], limit: int) -> list[list[ReadRequest]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import crc32c
@@ -60,12 +61,15 @@ class VerifyReport:
         return list(seen)
 
 
-def verify_checkpoint(path: str, *, chunk_bytes: int = 8 << 20) -> VerifyReport:
+def verify_checkpoint(path: str, *, chunk_bytes: int = 8 << 20,
+                      progress: Callable[[str, int, int], None] | None = None) -> VerifyReport:
     """Check every file and leaf of the checkpoint at ``path``; raise only if the manifest is unusable.
 
     A missing or malformed manifest raises the same error a load would
     (:class:`~zerostall.errors.CheckpointNotFoundError`, :class:`~zerostall.errors.CorruptCheckpointError`,
-    ...). Everything else is collected into the report.
+    ...). Everything else is collected into the report. ``progress``, if given, is called as
+    ``progress("verify", bytes_checked, bytes_total)`` as the leaves' bytes are read (a
+    :class:`zerostall.progress.Progress` draws it).
     """
     root, name = split_url(path)
     storage = open_storage(root)
@@ -95,6 +99,8 @@ def verify_checkpoint(path: str, *, chunk_bytes: int = 8 << 20) -> VerifyReport:
     buf = bytearray(max(4096, min(chunk_bytes, max((lf.nbytes for lf in m.leaves), default=0))))
     view = memoryview(buf)
     checked = 0
+    total = sum(lf.nbytes for lf in m.leaves)
+    tick = None if progress is None else (lambda n: progress("verify", checked + n, total))
     for leaf in sorted(m.leaves, key=lambda lf: (lf.file, lf.offset)):
         fpath = m.files[leaf.file].path
         if leaf.file not in sizes:
@@ -108,7 +114,7 @@ def verify_checkpoint(path: str, *, chunk_bytes: int = 8 << 20) -> VerifyReport:
             problems.append(Problem("missing-checksum", "leaf has no checksum", key=leaf.key, file=fpath))
             continue
         try:
-            crc = _crc_of(storage, f"{name}/{fpath}", leaf, view)
+            crc = _crc_of(storage, f"{name}/{fpath}", leaf, view, tick)
         except (OSError, EOFError) as exc:
             problems.append(Problem("read", f"read failed: {exc}", key=leaf.key, file=fpath))
             continue
@@ -119,12 +125,15 @@ def verify_checkpoint(path: str, *, chunk_bytes: int = 8 << 20) -> VerifyReport:
     return VerifyReport(path=ckpt, leaves=len(m.leaves), nbytes=checked, problems=tuple(problems))
 
 
-def _crc_of(storage: Storage, key: str, leaf: LeafEntry, view: memoryview) -> int:
+def _crc_of(storage: Storage, key: str, leaf: LeafEntry, view: memoryview,
+            tick: Callable[[int], None] | None = None) -> int:
     crc = 0
     for off in range(0, leaf.nbytes, len(view)):
         n = min(len(view), leaf.nbytes - off)
         storage.read_into(key, leaf.offset + off, view[:n])
         crc = crc32c.crc32c(view[:n], crc)
+        if tick is not None:
+            tick(off + n)
     return crc
 
 

@@ -116,18 +116,21 @@ def prepare_slot(flat: FlatState, plan: Plan, slot: Slot) -> list[Any]:
     return _views(slot, plan, flat)
 
 
-def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None) -> None:
-    """Copy every leaf of ``flat`` into ``slot``; returns when the copies are complete."""
+def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None, *,
+          skip: list[bool] | None = None) -> list[Any]:
+    """Copy every leaf of ``flat`` into ``slot`` (but those ``skip`` marks); returns when the copies
+    are complete, with the destination views (for the skipped leaves' later copy)."""
     views = prepare_slot(flat, plan, slot)
     if engine is None:
-        engine = select_engine(flat.leaves)
+        engine = select_engine(flat.leaves if skip is None else
+                               [leaf for leaf, s in zip(flat.leaves, skip, strict=True) if not s])
     torch = sys.modules.get("torch")
     grad_off = torch.no_grad() if torch is not None else None
     if grad_off is not None:
         grad_off.__enter__()
     try:
-        for leaf, dst in zip(flat.leaves, views, strict=True):
-            if dst is None:
+        for i, (leaf, dst) in enumerate(zip(flat.leaves, views, strict=True)):
+            if dst is None or (skip is not None and skip[i]):
                 continue
             if leaf.kind == "torch":
                 engine.copy(dst, leaf.value)
@@ -139,3 +142,4 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
     finally:
         if grad_off is not None:
             grad_off.__exit__(None, None, None)
+    return views

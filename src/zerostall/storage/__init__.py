@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable
 
+from zerostall.errors import InvalidArgumentError
 from zerostall.storage.base import Storage
 
 __all__ = ["Storage", "open_storage", "split_url", "register_scheme", "local_path"]
@@ -60,6 +61,9 @@ def split_url(url: str) -> tuple[str, str]:
         return parent, name
     rest = url.split("://", 1)[1].rstrip("/")
     parent, _, name = rest.rpartition("/")
+    if not parent or not name:  # "s3://bucket" or "memory://x": a checkpoint needs a place to live in
+        raise InvalidArgumentError(f"a {scheme}:// checkpoint path needs a root and a name ({scheme}://root/name)",
+                                   path=url, argument="path")
     return f"{scheme}://{parent}", name
 
 
@@ -69,8 +73,8 @@ def open_storage(root_url: str) -> Storage:
     if scheme in _REGISTERED:
         return _REGISTERED[scheme](str(root_url))
     if scheme not in _SCHEMES:
-        raise ValueError(f"no storage backend for URL scheme {scheme!r} ({root_url!r}); known: "
-                         f"{sorted(set(_SCHEMES) | set(_REGISTERED))}")
+        raise InvalidArgumentError(f"no storage backend for URL scheme {scheme!r}; known: "
+                                   f"{sorted(set(_SCHEMES) | set(_REGISTERED))}", path=str(root_url), argument="path")
     module_name, attr, extra = _SCHEMES[scheme]
     try:
         module = __import__(module_name, fromlist=[attr])

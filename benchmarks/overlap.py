@@ -1,0 +1,164 @@
+"""Overlapped staging on CPU: what a save costs a trainer whose optimizer owns the checkpointed state.
+
+    python -m benchmarks.overlap [--size 1G] [--saves 5] [--dir /tmp/zsov]
+                                 [--systems overlap,overlap_nice10,blocking]
+
+The trainer is the small transformer of ``benchmarks.dip`` (its own forward, backward and AdamW
+step each iteration). The checkpointed state is the synthetic state of ``--size``
+(``benchmarks.state``) turned into what overlapped staging needs: its model tensors are the
+parameters of a second AdamW whose ``state`` holds the moments, and that optimizer's
+``step()`` runs every iteration (it has no gradients, so the step changes nothing and costs
+microseconds, but zerostall's guard runs in it exactly as in a real step).
+
+Per save, for each system (``overlap``: the default; ``overlap_nice10``: the copier thread at
+niceness 10; ``blocking``: ``SaveOptions(staging="blocking")``):
+
+* ``blocked_s``: the training thread's time blocked by the save: the call itself plus every
+  guard wait (the extra time of the big optimizer's steps until the copy is done);
+* ``memcpy_s``: a paired single-pass copy of the same bytes into warm buffers on the training
+  thread right before the save (``torch.Tensor.copy_``), so ``blocked_s / memcpy_s`` is the
+  target ratio (<= 0.25 for overlapped staging);
+* ``iter_ratio_in_flight``: mean iteration time while the copy is in flight over the baseline's
+  (1.0: the background copy does not slow training);
+* ``lost_s``: training work lost from the call until the save is durable (``window -
+  iterations x baseline iteration``), which also counts the writer's CPU.
+
+The machine's other users make single numbers noisy; run ``--saves`` of at least 5 and compare
+systems within one run. Prints one JSON line (``measure.emit``) and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import measure  # noqa: E402
+from benchmarks.dip import Trainer  # noqa: E402
+from benchmarks.state import build_state, format_size, parse_size  # noqa: E402
+
+SYSTEMS = ["overlap", "overlap_nice10", "blocking"]
+BASE_ITERS = 8
+POST_S = 0.5
+
+
+def owned_state(size: int) -> tuple[dict[str, Any], torch.optim.Optimizer]:
+    """The synthetic state with its tensors owned by an AdamW (parameters + moments)."""
+    raw = build_state(size)
+    params = {name: torch.nn.Parameter(t, requires_grad=True) for name, t in raw["model"].items()}
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-4)
+    for name, p in params.items():
+        m = raw["optim"]["state"][name]
+        opt.state[p] = {"step": torch.tensor(1000.0), "exp_avg": m["exp_avg"], "exp_avg_sq": m["exp_avg_sq"]}
+    return {"model": params, "optim": opt}, opt
+
+
+def _iteration(trainer: Trainer, big: torch.optim.Optimizer) -> tuple[float, float]:
+    """One training iteration; returns (its duration, the big optimizer's step duration)."""
+    t = time.perf_counter()
+    trainer.step()
+    s = time.perf_counter()
+    big.step()
+    e = time.perf_counter()
+    return e - t, e - s
+
+
+def run_system(name: str, trainer: Trainer, state: dict[str, Any], big: torch.optim.Optimizer, saves: int,
+               directory: Path) -> dict[str, Any]:
+    import zerostall
+    from zerostall.stage import overlap
+
+    overlap.COPIER_NICE = 10 if name == "overlap_nice10" else 0
+    staging = "blocking" if name == "blocking" else "overlap"
+    opts = zerostall.SaveOptions(staging=staging)
+    flat = [t for t in state["model"].values()] + [v for st in big.state.values() for v in st.values()]
+    scratch = [torch.empty_like(t) for t in flat]  # warm destination of the paired memcpy
+    for d, s in zip(scratch, flat):
+        d.copy_(s)
+    rows = []
+    with zerostall.Checkpointer(directory / name, keep_last=1, save_options=opts) as ckpt:
+        ckpt.prepare(tree=state)
+        ckpt.save_pytree(0, state)  # first save: buffers, writer, ownership learned
+        for i in range(1, saves + 1):
+            base = [_iteration(trainer, big) for _ in range(BASE_ITERS)]
+            t0 = statistics.fmean(b[0] for b in base)
+            step0 = statistics.median(b[1] for b in base)
+            m = time.perf_counter()
+            for d, s in zip(scratch, flat):
+                d.copy_(s)
+            memcpy_s = time.perf_counter() - m
+            start = time.perf_counter()
+            r = ckpt.save_pytree_async(i, state)
+            call_s = time.perf_counter() - start
+            in_flight: list[float] = []
+            guard_s = 0.0
+            iters = 0
+            while not r.done():
+                was_staged = r.staged()
+                it, st = _iteration(trainer, big)
+                iters += 1
+                if not was_staged:
+                    in_flight.append(it)
+                    guard_s += max(0.0, st - step0)
+            durable = time.perf_counter()
+            while time.perf_counter() - durable < POST_S:
+                _iteration(trainer, big)
+                iters += 1
+            window = time.perf_counter() - start
+            r.result()
+            row = {
+                "t0_s": t0, "memcpy_s": memcpy_s, "call_s": call_s, "guard_s": guard_s,
+                "blocked_s": call_s + guard_s, "blocked_over_memcpy": (call_s + guard_s) / memcpy_s,
+                "staged_s": r.stats.staged_s, "durable_s": durable - start,
+                "iters_in_flight": len(in_flight),
+                "iter_ratio_in_flight": (statistics.fmean(in_flight) / t0) if in_flight else None,
+                "lost_s": window - iters * t0,
+            }
+            rows.append(row)
+            measure.log(f"{name} save {i}: blocked {row['blocked_s'] * 1e3:.1f} ms (call {call_s * 1e3:.1f} + "
+                        f"guard {guard_s * 1e3:.1f}) = {row['blocked_over_memcpy']:.2f}x memcpy "
+                        f"({memcpy_s * 1e3:.0f} ms); staged after {row['staged_s'] or 0:.3f} s; iterations in "
+                        f"flight {len(in_flight)} at {row['iter_ratio_in_flight'] or float('nan'):.2f}x; "
+                        f"lost {row['lost_s']:.3f} s")
+    return {"system": name, "saves": rows,
+            "median": {k: statistics.median(r[k] for r in rows if r[k] is not None)
+                       for k in ("blocked_s", "memcpy_s", "blocked_over_memcpy", "lost_s", "staged_s")
+                       if any(r[k] is not None for r in rows)}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp/zsov")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    size = parse_size(args.size)
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer()
+    for _ in range(5):
+        trainer.step()
+    state, big = owned_state(size)
+    measure.log(f"state {format_size(size)}; trainer iteration ~{statistics.fmean(_iteration(trainer, big)[0] for _ in range(5)) * 1e3:.0f} ms")
+    results = [run_system(name, trainer, state, big, args.saves, directory)
+               for name in args.systems.split(",") if name]
+    for res in results:
+        med = res["median"]
+        measure.log(f"{res['system']:>15}: blocked {med['blocked_s'] * 1e3:7.1f} ms = {med['blocked_over_memcpy']:.2f}x "
+                    f"memcpy, lost {med['lost_s']:.3f} s per save (medians)")
+    measure.emit({"size": size, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Restore, paired: zerostall's load modes vs the read floors vs safetensors, in one process and one run.
+
+    python -m benchmarks.restore_ab --size 1G --repeats 5 [--dir /tmp] [--cold]
+
+The state is the benchmark's (``benchmarks.state.build_state``). Each repeat times, in turn and
+with the file warm: the warm read floor (``readinto`` of the data file into a faulted-in buffer,
+64 MiB calls, as ``benchmarks.floors``), zerostall's load into a zero-filled template with
+``atomic=True`` (verify first, then copy), ``atomic=False`` (one verified streaming pass) and
+``verify=False``, and ``safetensors.load_file`` + ``copy_`` into the same template. With
+``--cold`` each zerostall mode is also timed after ``POSIX_FADV_DONTNEED``, each followed by the
+paired cold raw read of the same file. Prints medians and the ratios the issue asks about
+(floor / zerostall: above 1 means faster than the floor), and the process CPU time of each warm
+variant, which a shared machine disturbs less than wall time. Compare ratios within one run,
+not seconds across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import zerostall
+from benchmarks import floors, measure
+from benchmarks.state import build_state, flat_dict, iter_tensors, nbytes, parse_size, template_like
+
+
+def _cpu() -> float:
+    """This process's CPU seconds (user + system, every thread): steadier than wall time when shared."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1G")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--cold", action="store_true")
+    args = ap.parse_args()
+    import safetensors.torch as st
+
+    d = Path(tempfile.mkdtemp(dir=args.dir))
+    try:
+        state = build_state(parse_size(args.size))
+        ck = d / "zs"
+        zerostall.save_pytree(ck, state)
+        sf = d / "st.safetensors"
+        st.save_file(flat_dict(state), str(sf))
+        data = next((ck / "data").iterdir())
+        size = os.path.getsize(data)
+        mem = mmap.mmap(-1, (size + 4095) // 4096 * 4096)
+        buf = memoryview(mem)[:size]
+        buf[:] = b"\0" * size  # faulted in, not timed
+        tmpl = template_like(state)
+
+        def zs(**kw: Any) -> Callable[[], Any]:
+            return lambda: zerostall.load_pytree(ck, tmpl, options=zerostall.LoadOptions(**kw))
+
+        def safetensors_load() -> None:
+            flat = st.load_file(str(sf))
+            for key, dst in iter_tensors(tmpl):
+                dst.copy_(flat[key])
+
+        warm: dict[str, Callable[[], Any]] = {
+            "floor_read": lambda: floors._read_file(data, buf),
+            "zs_atomic": zs(atomic=True),
+            "zs_stream": zs(atomic=False),
+            "zs_noverify": zs(verify=False),
+            "safetensors": safetensors_load,
+        }
+        times: dict[str, list[float]] = {k: [] for k in warm}
+        cpu: dict[str, list[float]] = {k: [] for k in warm}
+        cold_modes = {"zs_atomic": zs(atomic=True), "zs_stream": zs(atomic=False)} if args.cold else {}
+        for k in cold_modes:
+            times[f"cold_{k}"], times[f"cold_raw_after_{k}"] = [], []
+        for f in warm.values():  # one untimed pass each: imports, thread pools
+            f()
+        for r in range(args.repeats):
+            for k, f in warm.items():
+                measure.warm_cache(data)
+                measure.warm_cache(sf)
+                c0, t0 = _cpu(), time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+                cpu[k].append(_cpu() - c0)
+            for k, f in cold_modes.items():
+                measure.drop_cache(data)
+                t0 = time.perf_counter()
+                f()
+                times[f"cold_{k}"].append(time.perf_counter() - t0)
+                measure.drop_cache(data)
+                times[f"cold_raw_after_{k}"].append(measure.raw_read(data, buf))
+            print(f"repeat {r}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()), flush=True)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(iter_tensors(tmpl), iter_tensors(state)))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"\nstate {nbytes(state) / 2**30:.2f} GiB, {sum(1 for _ in iter_tensors(state))} tensors; "
+              f"medians of {args.repeats}, load avg {os.getloadavg()[0]:.2f}")
+        for k, v in med.items():
+            print(f"  {k:24s} {v:.3f} s" + (f"  (CPU {statistics.median(cpu[k]):.3f} s)" if k in cpu else ""))
+        for k in ("zs_atomic", "zs_stream", "zs_noverify"):
+            print(f"  warm floor/{k}: {med['floor_read'] / med[k]:.2f}x   safetensors/{k}: "
+                  f"{med['safetensors'] / med[k]:.2f}x")
+        for k in cold_modes:
+            print(f"  cold paired raw/{k}: {med[f'cold_raw_after_{k}'] / med[f'cold_{k}']:.2f}x")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

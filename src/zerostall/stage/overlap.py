@@ -1,0 +1,363 @@
+"""Overlapped staging: copy optimizer-owned tensors after ``save_*_async`` has returned.
+
+Nothing modifies an optimizer's parameters and state until its next ``step()``, so their copy
+can run while the next forward and backward passes do. Two parts make that safe:
+
+* **The copy** (:class:`Copier`, one background thread per engine). A CPU tensor is copied with
+  one ``memmove`` per 64 MiB piece on that thread: no torch kernel, so none of torch's intra-op
+  (OpenMP) threads, whose barrier-synchronised loops slow down badly when a core is taken from
+  them, and the GIL is released during each piece. A CUDA tensor is copied on a side stream
+  that first waits for an event recorded on the caller's current stream at the call; the thread
+  waits for the copy's event. Each source's storage is referenced until its copy is done, so a
+  parameter whose ``.data`` is replaced, or a block the CUDA caching allocator would hand out
+  again, still yields the bytes of the call.
+* **The guard** (:class:`Guard`, one global optimizer step pre-hook, installed while a copy is
+  in flight). Before any optimizer's ``step()``: on CPU it waits for the copier; on CUDA the
+  current stream waits for the copy's event (the host does not block).
+
+Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
+before the copy was done (an in-place change outside ``step()``) fails the save with
+:class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerostall.errors import TornSnapshotError
+from zerostall.stage.ownership import note_optimizer, optimizer_tensors, storage_key
+
+__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK"]
+
+log = logging.getLogger("zerostall")
+
+#: bytes per memmove call: large enough to run at memory bandwidth, small enough that the GIL
+#: is taken back often (other Python threads are never held up for long)
+CHUNK = 64 << 20
+#: niceness of the copier thread (Linux: per thread). 0: the copy competes with training as an
+#: equal, which finishes it soonest when the step waits for it; benchmarks/overlap.py measures others
+COPIER_NICE = 0
+
+
+@dataclass
+class _CpuCopy:
+    key: str
+    tensor: Any  # holds the storage alive until copied
+    storage: Any  # the storage as of the call (a later ``.data =`` swap does not change it)
+    src: int
+    dst: int
+    nbytes: int
+    version: int
+
+
+@dataclass
+class _CudaPart:
+    device: Any
+    event: Any  # recorded on the side stream after the copies
+    entries: list[tuple[str, Any, Any, int]]  # key, tensor, storage, version at the call
+    sealed: bool = False  # a guard ordered later work after the copy; versions judged then
+
+
+@dataclass
+class OverlapTask:
+    """The background part of one save."""
+
+    path: str
+    cpu: list[_CpuCopy] = field(default_factory=list)
+    cuda: list[_CudaPart] = field(default_factory=list)
+    #: runs on the copier thread once every byte landed: ``None`` or the error of the copy
+    on_staged: Callable[[BaseException | None], None] | None = None
+    cpu_done: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ids of the optimizers owning the deferred leaves: their steps wait for this copy
+    owners: set[int] = field(default_factory=set)
+    #: storages of the deferred leaves, to judge an optimizer not among ``owners``
+    storages: set[tuple[str, int]] = field(default_factory=set)
+    _verdicts: dict[int, bool] = field(default_factory=dict)
+
+    def concerns(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step()`` can change a tensor this task has not copied yet."""
+        oid = id(optimizer)
+        if oid in self.owners:
+            return True
+        verdict = self._verdicts.get(oid)
+        if verdict is None:
+            # Another optimizer over the same tensors (not known at the call): judged by memory,
+            # once per task. An optimizer whose tensors cannot be listed is assumed to concern it.
+            try:
+                keys = {storage_key(t) for t in optimizer_tensors(optimizer)}
+                verdict = not keys.isdisjoint(self.storages)
+            except Exception:  # noqa: BLE001 - a foreign optimizer-like object: be safe
+                verdict = True
+            self._verdicts[oid] = verdict
+        return verdict
+
+    def order_step(self) -> None:
+        """Order an optimizer step about to run after this copy (the guard; training thread)."""
+        self.cpu_done.wait()
+        if not self.cuda:
+            return
+        torch = sys.modules["torch"]
+        with self.lock:
+            for part in self.cuda:
+                if part.sealed:
+                    continue
+                # From here on everything the caller enqueues on this stream runs after the
+                # copy, so only a change made before this point can tear it.
+                torch.cuda.current_stream(part.device).wait_event(part.event)
+                if self.error is None:
+                    self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
+                part.sealed = True
+
+    def _run(self) -> None:
+        """Copy, check, hand on (copier thread)."""
+        try:
+            for c in self.cpu:
+                _memmove(c.dst, c.src, c.nbytes)
+            if self.error is None:
+                self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
+        except BaseException as exc:  # noqa: BLE001 - reported through the save
+            self.error = exc
+        finally:
+            self.cpu_done.set()
+        for part in self.cuda:
+            try:
+                part.event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - a CUDA error fails this save
+                self.error = self.error or exc
+            with self.lock:
+                if not part.sealed and self.error is None:
+                    self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
+                part.sealed = True
+        self.cpu = []
+        self.cuda = []  # the sources may be freed now
+
+
+def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError | None:
+    for key, tensor, version in entries:
+        if int(tensor._version) != version:
+            return TornSnapshotError(
+                f"tensor {key!r} was modified in place outside optimizer.step() while its overlapped copy was "
+                "in flight, so the snapshot would mix two states; nothing of this save is committed. Call "
+                "response.wait_staged() before modifying optimizer-owned tensors outside step(), or save with "
+                "SaveOptions(staging='blocking')", path=path, key=key)
+    return None
+
+
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    # ctypes.memmove is a CFUNCTYPE call: it releases the GIL for the copy.
+    for off in range(0, nbytes, CHUNK):
+        ctypes.memmove(dst + off, src + off, min(CHUNK, nbytes - off))
+
+
+def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool],
+               streams: dict[Any, Any] | None = None, owners: list[Any] | None = None) -> OverlapTask:
+    """Describe (and on CUDA, enqueue) the copies of the deferred leaves; run on the training thread.
+
+    ``streams`` caches one side stream per CUDA device across saves; ``owners`` are the
+    optimizers whose steps must wait (see :meth:`OverlapTask.concerns`).
+    """
+    task = OverlapTask(path, owners={id(o) for o in owners or ()})
+    by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
+    for leaf, dst, d in zip(leaves, views, defer, strict=True):
+        if not d or dst is None:
+            continue
+        t = leaf.value
+        version = int(t._version)
+        storage = t.untyped_storage()
+        key = storage_key(t)
+        if key is not None:
+            task.storages.add(key)
+        if t.device.type == "cuda":
+            by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
+        else:
+            task.cpu.append(_CpuCopy(leaf.key, t, storage, int(t.data_ptr()), int(dst.data_ptr()), leaf.nbytes,
+                                     version))
+    if by_device:
+        torch = sys.modules["torch"]
+        for device, entries in by_device.items():
+            stream = streams.get(device) if streams is not None else None
+            if stream is None:
+                stream = torch.cuda.Stream(device=device)
+                if streams is not None:
+                    streams[device] = stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream), torch.no_grad():
+                for _, t, _, _, dst in entries:
+                    dst.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+            task.cuda.append(_CudaPart(device, done, [(k, t, s, v) for k, t, s, v, _ in entries]))
+    if not task.cpu:
+        # Nothing for the host to wait for: a guard must not block until the copier thread
+        # reaches this task (it may still be busy with an earlier one).
+        task.cpu_done.set()
+    return task
+
+
+class Guard:
+    """The global optimizer step pre-hook that orders steps after in-flight copies.
+
+    Installed when the first copy starts. Removed only on the thread that saves, at a point
+    where no ``step()`` can be iterating torch's hook dict (the next save, ``wait_staged()``,
+    ``wait()``, ``close()``): removing it from the copier thread could change the dict while a
+    step iterates it.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: list[OverlapTask] = []
+        self._lock = threading.Lock()
+        self._handle: Any = None
+
+    def add(self, task: OverlapTask) -> None:
+        with self._lock:
+            self._tasks.append(task)
+        self.learn()
+
+    def learn(self) -> None:
+        """Install the hook until the next :meth:`tidy` only to see which optimizers step.
+
+        A save whose tensors no known optimizer owns calls this: an optimizer kept outside the
+        saved tree becomes known at its next step, so the next save can overlap its tensors.
+        """
+        with self._lock:
+            if self._handle is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                self._handle = register_optimizer_step_pre_hook(self._pre_step)
+
+    def discard(self, task: OverlapTask) -> None:
+        with self._lock:
+            if task in self._tasks:
+                self._tasks.remove(task)
+
+    def tidy(self) -> None:
+        """Remove the hook if no copy is in flight; call only where no step can be running."""
+        with self._lock:
+            if self._handle is not None and not self._tasks:
+                self._handle.remove()
+                self._handle = None
+
+    @property
+    def installed(self) -> bool:
+        return self._handle is not None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        note_optimizer(optimizer)
+        with self._lock:
+            tasks = list(self._tasks)
+        for task in tasks:
+            if task.concerns(optimizer):
+                task.order_step()
+
+
+GUARD = Guard()
+_COPIERS: weakref.WeakSet[Copier] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_all() -> None:
+    """At interpreter exit, finish the copies and hand-offs of saves that already returned.
+
+    The copier threads are daemons (an exiting interpreter would not wait for them); without
+    this, a save whose ``save_*_async`` returned just before a normal exit would never reach the
+    writer, which commits everything it was handed even after the trainer has gone.
+    """
+    for copier in list(_COPIERS):
+        copier.drain(timeout=600)
+
+
+class Copier:
+    """One background thread that runs an engine's overlapped copies and hand-offs, in order."""
+
+    def __init__(self, name: str = "zerostall-copier", nice: int | None = None) -> None:
+        self._queue: collections.deque[OverlapTask | Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = 0  # queued or running items
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self._nice = COPIER_NICE if nice is None else nice
+        _COPIERS.add(self)
+
+    def submit(self, task: OverlapTask) -> None:
+        """Run ``task`` in the background after everything submitted before it."""
+        GUARD.add(task)
+        self._put(task)
+
+    def in_order(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` now if nothing is queued (returns True), else after the queue (False)."""
+        with self._cond:
+            if self._busy == 0:
+                return True
+        self._put(fn)
+        return False
+
+    def _put(self, item: OverlapTask | Callable[[], None]) -> None:
+        with self._cond:
+            self._busy += 1
+            self._queue.append(item)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self._busy == 0
+
+    def drain(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout=timeout)
+
+    def _loop(self) -> None:
+        if self._nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (OSError, AttributeError):  # pragma: no cover - not Linux, or not permitted
+                pass
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+            try:
+                if isinstance(item, OverlapTask):
+                    _run_task(item)
+                else:
+                    item()
+            except BaseException:
+                log.exception("zerostall: background staging step failed")
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+
+def _run_task(task: OverlapTask) -> None:
+    try:
+        task._run()
+    finally:
+        GUARD.discard(task)
+        try:
+            if task.on_staged is not None:
+                task.on_staged(task.error)
+        finally:
+            task.finished.set()

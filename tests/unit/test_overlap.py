@@ -1,0 +1,395 @@
+"""Overlapped staging: optimizer-owned tensors are copied after the save returns, and the guard
+orders every optimizer step after that copy, so no snapshot is torn (issue 14).
+
+To make "the step runs while the copy is in flight" certain rather than likely, a test holds the
+engine's copier thread behind a gate (a queued callable waiting on an event) and opens it from
+a timer: the save returns with its copy not started, the step is called at once, and only the
+guard can keep it from changing the parameters first.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+import zerostall
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import TornSnapshotError
+from zerostall.options import Staging
+from zerostall.stage.overlap import GUARD
+
+THREAD = SaveOptions(writer=WriterKind.THREAD)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def _forward_backward(model: torch.nn.Module) -> torch.Tensor:
+    loss = model(torch.randn(16, 32)).square().mean()
+    loss.backward()
+    return loss
+
+
+def _snapshot(obj: object) -> object:
+    return copy.deepcopy(obj)
+
+
+def _equal(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where  # type: ignore[arg-type]
+        for k in a:
+            _equal(a[k], b[k], f"{where}/{k}")  # type: ignore[index]
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where  # type: ignore[arg-type]
+        for i, (x, y) in enumerate(zip(a, b)):  # type: ignore[call-overload]
+            _equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def _gate(ckpt: Checkpointer, delay: float = 0.15) -> threading.Timer:
+    """Hold the copier until ``delay`` seconds from now; the next overlapped copy waits for it."""
+    opened = threading.Event()
+    ckpt._engine._copier._put(lambda: opened.wait(10))
+    timer = threading.Timer(delay, opened.set)
+    timer.start()
+    return timer
+
+
+class _Case:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.model = _model()
+        params = list(self.model.parameters())
+        self.scaler = None
+        if kind == "sgd":
+            self.opts = [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
+        elif kind == "adamw_foreach":
+            self.opts = [torch.optim.AdamW(params, lr=1e-2, foreach=True)]
+        elif kind == "adamw_fused":
+            self.opts = [torch.optim.AdamW(params, lr=1e-2, fused=True)]
+        elif kind == "two_optimizers":
+            self.opts = [torch.optim.SGD(params[:2], lr=0.1, momentum=0.9),
+                         torch.optim.AdamW(params[2:], lr=1e-2, foreach=False)]
+        elif kind == "grad_scaler":
+            self.opts = [torch.optim.AdamW(params, lr=1e-2)]
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        else:  # pragma: no cover
+            raise ValueError(kind)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+        if self.scaler is not None:
+            self.scaler.scale(self.model(torch.randn(16, 32)).square().mean()).backward()
+            for o in self.opts:
+                self.scaler.step(o)
+            self.scaler.update()
+            return
+        _forward_backward(self.model)  # BatchNorm statistics change here, outside step()
+        for o in self.opts:
+            o.step()
+
+    def tree(self) -> dict[str, object]:
+        t: dict[str, object] = {"model": self.model, "optim": list(self.opts)}
+        if self.scaler is not None:
+            t["scaler"] = self.scaler
+        return t
+
+    def state(self) -> dict[str, object]:
+        s: dict[str, object] = {"model": self.model.state_dict(), "optim": [o.state_dict() for o in self.opts]}
+        if self.scaler is not None:
+            s["scaler"] = self.scaler.state_dict()
+        return s
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_foreach", "adamw_fused", "two_optimizers", "grad_scaler"])
+def test_step_right_after_the_save_never_tears_it(ckdir, kind):
+    case = _Case(kind)
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(4):
+            expected = _snapshot(case.state())
+            if step % 2 == 0:
+                _gate(ckpt)
+            r = ckpt.save_pytree_async(step, case.tree())
+            if step % 2 == 0:
+                assert not r.staged()  # the parameters are still being copied
+            for _ in range(3):
+                case.step()  # the first one waits for the copy (guard), later ones are free
+            r.result()
+            loaded = ckpt.load_pytree(step)
+            _equal(expected["model"], loaded["model"], "model")
+            assert len(loaded["optim"]) == len(case.opts)
+            for exp, got in zip(expected["optim"], loaded["optim"]):
+                _equal(exp["state"], {int(k): v for k, v in got["state"].items()}, "optim")
+            if case.scaler is not None:
+                _equal(expected["scaler"], loaded["scaler"], "scaler")
+    assert not GUARD.installed
+
+
+def test_without_the_guard_the_step_would_have_won(ckdir):
+    """The control: staging must actually be overlapped here, or the test above proves nothing."""
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        _gate(ckpt)
+        r = ckpt.save_pytree_async(0, case.tree())
+        assert not r.staged() and GUARD.in_flight == 1
+        r.wait_staged()
+        assert r.staged()
+        r.result()
+
+
+def test_buffers_and_non_optimizer_tensors_are_copied_before_return(ckdir):
+    case = _Case("adamw_foreach")
+    case.step()
+    extra = torch.arange(10.0)
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        bn = case.model[1]
+        mean_before = bn.running_mean.clone()
+        _gate(ckpt)
+        r = ckpt.save_pytree_async(0, {**case.tree(), "extra": extra})
+        # Not owned by any optimizer: staged already, so these in-place changes are safe.
+        _forward_backward(case.model)
+        extra.add_(1)
+        assert not torch.equal(bn.running_mean, mean_before)
+        r.result()
+        loaded = ckpt.load_pytree(0)
+        assert torch.equal(loaded["model"]["1.running_mean"], mean_before)
+        assert torch.equal(loaded["extra"], torch.arange(10.0))
+
+
+def test_in_place_change_outside_step_fails_the_save_naming_the_leaf(ckdir):
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        _gate(ckpt)
+        r = ckpt.save_pytree_async(7, case.tree())
+        with torch.no_grad():
+            case.model[0].weight.clamp_(-0.01, 0.01)  # weight clipping without wait_staged()
+        with pytest.raises(TornSnapshotError, match="wait_staged") as info:
+            r.result()
+        assert info.value.key == "pytree/model/0.weight"
+        assert isinstance(info.value, RuntimeError)
+        assert ckpt.steps() == []  # never committed
+        # The next save goes through.
+        ckpt.save_pytree(8, case.tree())
+        assert ckpt.steps() == [8]
+
+
+def test_wait_staged_makes_in_place_changes_safe(ckdir):
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        expected = _snapshot(case.model.state_dict())
+        _gate(ckpt, delay=0.05)
+        r = ckpt.save_pytree_async(0, case.tree())
+        r.wait_staged()
+        with torch.no_grad():
+            case.model[0].weight.clamp_(-0.01, 0.01)
+        r.result()
+        _equal(expected, ckpt.load_pytree(0)["model"])
+
+
+def test_a_swapped_parameter_does_not_leak_into_the_snapshot(ckdir):
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        expected = case.model[0].weight.detach().clone()
+        _gate(ckpt)
+        r = ckpt.save_pytree_async(0, {"w": case.model[0].weight, "optim": case.opts[0]})
+        case.model[0].weight.data = torch.full_like(expected, 5.0)  # the old storage may be freed
+        gc.collect()
+        r.result()
+        assert torch.equal(ckpt.load_pytree(0)["w"], expected)
+
+
+def test_optimizer_outside_the_saved_tree_is_guarded_once_seen(ckdir):
+    case = _Case("adamw_foreach")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(3):
+            expected = _snapshot(case.model.state_dict())
+            _gate(ckpt)
+            r = ckpt.save_pytree_async(step, {"model": case.model})  # the optimizer is not saved
+            # The first save cannot know the optimizer; it sees it step and overlaps from then on.
+            assert r.staged() == (step == 0)
+            case.step()
+            r.result()
+            _equal(expected, ckpt.load_pytree(step)["model"], f"step {step}")
+            assert r.stats.staged_s is not None
+
+
+def test_an_optimizer_owning_nothing_in_flight_does_not_wait(ckdir):
+    case = _Case("sgd")
+    case.step()
+    other = torch.nn.Parameter(torch.ones(3))
+    other_opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones(3)
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        opened = threading.Event()
+        ckpt._engine._copier._put(lambda: opened.wait(10))
+        r = ckpt.save_pytree_async(0, case.tree())
+        other_opt.step()  # would deadlock here (the gate opens only below) if it waited
+        assert not r.staged()
+        opened.set()
+        r.result()
+
+
+def test_blocking_staging_copies_everything_before_return(ckdir):
+    assert SaveOptions(staging="blocking").staging is Staging.BLOCKING
+    assert SaveOptions().staging is Staging.OVERLAP
+    with pytest.raises(ValueError, match="staging"):
+        SaveOptions(staging="lazy")
+    case = _Case("sgd")
+    case.step()
+    opts = SaveOptions(writer=WriterKind.THREAD, staging="blocking")
+    with Checkpointer(ckdir, save_options=opts) as ckpt:
+        expected = _snapshot(case.model.state_dict())
+        _gate(ckpt)
+        r = ckpt.save_pytree_async(0, case.tree())
+        assert r.staged() and GUARD.in_flight == 0
+        with torch.no_grad():
+            case.model[0].weight.zero_()  # allowed at once with blocking staging
+        r.result()
+        _equal(expected, ckpt.load_pytree(0)["model"])
+
+
+def test_hooks_and_references_do_not_grow_over_1000_saves():
+    case = _Case("sgd")
+    case.step()
+    hooks_before = len(_global_optimizer_pre_hooks)
+    with Checkpointer("memory://overlap-leak", save_options=THREAD, keep_last=1) as ckpt:
+        dead = []
+        for step in range(1000):
+            scratch = torch.nn.Parameter(torch.randn(4))
+            opt = torch.optim.SGD([scratch], lr=0.1)
+            dead.append(weakref.ref(scratch))
+            r = ckpt.save_pytree_async(step, {"model": case.model, "optim": case.opts[0],
+                                              "scratch": scratch, "scratch_opt": opt})
+            case.opts[0].step()
+            assert len(_global_optimizer_pre_hooks) <= hooks_before + 1
+            del scratch, opt
+            if step % 100 == 99:
+                r.result()
+        ckpt.wait()
+        assert GUARD.in_flight == 0
+        gc.collect()
+        assert sum(ref() is not None for ref in dead) <= 1  # nothing keeps the saved tensors alive
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    assert not GUARD.installed
+
+
+def test_compiled_step_runs_the_guard(ckdir):
+    case = _Case("adamw_foreach")
+    case.step()
+    opt = case.opts[0]
+
+    @torch.compile(backend="eager")
+    def compiled_step() -> None:
+        opt.step()
+
+    compiled_step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(2):
+            expected = _snapshot(case.model.state_dict())
+            _gate(ckpt)
+            r = ckpt.save_pytree_async(step, case.tree())
+            _forward_backward(case.model)
+            compiled_step()
+            r.result()
+            got = ckpt.load_pytree(step)["model"]
+            for k in ("0.weight", "3.bias"):
+                assert torch.equal(got[k], expected[k])
+
+
+def test_free_function_and_process_writer(tmp_path):
+    case = _Case("adamw_foreach")
+    case.step()
+    expected = _snapshot(case.state())
+    r = zerostall.save_pytree_async(tmp_path / "ck", case.tree())
+    case.step()
+    r.result()
+    loaded = zerostall.load_pytree(tmp_path / "ck")
+    _equal(expected["model"], loaded["model"])
+
+
+class _StandInEvent:
+    """Stands in for ``torch.cuda.Event`` (no CUDA here): completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.complete = threading.Event()
+
+    def synchronize(self) -> None:
+        self.complete.wait(10)
+
+
+class _StandInStream:
+    def __init__(self) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def _cuda_task(t: torch.Tensor):
+    from zerostall.stage.overlap import OverlapTask, _CudaPart
+
+    event = _StandInEvent()
+    from zerostall.stage.ownership import storage_key
+
+    task = OverlapTask("mem://x", storages={storage_key(t)})  # an owner judged by memory
+    task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
+    task.cpu_done.set()  # as build_task does when nothing is copied by the host
+    outcome: list[BaseException | None] = []
+    task.on_staged = outcome.append
+    return task, event, outcome
+
+
+@pytest.mark.parametrize("scenario", ["step_first", "mutated_then_step", "mutated_no_step"])
+def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monkeypatch, scenario):
+    """The CUDA branch of the guard with stand-ins for the stream and event (the logic only)."""
+    from zerostall.stage.overlap import GUARD, _run_task
+
+    stream = _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.5)
+    w.grad = torch.ones(4)
+    task, event, outcome = _cuda_task(w.detach())
+    GUARD.add(task)
+    copier = threading.Thread(target=_run_task, args=(task,))
+    copier.start()
+    try:
+        if scenario != "step_first":
+            with torch.no_grad():
+                w.mul_(3)  # outside step(), before the copy is done
+        if scenario != "mutated_no_step":
+            opt.step()  # returns although the copy's event has not completed: nothing blocks
+            assert stream.waited == [event] and not event.complete.is_set()
+            opt.step()  # sealed: not waited again
+            assert stream.waited == [event]
+    finally:
+        event.complete.set()
+        copier.join(10)
+        GUARD.tidy()
+    assert len(outcome) == 1
+    if scenario == "step_first":
+        assert outcome[0] is None  # the step's own changes are ordered after the copy
+    else:
+        assert isinstance(outcome[0], TornSnapshotError) and outcome[0].key == "w"
+    assert not GUARD.installed
