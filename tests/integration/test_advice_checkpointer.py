@@ -122,11 +122,13 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 saved, advised = [], []
 opts = SaveOptions(distributed=DistributedOptions(timeout_s=30))
 with Checkpointer(f"{d}/ck", save_interval="auto", mtbf_s=0.5, keep_last=1, save_options=opts) as ck:
-    for step in range(1, 301):
+    for step in range(1, 1001):
         time.sleep(0.002 if rank == 0 else 0.006)  # the ranks measure different iteration times
         if ck.should_save(step):
             ck.save_pytree(step, {"w": torch.full((1000,), float(step)), "rank": rank})
             saved.append(step)
+            if len(saved) == 5:  # the same step on every rank, as the decisions are the same
+                break
     a = ck._cadence.auto.advice
     advised = a.interval_steps if a is not None else None
 json.dump({"saved": saved, "advised": advised}, open(f"{d}/out-{rank}.json", "w"))
@@ -158,7 +160,8 @@ def test_auto_under_torch_distributed_every_rank_saves_the_same_steps(tmp_path: 
                 p.kill()
     assert rcs == [0, 0]
     out = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
-    assert out[0]["saved"] == out[1]["saved"] and len(out[0]["saved"]) >= 4
+    # warm-up saves fall on the same steps anyway (9, 18, 27); the later ones follow measured costs
+    assert out[0]["saved"] == out[1]["saved"] and len(out[0]["saved"]) == 5
     assert out[0]["saved"][0] == 9  # warm-up as on one process
 
 
