@@ -48,8 +48,9 @@ def test_save_returns_while_the_writer_is_busy(tmp_path: Path, monkeypatch: Any)
         first = ck.save_pytree_async(1, state(1))
         # Wait (untimed) until the writer is inside job 1: from here on it reads only if it can
         # read while a job runs.
-        while not any(marks.iterdir()):
+        while not any(marks.iterdir()) and not first.done():  # done: it failed, reported below
             threading.Event().wait(0.01)
+        assert not first.done(), first.exception()
         second: list[Response] = []
         t = threading.Thread(target=lambda: second.append(ck.save_pytree_async(2, state(2))), daemon=True)
         t.start()
