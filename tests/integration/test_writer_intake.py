@@ -13,9 +13,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from zerostall import Checkpointer, Response, SaveOptions
+from zerostall import Checkpointer, MemoryTier, Response, SaveOptions
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
 
@@ -37,13 +38,18 @@ def assert_bit_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got[k] == v, k
 
 
-def test_save_returns_while_the_writer_is_busy(tmp_path: Path, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("tier", ["storage", "memory"])
+def test_save_returns_while_the_writer_is_busy(tmp_path: Path, monkeypatch: Any, tier: str) -> None:
+    # storage: a second slot from max_in_flight=2; memory: the keeper's extra slot (its writer
+    # process is the keeper, which persists every step here)
     go, marks = tmp_path / "go", tmp_path / "marks"
     marks.mkdir()
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"begin": f"wait:{go}"}))
     monkeypatch.setenv(MARK_ENV, str(marks))
     d = tmp_path / "run"
-    ck = Checkpointer(d, save_options=SaveOptions(max_in_flight=2))  # the writer reads the env here
+    # the writer reads the environment at its start, here
+    ck = (Checkpointer(d, save_options=SaveOptions(max_in_flight=2)) if tier == "storage"
+          else Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1, linger_s=0)))
     try:
         first = ck.save_pytree_async(1, state(1))
         # Wait (untimed) until the writer is inside job 1: from here on it reads only if it can
