@@ -14,7 +14,6 @@ import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 
 from zerostall._version import __version__
 from zerostall.errors import WriterError, to_wire
@@ -31,9 +30,9 @@ from zerostall.messages import (
     Released,
     SaveJob,
     UnmapBuffer,
-    decode,
     encode,
 )
+from zerostall.persist.intake import Intake
 from zerostall.persist.job import run_save
 from zerostall.persist.keeper import Keeper, KeeperSpec
 
@@ -70,19 +69,20 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
     _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid()))
+    # Read on a thread of its own: a trainer sending while a job runs must never block (see intake).
+    intake = Intake(conn)
     try:
         while True:
             try:
-                raw = conn.recv_bytes()
-            except (EOFError, ConnectionResetError, OSError):
-                return False
-            try:
-                msg = decode(raw)
+                got = intake.get()
             except ProtocolMismatchError as exc:
                 print(f"zerostall writer: {exc}", file=sys.stderr, flush=True)
                 return False  # the trainer sees its writer exit; its listener names the mismatch from our Hello
+            if got is None:
+                return False
+            msg, fd = got
             if isinstance(msg, MapBuffer):
-                fd = recv_handle(conn)
+                assert fd is not None  # the intake receives a MapBuffer's descriptor with it
                 try:
                     maps[msg.buffer] = mmap.mmap(fd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                     if keeper is not None:
@@ -110,6 +110,7 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")
     finally:
+        intake.stop()
         for v in views.values():
             v.release()
         for m in maps.values():
