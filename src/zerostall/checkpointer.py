@@ -470,19 +470,20 @@ class Checkpointer:
             import torch.distributed as dist
 
             group = dopts.process_group if dopts is not None else None
-            answer = self._verify_newest_first() if dist.get_rank(group) == 0 else None
+            steps = self.steps()  # collective: every rank calls it, rank 0 verifies what all see
+            answer = self._verify_newest_first(steps) if dist.get_rank(group) == 0 else None
             agreed: tuple[int | None, list[str]] = agree_step(answer, dopts)
             step, failures = agreed
         else:
-            step, failures = self._verify_newest_first()
+            step, failures = self._verify_newest_first(self.steps())
         if step is None and failures:
             raise NoValidCheckpointError(f"no committed step verifies ({len(failures)} checked, newest first: "
                                          f"{'; '.join(failures)})", path=self.directory)
         return step
 
-    def _verify_newest_first(self) -> tuple[int | None, list[str]]:
+    def _verify_newest_first(self, steps: list[int]) -> tuple[int | None, list[str]]:
         failures: list[str] = []
-        for s in reversed(self.steps()):
+        for s in reversed(steps):
             path = f"{self.directory.rstrip('/')}/{step_name(s)}"
             try:
                 report = verify_checkpoint(path)
