@@ -79,7 +79,10 @@ def main() -> int:
         if start:
             ckpt.load_pytree(template=state)  # collective; replicated tensors read once and broadcast
             where = "memory" if held == start and memory else "storage"
-            print(f"rank {rank}: resumed at step {start} from {where}, data position {mine.position}", flush=True)
+            # One write per line: torchrun's workers run unbuffered, so print()'s text and its newline
+            # would be two writes, and two ranks' lines could interleave on the shared pipe.
+            sys.stdout.write(f"rank {rank}: resumed at step {start} from {where}, data position {mine.position}\n")
+            sys.stdout.flush()
         for step in range(start + 1, a.steps + 1):
             x, y = mine.batch()
             loss = torch.nn.functional.mse_loss(model(x), y)

@@ -295,7 +295,10 @@ def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:
                         "--persist-every", str(every), "--fail-at-step", str(kill_step)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [line for line in p.stdout.splitlines() if "resumed" in line]
+    lines = [line for line in p.stdout.splitlines() if "resumed" in line]
+    if kill_step and len(lines) != 2:  # say what happened instead of a bare count
+        raise AssertionError(f"expected one 'resumed' line per rank:\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return lines
 
 
 def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> None:
