@@ -13,7 +13,9 @@ import itertools
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from zerostall.storage import register_scheme
 
@@ -97,6 +99,26 @@ class ImageStorage:
             raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
         buf[:] = v[offset:offset + len(buf)]
 
+    def map_file(self, key: str) -> ImageMap | None:
+        """The data file's bytes where they lie, for a load that verifies before it copies.
+
+        A memory-tier image is always resident (shared memory), so a load checksums it in place
+        and copies it once into its templates: no staging copy, no scratch buffer.
+        """
+        v = self._views.get(key)
+        return ImageMap(v) if v is not None and len(v) else None
+
+    def scan(self, key: str, offset: int, length: int, on_piece: Callable[[memoryview], None], *,
+             chunk: int = 1 << 20) -> None:
+        """Hand ``on_piece`` the bytes of ``key`` at ``offset`` in ``chunk``-sized views (no copy)."""
+        v = self._views.get(key)
+        if v is None:
+            raise self._missing(key)
+        if offset + length > len(v):
+            raise EOFError(f"{key}: object ends before byte {offset + length}")
+        for a in range(offset, offset + length, max(1, chunk)):
+            on_piece(v[a:min(a + chunk, offset + length)])
+
     def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
         for b in bufs:
             self.read_into(key, offset, b)
@@ -159,3 +181,23 @@ def open_image(name: str, manifest: bytes, files: Sequence[tuple[str, int, int, 
 
 
 register_scheme(SCHEME, _open)
+
+
+class ImageMap:
+    """A data file of an image as a load's in-place verification sees a mapped file: always
+    resident; closing it leaves the image's own mapping alone."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self._arr = np.frombuffer(view, dtype=np.uint8)
+
+    def cached(self, offset: int, length: int) -> bool:
+        return offset >= 0 and offset + length <= len(self._arr)
+
+    def copy_into(self, offset: int, dest: memoryview) -> None:
+        """Copy the bytes at ``offset`` into ``dest`` (numpy: without holding the GIL)."""
+        out = np.frombuffer(dest, dtype=np.uint8)
+        np.copyto(out, self._arr[offset:offset + len(out)])
+
+    def close(self) -> None:
+        del self._arr
