@@ -347,13 +347,18 @@ class Checkpointer:
         """
         if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
             return None
+        img = self._held_image()
+        return img.step if img is not None else None
+
+    def _held_image(self) -> Any:
+        """The keeper's description of the step it holds (its data descriptors closed), or None."""
         got = self._engine.writer.query_image()
         if got is None:
             return None
         img, fds = got
         for fd in fds:
             os.close(fd)
-        return img.step
+        return img
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
@@ -586,13 +591,8 @@ class Checkpointer:
 
     def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
         """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
-        got = self._engine.writer.query_image()
-        if got is None:
-            return None
-        img, fds = got
-        for fd in fds:
-            os.close(fd)
-        if img.step is None:
+        img = self._held_image()
+        if img is None or img.step is None:
             return None
         return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
 

@@ -44,7 +44,7 @@ from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
 from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
-from zerostall.storage import local_path, open_storage, split_url
+from zerostall.storage import Storage, local_path, open_storage, split_url
 
 __all__ = ["main"]
 
@@ -56,16 +56,23 @@ class _Failed(Exception):
 # -- commands ----------------------------------------------------------------------------------
 
 
-def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
-    url = _url(args.dir)
+def _run_dir(arg: str) -> Storage:
+    """The storage of a run directory given on the command line.
+
+    Storage lists a missing prefix as empty (as object stores do); a local path that does not
+    exist, or is not a directory, is a typo worth an error.
+    """
+    url = _url(arg)
     local = local_path(url)
     if local is not None and not os.path.isdir(local):
-        # Storage lists a missing prefix as empty (as object stores do); a local path that does
-        # not exist is a typo worth an error.
         there = os.path.exists(local)
         raise StorageError("not a directory" if there else "no such directory",
-                           errno=errno.ENOTDIR if there else errno.ENOENT, path=args.dir)
-    storage = open_storage(url)
+                           errno=errno.ENOTDIR if there else errno.ENOENT, path=arg)
+    return open_storage(url)
+
+
+def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
+    storage = _run_dir(args.dir)
     names = storage.list("")
     steps = set(committed_steps(storage))
     rows = []
@@ -180,13 +187,7 @@ def cmd_import(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
-    url = _url(args.dir)
-    local = local_path(url)
-    if local is not None and not os.path.isdir(local):
-        there = os.path.exists(local)
-        raise StorageError("not a directory" if there else "no such directory",
-                           errno=errno.ENOTDIR if there else errno.ENOENT, path=args.dir)
-    report = collect_garbage(open_storage(url), dry_run=args.dry_run)
+    report = collect_garbage(_run_dir(args.dir), dry_run=args.dry_run)
     return dict(dataclasses.asdict(report), ok=not report.errors)
 
 
