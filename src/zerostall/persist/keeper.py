@@ -41,6 +41,7 @@ from zerostall.commit import committed_steps
 from zerostall.errors import ZerostallError
 from zerostall.messages import (
     Adopt,
+    Collective,
     Hello,
     Image,
     ImageFile,
@@ -54,6 +55,7 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import RetentionPolicy
+from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import Storage, local_path, open_storage
 
@@ -65,6 +67,8 @@ ADDRESS_PREFIX = b"\0zerostall-keeper-"
 #: its dead trainer's newest step first)
 ADOPT_TIMEOUT_S = 600.0
 _HELLO_TIMEOUT_S = 10.0
+#: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
+_SCAN_MIN_S = 0.1
 
 
 def _root_key(root: str) -> str:
@@ -260,6 +264,11 @@ class _Held:
                  persisted: bool) -> None:
         self.job, self.manifest, self.fds, self.sizes = job, manifest, fds, sizes
         self.session, self.persisted = session, persisted
+        #: a persist after its trainer died was tried (once: a collective attempt's names are taken)
+        self.attempted = False
+        #: threads reading the views (the persist after a crash); close() waits for the last one
+        self.users = 0
+        self.doomed = False
         self.maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                      for fd, size in zip(fds, sizes, strict=True)]
         self.views = {f.buffer: memoryview(m) for f, m in zip(job.files, self.maps, strict=True)}
@@ -298,6 +307,12 @@ class Keeper:
         self._trainer_pid: int | None = None
         self._waiting: Connection | None = None
         self._listener: socket.socket | None = None
+        #: the newest collective job of the current session (its run and counter), if any
+        self._last_coll: Collective | None = None
+        #: the persist of the held step after its trainer died (runs while the keeper lingers)
+        self._crash: threading.Thread | None = None
+        self._root_of_run: str | None = None
+        self._stop = threading.Event()
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -371,6 +386,7 @@ class Keeper:
         with self._cond:
             self.session += 1
             self._trainer_pid = pid
+        self._last_coll = None  # the new trainer numbers its saves in a run of its own
 
     def on_map(self, buffer: int, fd: int, size: int) -> None:
         old = self._fds.pop(buffer, None)
@@ -389,6 +405,8 @@ class Keeper:
         A collective step that persists is written like any collective save and not held
         (its manifest on storage is the ranks' merged one): storage then has the newer step.
         """
+        if job.collective is not None:
+            self._last_coll, self._root_of_run = job.collective, job.root
         if job.collective is not None and job.persist:
             stats = run_save(job, views, lambda: send(Released(job=job.id)))
             self._drop_held(send)  # storage now has a newer step than memory held
@@ -410,7 +428,30 @@ class Keeper:
         if old is not None:
             if old.session == self.session:  # its slot may be staged into again
                 send(Released(job=old.job.id))
-            old.close()
+            self._close_held(old)
+
+    def _close_held(self, held: _Held) -> None:
+        """Close ``held`` now, or when the persist that reads it finishes."""
+        with self._cond:
+            if held.users:
+                held.doomed = True
+                return
+        held.close()
+
+    def _use_held(self) -> _Held | None:
+        """The held step, reserved against closing until :meth:`_unuse_held`."""
+        with self._cond:
+            held = self.held
+            if held is not None:
+                held.users += 1
+            return held
+
+    def _unuse_held(self, held: _Held) -> None:
+        with self._cond:
+            held.users -= 1
+            close = held.users == 0 and held.doomed
+        if close:
+            held.close()
 
     def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
         held = self.held
@@ -422,19 +463,23 @@ class Keeper:
             send_handle(conn, fd, 0)
 
     def session_ended(self, closed: bool) -> Connection | None:
-        """The trainer closed (``closed``) or died: persist the newest memory-only step; linger
-        for a new trainer if it died. Returns the new trainer's connection, or None to exit."""
+        """The trainer closed (``closed``) or died. If it died, persist the newest memory-only
+        step in the background and linger for a new trainer. Returns the new trainer's
+        connection, or None to exit (:meth:`shutdown` waits for the persist first)."""
         with self._cond:
             self._trainer_pid = None
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds = {}
-        self.persist_held()
+        if not closed:
+            self._start_crash_persist()
         if closed or self._listener is None:
             return None
-        # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
-        # launcher, a test) would wait for the keeper to expire.
-        _silence(2)
+        if self._crash is None:
+            # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
+            # launcher, a test) would wait for the keeper to expire. (A persist still running
+            # keeps stderr to report a failure, and silences it when done.)
+            _silence(2)
         deadline = time.monotonic() + self.spec.linger_s
         with self._cond:
             while self._waiting is None:
@@ -448,13 +493,25 @@ class Keeper:
     def persist_held(self, closing: bool = False) -> None:
         """Write the held step to storage if only memory has it (its trainer closed or died).
 
-        A collective step is persisted only at a clean close (``closing``), when every rank's
-        keeper persists the same step together; after a crash the ranks' keepers may hold
-        different steps and would wait for each other until the collective timeout.
+        A collective step goes through the collective protocol under the attempt names every
+        rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
+        (or, at a clean close, writer) takes part, else it is aborted, bounded by the
+        collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
         """
-        held = self.held
-        if held is None or held.persisted or (held.job.collective is not None and not closing):
+        if closing:
+            self._join_crash()  # the persist after a crash may be writing this very step
+        held = self._use_held()
+        if held is None:
             return
+        try:
+            self._persist(held)
+        finally:
+            self._unuse_held(held)
+
+    def _persist(self, held: _Held) -> None:
+        if held.persisted or held.attempted:
+            return
+        held.attempted = True
         job = dataclasses.replace(held.job, persist=True)
         try:
             storage = open_storage(job.root)
@@ -472,8 +529,80 @@ class Keeper:
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
 
+    # -- after a crash: the persist, and the aborts of what this rank will never finish ----------
+
+    def _start_crash_persist(self) -> None:
+        coll = self._last_coll
+        self._last_coll = None
+        held = self.held
+        if coll is None and (held is None or held.persisted or held.attempted):
+            return  # nothing to persist, no run whose attempts could wait for this rank
+        self._join_crash()  # a previous crash's persist (an adopted trainer died too)
+        t = threading.Thread(target=self._after_crash, args=(coll,), name="zerostall-keeper-persist",
+                             daemon=True)
+        self._crash = t
+        t.start()
+
+    def _after_crash(self, coll: Collective | None) -> None:
+        scanner: threading.Thread | None = None
+        try:
+            held = self._use_held()
+            try:
+                if coll is not None:
+                    keep = None  # the one attempt of the dead trainer's run this rank takes part in
+                    if held is not None and not held.persisted and not held.attempted:
+                        mine = held.job.collective
+                        keep = mine.counter if mine is not None and mine.run == coll.run else None
+                    scanner = threading.Thread(target=self._abort_others, args=(coll, keep),
+                                               name="zerostall-keeper-abort", daemon=True)
+                    scanner.start()
+                if held is not None:
+                    self._persist(held)
+            finally:
+                if held is not None:
+                    self._unuse_held(held)
+            if coll is not None:
+                self._sweep(coll)
+        finally:
+            _silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
+
+    def _abort_others(self, coll: Collective, keep: int | None) -> None:
+        """For up to ``coll.timeout_s``: abort every attempt of the dead trainer's run that this
+        rank will never take part in (any other rank's writer or keeper waiting on one)."""
+        root = self._root_of_run
+        if root is None:
+            return
+        deadline = time.monotonic() + coll.timeout_s
+        reason = f"rank {coll.rank}'s trainer died without this save in its keeper's memory"
+        try:
+            storage = open_storage(root)
+        except Exception:  # noqa: BLE001 - the persist reports storage failures
+            return
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                abort_attempts_except(storage, coll.run, keep, coll.rank, reason)
+            except Exception:  # noqa: BLE001,S110 - retried next round; the others time out at worst
+                pass
+            self._stop.wait(max(coll.poll_s, _SCAN_MIN_S))
+
+    def _sweep(self, coll: Collective) -> None:
+        if self._root_of_run is None:
+            return
+        try:
+            sweep_aborted_decisions(open_storage(self._root_of_run), coll.run)
+        except Exception:  # noqa: BLE001,S110 - gc removes them later
+            pass
+
+    def _join_crash(self) -> None:
+        t = self._crash
+        if t is not None and t is not threading.current_thread():
+            t.join()
+            self._crash = None
+
     def shutdown(self) -> None:
-        """Free everything: the name, the held step, the descriptors."""
+        """Free everything: the name, the held step, the descriptors. A persist still running
+        after a crash is waited for (bounded by the collective ``timeout_s``), with the name
+        already given up so that no new trainer waits on this keeper meanwhile."""
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -481,11 +610,13 @@ class Keeper:
                 pass
             self._listener.close()
             self._listener = None
+        self._join_crash()
+        self._stop.set()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None
         if held is not None:
-            held.close()
+            self._close_held(held)
         if waiting is not None:
             waiting.close()
         for fd, _ in self._fds.values():
