@@ -1,0 +1,147 @@
+"""The memory tier under torch.distributed: the keepers persist a dead job's memory-only step together.
+
+Real processes: two gloo ranks (``_memory_dist_trainer.py``) save with a memory tier and are
+SIGKILLed with nobody to restart them; their keepers persist the newest memory-only step through
+the collective protocol, or abort it when they do not all hold it (docs/distributed.md, "The memory
+tier's keepers"). A fresh job without any keeper then finds what storage holds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from zerostall.commit import step_name
+from zerostall.persist.keeper import keeper_address
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_memory_tier import DEADLINE_S, _keeper_sockets, _running, _wait
+
+WORKER = str(Path(__file__).parent / "_memory_dist_trainer.py")
+WORLD = 2
+LAST = 12  # step 10 is persisted (every 10th), steps 11 and 12 live in memory only
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
+
+
+def _start(mode: str, d: Path, linger: float, timeout: float, log: Path) -> list[subprocess.Popen[str]]:
+    port = _port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("ZEROSTALL_FAULTS", None)
+    # stderr to a file: a keeper writing to a pipe we read would keep it open while it works
+    with open(log, "a") as err:
+        return [subprocess.Popen([sys.executable, WORKER, mode, str(r), str(WORLD), str(port), str(d), str(LAST),
+                                  str(linger), str(timeout)], stdout=subprocess.PIPE, stderr=err,
+                                 stdin=subprocess.PIPE, text=True, env=env) for r in range(WORLD)]
+
+
+def _parse(lines: list[str]) -> tuple[int, dict[int, str]]:
+    keeper, saved = -1, {}
+    for line in lines:
+        parts = line.split()  # a SIGKILL can cut the last line short: only whole lines count
+        if len(parts) == 2 and parts[0] == "KEEPER":
+            keeper = int(parts[1])
+        elif len(parts) == 3 and parts[0] == "SAVED" and parts[2] in ("memory", "storage", "memory,storage"):
+            saved[int(parts[1])] = parts[2]
+    return keeper, saved
+
+
+def _died(procs: list[subprocess.Popen[str]]) -> list[tuple[int, dict[int, str]]]:
+    """Wait for every rank to die; (keeper pid, {step: tiers}) per rank."""
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == -signal.SIGKILL, (p.returncode, stdout)
+        out.append(_parse(stdout.splitlines()))
+    return out
+
+
+def _storage(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def _keepers_gone(d: Path, keepers: list[int]) -> None:
+    for k in keepers:
+        _wait(lambda k=k: not _running(k), f"keeper {k} to exit")
+    for r in range(WORLD):
+        assert keeper_address(str(d), r) not in _keeper_sockets()
+
+
+def _fresh_load(d: Path, log: Path) -> list[dict]:
+    """A new job on other nodes (no keeper, no memory tier) loads the newest step from storage."""
+    import json
+
+    procs = _start("load", d, 0, 60, log)
+    for p in procs:
+        p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == 0, log.read_text()[-4000:]
+    return [json.loads((d / f"load-{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_keepers_persist_the_memory_only_step_after_every_trainer_died(tmp_path: Path) -> None:
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    ranks = _died(_start("both", d, 1.0, 60, log))
+    for _, saved in ranks:
+        # step 10 went to storage (a persisted collective step is not held: storage has it)
+        assert saved == {s: ("storage" if s == 10 else "memory") for s in range(1, LAST + 1)}
+    keepers = [k for k, _ in ranks]
+    # Nobody restarts the job: the keepers persist step 12 together, linger 1 s, and exit.
+    _keepers_gone(d, keepers)
+    # Only the two committed steps: no attempt directory, decision file, lease or coordination file.
+    assert _storage(d) == [step_name(10), step_name(LAST)], log.read_text()[-4000:]
+    assert sorted(p.name for p in (d / step_name(LAST)).iterdir()) == ["data", "manifest.json"]
+    for r, res in enumerate(_fresh_load(d, log)):
+        assert res["step"] == LAST and res["equal"], (r, res)
+
+
+def test_keepers_holding_different_steps_commit_nothing(tmp_path: Path) -> None:
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    # A collective timeout far beyond the test's deadline: the keepers must not need it, since each
+    # aborts the attempt of the step it does not hold as soon as its trainer is dead.
+    ranks = _died(_start("split", d, 1.0, 3600, log))
+    (k0, saved0), (k1, saved1) = ranks
+    assert max(saved0) == LAST and max(saved1) == LAST - 1  # rank 1 died before its save of 12
+    _keepers_gone(d, [k0, k1])
+    # Neither 11 (rank 0's keeper no longer holds it) nor 12 (rank 1's never had it) is committed,
+    # and nothing of either attempt is left; step 10 is intact.
+    assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
+    assert "nothing of this save was committed" in log.read_text()
+    for r, res in enumerate(_fresh_load(d, log)):
+        assert res["step"] == 10 and res["equal"], (r, res)
+
+
+def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(tmp_path: Path) -> None:
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    procs = _start("wait", d, 0.5, 2, log)
+    keepers = []
+    for p in procs:
+        assert p.stdout is not None
+        lines = []
+        while not lines or lines[-1].strip() != "READY":
+            line = p.stdout.readline()
+            assert line, log.read_text()[-4000:]
+            lines.append(line)
+        keepers.append(_parse(lines)[0])
+    os.kill(keepers[1], signal.SIGKILL)  # rank 1's keeper (and its memory) is gone: a node lost
+    _wait(lambda: not _running(keepers[1]), "rank 1's keeper to die")
+    for p in procs:
+        p.kill()
+        p.communicate(timeout=DEADLINE_S)
+    # Rank 0's keeper waits for rank 1's part of step 12 up to timeout_s, aborts, cleans up, exits.
+    _keepers_gone(d, keepers)
+    assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
+    assert "did not publish" in log.read_text()
