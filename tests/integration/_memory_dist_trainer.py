@@ -7,6 +7,8 @@
 - ``split``: rank 1 SIGKILLs itself after step LAST-1, before its save of step LAST; the other
   ranks save step LAST, then SIGKILL themselves: the keepers hold different steps;
 - ``wait``: save 1..LAST, print ``READY`` and wait to be killed;
+- ``resume``: adopt the keeper, restore the step the ranks agree on, save on to LAST and close;
+  writes ``DIR/resume-RANK.json``;
 - ``load``: no memory tier, no keeper: load the newest step from storage into a template and
   write ``DIR/load-RANK.json`` (``{"step": ..., "equal": ...}``).
 
@@ -47,6 +49,21 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
+def _resume(ck: Checkpointer, rank: int, last: int) -> dict:
+    """Adopt this rank's keeper, restore the step the ranks agree on, save on to ``last``, close."""
+    held = ck.memory_step()
+    start = ck.latest_step()
+    assert start is not None
+    tmpl = state(rank, 0)
+    out = ck.load_pytree(template=tmpl)
+    want = state(rank, start)
+    equal = all(_same(out[a][b], want[a][b]) for a, b in (("model", "w"), ("model", "b"), ("rank", "rng"),
+                                                            ("rank", "position"), ("rank", "name")))
+    for step in range(start + 1, last + 1):
+        ck.save_pytree(step, state(rank, step))
+    return {"adopted": ck._engine.writer.adopted, "held": held, "start": start, "equal": equal}
+
+
 def main() -> None:
     mode, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     last, linger, timeout = int(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
@@ -71,6 +88,13 @@ def main() -> None:
         return
     ck = Checkpointer(d, save_options=opts,
                       memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=linger))
+    if mode == "resume":
+        with ck:
+            res = _resume(ck, rank, last)
+        with open(os.path.join(d, f"resume-{rank}.json"), "w") as f:
+            json.dump(res, f)
+        dist.destroy_process_group()
+        return
     print("KEEPER", ck._engine.writer.pid, flush=True)
     for step in range(1, last + 1):
         if mode == "split" and step == last and rank == 1:

@@ -145,3 +145,27 @@ def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(t
     _keepers_gone(d, keepers)
     assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
     assert "did not publish" in log.read_text()
+
+
+def test_a_restart_beside_keepers_holding_different_steps_resumes_from_storage(tmp_path: Path) -> None:
+    import json
+
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    ranks = _died(_start("split", d, 60.0, 3600, log))
+    keepers = [k for k, _ in ranks]
+    # Restarted at once, while the keepers abort their attempts in the background: the ranks do not
+    # all hold one step in memory, so every rank restores step 10 from storage, bit for bit.
+    procs = _start("resume", d, 60.0, 3600, log)
+    for p in procs:
+        p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == 0, log.read_text()[-4000:]
+    res = [json.loads((d / f"resume-{r}.json").read_text()) for r in range(WORLD)]
+    assert [(r["adopted"], r["held"], r["start"], r["equal"]) for r in res] == [
+        (True, LAST, 10, True), (True, LAST - 1, 10, True)]
+    # The new run saved 11 and 12 again (memory only) and close() persisted 12 through the same keepers;
+    # neither keeper committed its own 11 or 12 of the dead run.
+    _keepers_gone(d, keepers)
+    assert [n for n in _storage(d) if not n.startswith("resume-")] == [step_name(10), step_name(LAST)], \
+        log.read_text()[-4000:]
+    for r, got in enumerate(_fresh_load(d, log)):
+        assert got["step"] == LAST and got["equal"], (r, got)
