@@ -10,13 +10,16 @@ previous complete step in place. Jobs whose ``persist`` is set are also written 
 
 The keeper already outlives its trainer (its own session, so torchrun's ``killpg`` of a failed
 worker group does not reach it). When the trainer dies (the socket reaches EOF), the keeper
-persists the newest memory-only step, then *lingers* up to ``linger_s`` on an abstract unix
+persists the newest memory-only step in the background (a collective step through the collective
+protocol, with every rank's keeper: see docs/distributed.md, "The keepers' persist after a crash")
+while it *lingers* up to ``linger_s`` on an abstract unix
 socket named after the user, the checkpoint directory and the rank (:func:`keeper_address`).
 A new trainer of the same triple connects (:func:`adopt`), both ends check that the other is the
 same user (``SO_PEERCRED``), and the keeper becomes that trainer's writer, still holding the
 step. A trainer asks for the held step with :class:`ImageQuery`; the keeper answers with an
 :class:`Image` and the buffers' descriptors, which the trainer maps read-only to restore from.
-On expiry the keeper exits; the kernel frees the memory, and an abstract socket leaves no file.
+On expiry the keeper exits (once that persist has ended); the kernel frees the memory, and an
+abstract socket leaves no file.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "pee
            "held_steps", "ADDRESS_PREFIX"]
 
 ADDRESS_PREFIX = b"\0zerostall-keeper-"
-#: how long a new trainer waits for a keeper that accepted it to hand over (it may be persisting
-#: its dead trainer's newest step first)
+#: how long a new trainer waits for a keeper that accepted it to hand over (the persist after a
+#: crash runs beside the new session and does not delay it)
 ADOPT_TIMEOUT_S = 600.0
 _HELLO_TIMEOUT_S = 10.0
 #: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
