@@ -71,7 +71,7 @@ ADDRESS_PREFIX = b"\0zerostall-keeper-"
 ADOPT_TIMEOUT_S = 600.0
 _HELLO_TIMEOUT_S = 10.0
 #: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
-_SCAN_MIN_S = 0.1
+_SCAN_MIN_S = 0.25
 
 
 def _root_key(root: str) -> str:
@@ -316,6 +316,7 @@ class Keeper:
         self._crash: threading.Thread | None = None
         self._root_of_run: str | None = None
         self._stop = threading.Event()
+        self._scanner: threading.Thread | None = None
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -548,51 +549,53 @@ class Keeper:
 
     def _after_crash(self, coll: Collective | None) -> None:
         scanner: threading.Thread | None = None
+        settled = threading.Event()  # this rank's part is settled for good: no more aborts needed
+        root = self._root_of_run
         try:
             held = self._use_held()
             try:
-                if coll is not None:
+                if coll is not None and root is not None:
                     keep = None  # the one attempt of the dead trainer's run this rank takes part in
                     if held is not None and not held.persisted and not held.attempted:
                         mine = held.job.collective
                         keep = mine.counter if mine is not None and mine.run == coll.run else None
-                    scanner = threading.Thread(target=self._abort_others, args=(coll, keep),
+                    scanner = threading.Thread(target=self._abort_others, args=(root, coll, keep, settled),
                                                name="zerostall-keeper-abort", daemon=True)
+                    self._scanner = scanner
                     scanner.start()
                 if held is not None:
                     self._persist(held)
+                    if held.persisted:  # committed: every rank took part, no other attempt waits on us
+                        settled.set()
             finally:
                 if held is not None:
                     self._unuse_held(held)
-            if coll is not None:
-                self._sweep(coll)
+            if coll is not None and root is not None:
+                self._sweep(root, coll)
         finally:
             _silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
 
-    def _abort_others(self, coll: Collective, keep: int | None) -> None:
+    def _abort_others(self, root: str, coll: Collective, keep: int | None, settled: threading.Event) -> None:
         """For up to ``coll.timeout_s``: abort every attempt of the dead trainer's run that this
-        rank will never take part in (any other rank's writer or keeper waiting on one)."""
-        root = self._root_of_run
-        if root is None:
-            return
+        rank will never take part in (any other rank's writer or keeper waiting on one). Keeps
+        going after this rank's own attempt was aborted: a rank whose trainer dies later may
+        still start one of another step, and would otherwise wait out its timeout."""
         deadline = time.monotonic() + coll.timeout_s
         reason = f"rank {coll.rank}'s trainer died without this save in its keeper's memory"
         try:
             storage = open_storage(root)
         except Exception:  # noqa: BLE001 - the persist reports storage failures
             return
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        while not (self._stop.is_set() or settled.is_set()) and time.monotonic() < deadline:
             try:
                 abort_attempts_except(storage, coll.run, keep, coll.rank, reason)
             except Exception:  # noqa: BLE001,S110 - retried next round; the others time out at worst
                 pass
             self._stop.wait(max(coll.poll_s, _SCAN_MIN_S))
 
-    def _sweep(self, coll: Collective) -> None:
-        if self._root_of_run is None:
-            return
+    def _sweep(self, root: str, coll: Collective) -> None:
         try:
-            sweep_aborted_decisions(open_storage(self._root_of_run), coll.run)
+            sweep_aborted_decisions(open_storage(root), coll.run)
         except Exception:  # noqa: BLE001,S110 - gc removes them later
             pass
 
@@ -615,6 +618,8 @@ class Keeper:
             self._listener = None
         self._join_crash()
         self._stop.set()
+        if self._scanner is not None:  # never exit in the middle of a decision's put
+            self._scanner.join()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None
