@@ -20,7 +20,9 @@ import pytest
 pytest.importorskip("torch")
 
 from zerostall.commit import step_name
+from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import keeper_address
+from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_memory_tier import DEADLINE_S, _keeper_sockets, _running, _wait
@@ -75,10 +77,27 @@ def _storage(d: Path) -> list[str]:
 
 
 def _keepers_gone(d: Path, keepers: list[int]) -> None:
+    """Every keeper has exited, and nothing of the job is left running or listening anywhere."""
     for k in keepers:
         _wait(lambda k=k: not _running(k), f"keeper {k} to exit")
     for r in range(WORLD):
         assert keeper_address(str(d), r) not in _keeper_sockets()
+    assert _holders(d) == [], "a process that names the run (and so holds its memfds) is left"
+
+
+def _holders(d: Path) -> list[int]:
+    """Running processes whose command line names ``d`` (trainers and keepers both do)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(d).encode() in cmd.split(b"\0") and _running(int(proc.name)):
+            out.append(int(proc.name))
+    return out
 
 
 def _fresh_load(d: Path, log: Path) -> list[dict]:
@@ -139,7 +158,7 @@ def test_keepers_holding_different_steps_commit_nothing(tmp_path: Path) -> None:
 
 def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(tmp_path: Path) -> None:
     d, log = tmp_path / "run", tmp_path / "stderr.log"
-    procs = _start("wait", d, 0.5, 2, log)
+    procs = _start("wait", d, 0.5, 5, log)
     keepers = []
     for p in procs:
         assert p.stdout is not None
@@ -155,6 +174,10 @@ def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(t
         p.kill()
         p.communicate(timeout=DEADLINE_S)
     # Rank 0's keeper waits for rank 1's part of step 12 up to timeout_s, aborts, cleans up, exits.
+    # While it waits, its lease makes it a live writer to any collector: its attempt stays.
+    _wait(lambda: any(".zs-tmp-" in n for n in _storage(d)), "rank 0's keeper to start its attempt")
+    report = collect_garbage(open_storage(str(d)))
+    assert report.kept_live and not report.removed, report
     _keepers_gone(d, keepers)
     assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
     assert "did not publish" in log.read_text()
