@@ -204,3 +204,48 @@ def test_a_restart_beside_keepers_holding_different_steps_resumes_from_storage(t
     assert [n for n in _storage(d) if not n.startswith("resume-")] == [step_name(10), step_name(LAST)], \
         log.read_text()[-4000:]
     _assert_rank0(d, LAST)
+
+
+@pytest.mark.parametrize("rename", [True, False], ids=["posix", "object-store"])
+def test_a_dead_ranks_keeper_aborts_only_the_other_live_attempts_of_its_run(tmp_path: Path, rename: bool) -> None:
+    """What a keeper aborts, found through the writers' leases on both kinds of storage, and what it sweeps."""
+    from zerostall.lease import Lease
+    from zerostall.persist.collective import (
+        AttemptNames,
+        abort_attempts_except,
+        attempt_names,
+        decide,
+        read_decision,
+        sweep_aborted_decisions,
+    )
+    from zerostall.storage.local import LocalStorage
+
+    class NoRename(LocalStorage):
+        atomic_rename = False
+
+    storage = LocalStorage(str(tmp_path)) if rename else NoRename(str(tmp_path))
+    run, other = "0123456789ab", "ba9876543210"
+    names = {(r, c): attempt_names(storage, step_name(c), r, c) for r in (run, other) for c in (3, 4, 5)}
+
+    def targets(n: AttemptNames) -> list[str]:  # what CollectiveStep.lease_targets names
+        return [n.staging, n.decision] if n.rename else [f"{n.staging}/{n.data_dir}", n.coord, n.decision]
+
+    leases = {k: Lease(storage, targets(n)).acquire() for k, n in names.items()}  # every attempt in progress
+    decide(storage, names[(run, 5)], {"decision": "commit", "by": 0})
+    try:
+        # Rank 1's keeper holds save 4 of `run`: 3 is aborted, 4 (its own) and 5 (decided) are not,
+        # and another run's attempts are not its business.
+        assert abort_attempts_except(storage, run, 4, 1, "rank 1's trainer died") == [3]
+        dec = read_decision(storage, names[(run, 3)])
+        assert dec is not None and dec["decision"] == "abort" and dec["by"] == 1
+        assert read_decision(storage, names[(run, 4)]) is None
+        assert read_decision(storage, names[(run, 5)]) == {"decision": "commit", "by": 0}
+        assert all(read_decision(storage, names[(other, c)]) is None for c in (3, 4, 5))
+        # The abort decision stays while its writer's lease lives (that writer has yet to read it).
+        assert sweep_aborted_decisions(storage, run) == []
+        leases.pop((run, 3)).release()
+        assert sweep_aborted_decisions(storage, run) == [names[(run, 3)].decision]
+        assert read_decision(storage, names[(run, 5)]) is not None  # a commit decision is never swept here
+    finally:
+        for ls in leases.values():
+            ls.release()
