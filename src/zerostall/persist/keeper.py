@@ -312,11 +312,12 @@ class Keeper:
         self._listener: socket.socket | None = None
         #: the newest collective job of the current session (its run and counter), if any
         self._last_coll: Collective | None = None
-        #: the persist of the held step after its trainer died (runs while the keeper lingers)
-        self._crash: threading.Thread | None = None
+        #: the persists of the held step after a trainer died (each runs while the keeper lingers
+        #: or serves the next trainer), and their abort scanners
+        self._crashes: list[threading.Thread] = []
         self._root_of_run: str | None = None
         self._stop = threading.Event()
-        self._scanner: threading.Thread | None = None
+        self._scanners: list[threading.Thread] = []
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -479,7 +480,7 @@ class Keeper:
             self._start_crash_persist()
         if closed or self._listener is None:
             return None
-        if self._crash is None:
+        if not self._crashes:
             # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
             # launcher, a test) would wait for the keeper to expire. (A persist still running
             # keeps stderr to report a failure, and silences it when done.)
@@ -513,9 +514,10 @@ class Keeper:
             self._unuse_held(held)
 
     def _persist(self, held: _Held) -> None:
-        if held.persisted or held.attempted:
-            return
-        held.attempted = True
+        with self._cond:  # two persists after crashes may hold the same step: one tries it
+            if held.persisted or held.attempted:
+                return
+            held.attempted = True
         job = dataclasses.replace(held.job, persist=True)
         try:
             storage = open_storage(job.root)
@@ -541,10 +543,11 @@ class Keeper:
         held = self.held
         if coll is None and (held is None or held.persisted or held.attempted):
             return  # nothing to persist, no run whose attempts could wait for this rank
-        self._join_crash()  # a previous crash's persist (an adopted trainer died too)
+        # (A previous crash's persist may still run, if an adopted trainer died too: never wait
+        # for it here, a restart must not.)
         t = threading.Thread(target=self._after_crash, args=(coll,), name="zerostall-keeper-persist",
                              daemon=True)
-        self._crash = t
+        self._crashes.append(t)
         t.start()
 
     def _after_crash(self, coll: Collective | None) -> None:
@@ -561,7 +564,7 @@ class Keeper:
                         keep = mine.counter if mine is not None and mine.run == coll.run else None
                     scanner = threading.Thread(target=self._abort_others, args=(root, coll, keep, settled),
                                                name="zerostall-keeper-abort", daemon=True)
-                    self._scanner = scanner
+                    self._scanners.append(scanner)
                     scanner.start()
                 if held is not None:
                     self._persist(held)
@@ -600,10 +603,10 @@ class Keeper:
             pass
 
     def _join_crash(self) -> None:
-        t = self._crash
-        if t is not None and t is not threading.current_thread():
-            t.join()
-            self._crash = None
+        """Wait for every persist after a crash (each bounded by the collective ``timeout_s``)."""
+        while self._crashes:
+            self._crashes[0].join()
+            self._crashes.pop(0)
 
     def shutdown(self) -> None:
         """Free everything: the name, the held step, the descriptors. A persist still running
@@ -618,8 +621,8 @@ class Keeper:
             self._listener = None
         self._join_crash()
         self._stop.set()
-        if self._scanner is not None:  # never exit in the middle of a decision's put
-            self._scanner.join()
+        for t in self._scanners:  # never exit in the middle of a decision's put
+            t.join()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None
