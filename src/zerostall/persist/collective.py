@@ -514,7 +514,8 @@ def attempts_of_run(storage: Storage, run: str) -> dict[int, AttemptNames]:
     return out
 
 
-def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: int, reason: str) -> list[int]:
+def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: int, reason: str, *,
+                          once_keep_started: bool = False) -> list[int]:
     """Decide "abort" for every undecided attempt of ``run`` in progress, other than counter ``keep``.
 
     Called by a rank's keeper once that rank's trainer is dead: the rank will never take part in
@@ -522,9 +523,16 @@ def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: in
     writers their timeout. A decided attempt (committed or aborted) is left as it is (``decide``
     never overrides). The writers of the attempts aborted remove them; an abort decision that no
     live writer covers any more is swept here. Returns the counters this call aborted.
+
+    ``once_keep_started``: abort nothing until attempt ``keep`` is in progress too (its lease
+    visible), so that any rank that sees its own attempt aborted by this one can, in turn, find
+    and abort ``keep``.
     """
-    aborted = []
-    for counter, names in sorted(attempts_of_run(storage, run).items()):
+    aborted: list[int] = []
+    attempts = attempts_of_run(storage, run)
+    if once_keep_started and keep is not None and keep not in attempts:
+        return aborted
+    for counter, names in sorted(attempts.items()):
         if counter == keep or read_decision(storage, names) is not None:
             continue
         exc = WriterError(f"{reason}; nothing of this save was committed", rank=rank)

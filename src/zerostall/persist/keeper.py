@@ -551,18 +551,18 @@ class Keeper:
         t.start()
 
     def _after_crash(self, coll: Collective | None) -> None:
-        scanner: threading.Thread | None = None
         settled = threading.Event()  # this rank's part is settled for good: no more aborts needed
-        root = self._root_of_run
+        own_done = threading.Event()  # this rank's own attempt has ended (or never started)
+        storage = self._run_storage(coll)
+        keep: int | None = None  # the one attempt of the dead trainer's run this rank takes part in
         try:
             held = self._use_held()
             try:
-                if coll is not None and root is not None:
-                    keep = None  # the one attempt of the dead trainer's run this rank takes part in
+                if coll is not None and storage is not None:
                     if held is not None and not held.persisted and not held.attempted:
                         mine = held.job.collective
                         keep = mine.counter if mine is not None and mine.run == coll.run else None
-                    scanner = threading.Thread(target=self._abort_others, args=(root, coll, keep, settled),
+                    scanner = threading.Thread(target=self._abort_others, args=(storage, coll, keep, settled, own_done),
                                                name="zerostall-keeper-abort", daemon=True)
                     self._scanners.append(scanner)
                     scanner.start()
@@ -571,36 +571,48 @@ class Keeper:
                     if held.persisted:  # committed: every rank took part, no other attempt waits on us
                         settled.set()
             finally:
+                own_done.set()
                 if held is not None:
                     self._unuse_held(held)
-            if coll is not None and root is not None:
-                self._sweep(root, coll)
+            if coll is not None and storage is not None:
+                if not settled.is_set():
+                    # One more round now that this rank's attempt is over: the rank that aborted it
+                    # did so only once its own attempt was in progress, so this round finds that one.
+                    self._abort_round(storage, coll, keep, once_keep_started=False)
+                try:
+                    sweep_aborted_decisions(storage, coll.run)
+                except Exception:  # noqa: BLE001,S110 - gc removes them later
+                    pass
         finally:
             _silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
 
-    def _abort_others(self, root: str, coll: Collective, keep: int | None, settled: threading.Event) -> None:
-        """For up to ``coll.timeout_s``: abort every attempt of the dead trainer's run that this
-        rank will never take part in (any other rank's writer or keeper waiting on one). Keeps
-        going after this rank's own attempt was aborted: a rank whose trainer dies later may
-        still start one of another step, and would otherwise wait out its timeout."""
+    def _abort_others(self, storage: Storage, coll: Collective, keep: int | None, settled: threading.Event,
+                      own_done: threading.Event) -> None:
+        """For up to ``coll.timeout_s`` while the keeper lives: abort every attempt of the dead
+        trainer's run that this rank will never take part in (any other rank's writer or keeper
+        waiting on one), once this rank's own attempt is in progress. Keeps going after this
+        rank's own attempt was aborted: a rank whose trainer dies later may still start one of
+        another step, and would otherwise wait out its timeout."""
         deadline = time.monotonic() + coll.timeout_s
-        reason = f"rank {coll.rank}'s trainer died without this save in its keeper's memory"
-        try:
-            storage = open_storage(root)
-        except Exception:  # noqa: BLE001 - the persist reports storage failures
-            return
         while not (self._stop.is_set() or settled.is_set()) and time.monotonic() < deadline:
-            try:
-                abort_attempts_except(storage, coll.run, keep, coll.rank, reason)
-            except Exception:  # noqa: BLE001,S110 - retried next round; the others time out at worst
-                pass
+            self._abort_round(storage, coll, keep, once_keep_started=not own_done.is_set())
             self._stop.wait(max(coll.poll_s, _SCAN_MIN_S))
 
-    def _sweep(self, root: str, coll: Collective) -> None:
+    def _abort_round(self, storage: Storage, coll: Collective, keep: int | None, *, once_keep_started: bool) -> None:
+        reason = f"rank {coll.rank}'s trainer died without this save in its keeper's memory"
         try:
-            sweep_aborted_decisions(open_storage(root), coll.run)
-        except Exception:  # noqa: BLE001,S110 - gc removes them later
+            abort_attempts_except(storage, coll.run, keep, coll.rank, reason, once_keep_started=once_keep_started)
+        except Exception:  # noqa: BLE001,S110 - retried next round; the others time out at worst
             pass
+
+    def _run_storage(self, coll: Collective | None) -> Storage | None:
+        """The storage of the dead trainer's collective run (None: no run, or it cannot be opened)."""
+        if coll is None or self._root_of_run is None:
+            return None
+        try:
+            return open_storage(self._root_of_run)
+        except Exception:  # noqa: BLE001 - the persist reports storage failures
+            return None
 
     def _join_crash(self) -> None:
         """Wait for every persist after a crash (each bounded by the collective ``timeout_s``)."""
