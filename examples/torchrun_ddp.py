@@ -9,6 +9,9 @@ on the first attempt only, so that torchrun restarts the group and it resumes fr
     torchrun --nproc-per-node 2 --max-restarts 1 examples/torchrun_ddp.py --dir /tmp/zs-ddp-mem \
         --steps 60 --persist-every 10 --fail-at-step 25
 
+Meanwhile the ranks' keepers persist step 25 to ``--dir`` together, in the background, so that a
+restart on other nodes would find it too (with ``--max-restarts 0`` that is all that happens).
+
 Every rank calls the same Checkpointer methods with the same step. The model and optimizer
 are identical on every rank (DDP): zerostall writes them once in total, spread over the ranks'
 writers. Each rank's own state (its RNG, its data position) is kept per rank and comes back to

@@ -324,6 +324,12 @@ def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> Non
     for d in (plain, crashed):
         for rank in (0, 1):
             _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
+    # Meanwhile the crashed group's keepers persisted step 6 together, in the background (the
+    # restarted trainers did not wait for it), and left no attempt, decision or lease behind.
+    assert 6 in _storage_steps(crashed) and 6 not in _storage_steps(plain)
+    assert not [p.name for p in crashed.iterdir() if p.name.startswith(".")]
+    stored = _flatten(zerostall.load_pytree(crashed / step_name(6)))  # verified: every CRC32C checked
+    assert [v for k, v in stored.items() if k.endswith("position")] == [6], stored.keys()
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

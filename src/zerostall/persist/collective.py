@@ -40,6 +40,7 @@ from zerostall.commit import (
     steps_to_delete_everywhere,
 )
 from zerostall.errors import CheckpointExistsError, WireError, WriterError, ZerostallError, from_wire, to_wire
+from zerostall.lease import covers, host_id, read_leases
 from zerostall.manifest import MANIFEST_NAME, encode_manifest
 from zerostall.messages import Collective, LeafRow, SaveJob
 from zerostall.options import RetentionPolicy
@@ -49,6 +50,7 @@ from zerostall.storage import Storage
 __all__ = [
     "AttemptNames", "attempt_names", "read_decision", "decide", "abort_doc", "error_of", "wait_for_outcome",
     "assign_owners", "merge_reports", "CollectiveStep", "DEC_MARK", "rank_file",
+    "attempts_of_run", "abort_attempts_except", "sweep_aborted_decisions",
 ]
 
 DEC_MARK = ".zs-decision-"
@@ -473,3 +475,103 @@ class CollectiveStep:
 
 def _hash(view: memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(view)
+
+
+# -- a dead trainer's attempts (the memory tier's keepers) -------------------------------------------
+
+
+def _attempt_of(key: str, run: str) -> tuple[str, int] | None:
+    """``(checkpoint name, counter)`` if ``key`` is a staging directory, decision file or
+    coordination/data prefix of an attempt of ``run`` (as a lease names it, or the root lists it)."""
+    for mark in (TMP_MARK, DEC_MARK):
+        head, sep, tail = key.partition(f"{mark}{run}-")
+        if sep and head.startswith(".") and "/" not in head:
+            digits = tail.split(".", 1)[0].split("/", 1)[0]
+            return (head[1:], int(digits)) if digits.isdigit() else None
+    name, sep, rest = key.partition("/")
+    for mark in ("data-", "zs-coord-"):
+        if sep and rest.startswith(f"{mark}{run}-"):
+            digits = rest[len(mark) + len(run) + 1:].split("/", 1)[0]
+            return (name, int(digits)) if digits.isdigit() else None
+    return None
+
+
+def attempts_of_run(storage: Storage, run: str) -> dict[int, AttemptNames]:
+    """The attempts of ``run`` that a live writer (any host) works on now, by save counter.
+
+    Found through the writers' leases, which name every attempt's staging, coordination and
+    decision keys on every kind of storage; an abandoned attempt (no live lease) is gc's.
+    """
+    here, now = host_id(), time.time()
+    out: dict[int, AttemptNames] = {}
+    for ls in read_leases(storage):
+        if not ls.live(now, here):
+            continue
+        for k in ls.targets:
+            got = _attempt_of(k, run)
+            if got is not None and got[1] not in out:
+                out[got[1]] = attempt_names(storage, got[0], run, got[1])
+    return out
+
+
+def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: int, reason: str, *,
+                          once_keep_started: bool = False) -> list[int]:
+    """Decide "abort" for every undecided attempt of ``run`` in progress, other than counter ``keep``.
+
+    Called by a rank's keeper once that rank's trainer is dead: the rank will never take part in
+    any other attempt of ``run``, so none of them can commit; deciding now spares the other ranks'
+    writers their timeout. A decided attempt (committed or aborted) is left as it is (``decide``
+    never overrides). The writers of the attempts aborted remove them; an abort decision that no
+    live writer covers any more is swept here. Returns the counters this call aborted.
+
+    ``once_keep_started``: abort nothing until attempt ``keep`` is in progress too (its lease
+    visible), so that any rank that sees its own attempt aborted by this one can, in turn, find
+    and abort ``keep``.
+    """
+    aborted: list[int] = []
+    attempts = attempts_of_run(storage, run)
+    if once_keep_started and keep is not None and keep not in attempts:
+        return aborted
+    for counter, names in sorted(attempts.items()):
+        if counter == keep or read_decision(storage, names) is not None:
+            continue
+        exc = WriterError(f"{reason}; nothing of this save was committed", rank=rank)
+        dec = decide(storage, names, abort_doc(exc, rank, names.name))
+        if dec.get("decision") == "abort" and dec.get("by") == rank:
+            aborted.append(counter)
+    if aborted:  # a writer that finished between the lease listing and the decision sweeps no more
+        sweep_aborted_decisions(storage, run)
+    return aborted
+
+
+def sweep_aborted_decisions(storage: Storage, run: str) -> list[str]:
+    """Delete the "abort" decision files of ``run`` that no live writer's lease covers.
+
+    The rule :func:`zerostall.persist.gc.collect_garbage` applies to any decision file, limited to
+    one run's aborted attempts: a writer that still works on such an attempt holds a lease that
+    covers its decision, and an attempt whose writers have all gone can never commit (every rank's
+    part is removed on abort and no rank takes part twice). Returns the keys deleted.
+    """
+    here, now = host_id(), time.time()
+    # exactly decision files (not a conditional put's temporary beside one, nor a ".failed")
+    candidates = [n for n in storage.list("") if (a := _attempt_of(n, run)) is not None
+                  and n == f".{a[0]}{DEC_MARK}{run}-{a[1]}"]
+    if not candidates:
+        return []
+    live = [ls for ls in read_leases(storage) if ls.live(now, here)]  # after listing: see gc
+    gone = []
+    for key in candidates:
+        if any(covers(tg, key) for ls in live for tg in ls.targets):
+            continue
+        try:
+            doc = json.loads(storage.get(key))
+        except (FileNotFoundError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("decision") != "abort":
+            continue
+        try:
+            storage.delete(key)
+            gone.append(key)
+        except OSError:
+            pass  # another keeper deletes it too
+    return gone

@@ -10,13 +10,16 @@ previous complete step in place. Jobs whose ``persist`` is set are also written 
 
 The keeper already outlives its trainer (its own session, so torchrun's ``killpg`` of a failed
 worker group does not reach it). When the trainer dies (the socket reaches EOF), the keeper
-persists the newest memory-only step, then *lingers* up to ``linger_s`` on an abstract unix
+persists the newest memory-only step in the background (a collective step through the collective
+protocol, with every rank's keeper: see docs/distributed.md, "The keepers' persist after a crash")
+while it *lingers* up to ``linger_s`` on an abstract unix
 socket named after the user, the checkpoint directory and the rank (:func:`keeper_address`).
 A new trainer of the same triple connects (:func:`adopt`), both ends check that the other is the
 same user (``SO_PEERCRED``), and the keeper becomes that trainer's writer, still holding the
 step. A trainer asks for the held step with :class:`ImageQuery`; the keeper answers with an
 :class:`Image` and the buffers' descriptors, which the trainer maps read-only to restore from.
-On expiry the keeper exits; the kernel frees the memory, and an abstract socket leaves no file.
+On expiry the keeper exits (once that persist has ended); the kernel frees the memory, and an
+abstract socket leaves no file.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from zerostall.commit import committed_steps
 from zerostall.errors import ZerostallError
 from zerostall.messages import (
     Adopt,
+    Collective,
     Hello,
     Image,
     ImageFile,
@@ -54,6 +58,7 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import RetentionPolicy
+from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import Storage, local_path, open_storage
 
@@ -61,10 +66,12 @@ __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "pee
            "held_steps", "ADDRESS_PREFIX"]
 
 ADDRESS_PREFIX = b"\0zerostall-keeper-"
-#: how long a new trainer waits for a keeper that accepted it to hand over (it may be persisting
-#: its dead trainer's newest step first)
+#: how long a new trainer waits for a keeper that accepted it to hand over (the persist after a
+#: crash runs beside the new session and does not delay it)
 ADOPT_TIMEOUT_S = 600.0
 _HELLO_TIMEOUT_S = 10.0
+#: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
+_SCAN_MIN_S = 0.25
 
 
 def _root_key(root: str) -> str:
@@ -260,6 +267,11 @@ class _Held:
                  persisted: bool) -> None:
         self.job, self.manifest, self.fds, self.sizes = job, manifest, fds, sizes
         self.session, self.persisted = session, persisted
+        #: a persist after its trainer died was tried (once: a collective attempt's names are taken)
+        self.attempted = False
+        #: threads reading the views (the persist after a crash); close() waits for the last one
+        self.users = 0
+        self.doomed = False
         self.maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                      for fd, size in zip(fds, sizes, strict=True)]
         self.views = {f.buffer: memoryview(m) for f, m in zip(job.files, self.maps, strict=True)}
@@ -298,6 +310,14 @@ class Keeper:
         self._trainer_pid: int | None = None
         self._waiting: Connection | None = None
         self._listener: socket.socket | None = None
+        #: the newest collective job of the current session (its run and counter), if any
+        self._last_coll: Collective | None = None
+        #: the persists of the held step after a trainer died (each runs while the keeper lingers
+        #: or serves the next trainer), and their abort scanners
+        self._crashes: list[threading.Thread] = []
+        self._root_of_run: str | None = None
+        self._stop = threading.Event()
+        self._scanners: list[threading.Thread] = []
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -371,6 +391,7 @@ class Keeper:
         with self._cond:
             self.session += 1
             self._trainer_pid = pid
+        self._last_coll = None  # the new trainer numbers its saves in a run of its own
 
     def on_map(self, buffer: int, fd: int, size: int) -> None:
         old = self._fds.pop(buffer, None)
@@ -389,6 +410,8 @@ class Keeper:
         A collective step that persists is written like any collective save and not held
         (its manifest on storage is the ranks' merged one): storage then has the newer step.
         """
+        if job.collective is not None:
+            self._last_coll, self._root_of_run = job.collective, job.root
         if job.collective is not None and job.persist:
             stats = run_save(job, views, lambda: send(Released(job=job.id)))
             self._drop_held(send)  # storage now has a newer step than memory held
@@ -410,7 +433,30 @@ class Keeper:
         if old is not None:
             if old.session == self.session:  # its slot may be staged into again
                 send(Released(job=old.job.id))
-            old.close()
+            self._close_held(old)
+
+    def _close_held(self, held: _Held) -> None:
+        """Close ``held`` now, or when the persist that reads it finishes."""
+        with self._cond:
+            if held.users:
+                held.doomed = True
+                return
+        held.close()
+
+    def _use_held(self) -> _Held | None:
+        """The held step, reserved against closing until :meth:`_unuse_held`."""
+        with self._cond:
+            held = self.held
+            if held is not None:
+                held.users += 1
+            return held
+
+    def _unuse_held(self, held: _Held) -> None:
+        with self._cond:
+            held.users -= 1
+            close = held.users == 0 and held.doomed
+        if close:
+            held.close()
 
     def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
         held = self.held
@@ -422,19 +468,23 @@ class Keeper:
             send_handle(conn, fd, 0)
 
     def session_ended(self, closed: bool) -> Connection | None:
-        """The trainer closed (``closed``) or died: persist the newest memory-only step; linger
-        for a new trainer if it died. Returns the new trainer's connection, or None to exit."""
+        """The trainer closed (``closed``) or died. If it died, persist the newest memory-only
+        step in the background and linger for a new trainer. Returns the new trainer's
+        connection, or None to exit (:meth:`shutdown` waits for the persist first)."""
         with self._cond:
             self._trainer_pid = None
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds = {}
-        self.persist_held()
+        if not closed:
+            self._start_crash_persist()
         if closed or self._listener is None:
             return None
-        # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
-        # launcher, a test) would wait for the keeper to expire.
-        _silence(2)
+        if not self._crashes:
+            # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
+            # launcher, a test) would wait for the keeper to expire. (A persist still running
+            # keeps stderr to report a failure, and silences it when done.)
+            _silence(2)
         deadline = time.monotonic() + self.spec.linger_s
         with self._cond:
             while self._waiting is None:
@@ -448,13 +498,26 @@ class Keeper:
     def persist_held(self, closing: bool = False) -> None:
         """Write the held step to storage if only memory has it (its trainer closed or died).
 
-        A collective step is persisted only at a clean close (``closing``), when every rank's
-        keeper persists the same step together; after a crash the ranks' keepers may hold
-        different steps and would wait for each other until the collective timeout.
+        A collective step goes through the collective protocol under the attempt names every
+        rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
+        (or, at a clean close, writer) takes part, else it is aborted, bounded by the
+        collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
         """
-        held = self.held
-        if held is None or held.persisted or (held.job.collective is not None and not closing):
+        if closing:
+            self._join_crash()  # the persist after a crash may be writing this very step
+        held = self._use_held()
+        if held is None:
             return
+        try:
+            self._persist(held)
+        finally:
+            self._unuse_held(held)
+
+    def _persist(self, held: _Held) -> None:
+        with self._cond:  # two persists after crashes may hold the same step: one tries it
+            if held.persisted or held.attempted:
+                return
+            held.attempted = True
         job = dataclasses.replace(held.job, persist=True)
         try:
             storage = open_storage(job.root)
@@ -472,8 +535,95 @@ class Keeper:
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
 
+    # -- after a crash: the persist, and the aborts of what this rank will never finish ----------
+
+    def _start_crash_persist(self) -> None:
+        coll = self._last_coll
+        self._last_coll = None
+        held = self.held
+        if coll is None and (held is None or held.persisted or held.attempted):
+            return  # nothing to persist, no run whose attempts could wait for this rank
+        # (A previous crash's persist may still run, if an adopted trainer died too: never wait
+        # for it here, a restart must not.)
+        t = threading.Thread(target=self._after_crash, args=(coll,), name="zerostall-keeper-persist",
+                             daemon=True)
+        self._crashes.append(t)
+        t.start()
+
+    def _after_crash(self, coll: Collective | None) -> None:
+        settled = threading.Event()  # this rank's part is settled for good: no more aborts needed
+        own_done = threading.Event()  # this rank's own attempt has ended (or never started)
+        storage = self._run_storage(coll)
+        keep: int | None = None  # the one attempt of the dead trainer's run this rank takes part in
+        try:
+            held = self._use_held()
+            try:
+                if coll is not None and storage is not None:
+                    if held is not None and not held.persisted and not held.attempted:
+                        mine = held.job.collective
+                        keep = mine.counter if mine is not None and mine.run == coll.run else None
+                    scanner = threading.Thread(target=self._abort_others, args=(storage, coll, keep, settled, own_done),
+                                               name="zerostall-keeper-abort", daemon=True)
+                    self._scanners.append(scanner)
+                    scanner.start()
+                if held is not None:
+                    self._persist(held)
+                    if held.persisted:  # committed: every rank took part, no other attempt waits on us
+                        settled.set()
+            finally:
+                own_done.set()
+                if held is not None:
+                    self._unuse_held(held)
+            if coll is not None and storage is not None:
+                if not settled.is_set():
+                    # One more round now that this rank's attempt is over: the rank that aborted it
+                    # did so only once its own attempt was in progress, so this round finds that one.
+                    self._abort_round(storage, coll, keep, once_keep_started=False)
+                try:
+                    sweep_aborted_decisions(storage, coll.run)
+                except Exception:  # noqa: BLE001,S110 - gc removes them later
+                    pass
+        finally:
+            _silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
+
+    def _abort_others(self, storage: Storage, coll: Collective, keep: int | None, settled: threading.Event,
+                      own_done: threading.Event) -> None:
+        """For up to ``coll.timeout_s`` while the keeper lives: abort every attempt of the dead
+        trainer's run that this rank will never take part in (any other rank's writer or keeper
+        waiting on one), once this rank's own attempt is in progress. Keeps going after this
+        rank's own attempt was aborted: a rank whose trainer dies later may still start one of
+        another step, and would otherwise wait out its timeout."""
+        deadline = time.monotonic() + coll.timeout_s
+        while not (self._stop.is_set() or settled.is_set()) and time.monotonic() < deadline:
+            self._abort_round(storage, coll, keep, once_keep_started=not own_done.is_set())
+            self._stop.wait(max(coll.poll_s, _SCAN_MIN_S))
+
+    def _abort_round(self, storage: Storage, coll: Collective, keep: int | None, *, once_keep_started: bool) -> None:
+        reason = f"rank {coll.rank}'s trainer died without this save in its keeper's memory"
+        try:
+            abort_attempts_except(storage, coll.run, keep, coll.rank, reason, once_keep_started=once_keep_started)
+        except Exception:  # noqa: BLE001,S110 - retried next round; the others time out at worst
+            pass
+
+    def _run_storage(self, coll: Collective | None) -> Storage | None:
+        """The storage of the dead trainer's collective run (None: no run, or it cannot be opened)."""
+        if coll is None or self._root_of_run is None:
+            return None
+        try:
+            return open_storage(self._root_of_run)
+        except Exception:  # noqa: BLE001 - the persist reports storage failures
+            return None
+
+    def _join_crash(self) -> None:
+        """Wait for every persist after a crash (each bounded by the collective ``timeout_s``)."""
+        while self._crashes:
+            self._crashes[0].join()
+            self._crashes.pop(0)
+
     def shutdown(self) -> None:
-        """Free everything: the name, the held step, the descriptors."""
+        """Free everything: the name, the held step, the descriptors. A persist still running
+        after a crash is waited for (bounded by the collective ``timeout_s``), with the name
+        already given up so that no new trainer waits on this keeper meanwhile."""
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -481,11 +631,15 @@ class Keeper:
                 pass
             self._listener.close()
             self._listener = None
+        self._join_crash()
+        self._stop.set()
+        for t in self._scanners:  # never exit in the middle of a decision's put
+            t.join()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None
         if held is not None:
-            held.close()
+            self._close_held(held)
         if waiting is not None:
             waiting.close()
         for fd, _ in self._fds.values():
