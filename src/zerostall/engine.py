@@ -32,8 +32,7 @@ from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
-from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task
-from zerostall.stage.ownership import deferrable
+from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any
 from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
@@ -205,7 +204,7 @@ class Engine:
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
-        split = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        split = deferrable_any(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
         defer = split[0] if split is not None else None
         slot = self.pool.acquire()
         task: OverlapTask | None = None

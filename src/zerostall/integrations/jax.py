@@ -5,12 +5,21 @@ been imported (``import zerostall.integrations.jax`` does it explicitly). It reg
 
 Saving (training thread, a :func:`zerostall.tree.register_flattener` hook):
 
-* a ``jax.Array`` on one device is an ordinary array leaf; its bytes are copied into the staging
-  buffer during ``save_*_async`` straight from the device buffer (a zero-copy host view on CPU;
-  on an accelerator the device-to-host transfers of all leaves are started first with
-  ``copy_to_host_async`` and each is waited for when its turn to be copied comes). JAX arrays are
-  immutable, but a step that donates them (``donate_argnums``) frees their buffers, so the copy
-  is finished before ``save_*_async`` returns: a donating step right after it cannot tear the save.
+* a ``jax.Array`` on one device is an ordinary array leaf. JAX arrays are immutable, so with
+  overlapped staging (the default) ``save_*_async`` only holds a reference to each (and on an
+  accelerator starts its device-to-host transfer with ``copy_to_host_async``) and returns; the
+  copy into the staging buffer runs on the engine's copier thread (a background source, see
+  :func:`zerostall.stage.overlap.register_background_source`), straight from the device buffer
+  (a zero-copy host view on CPU, the finished transfer elsewhere). ``response.wait_staged()``
+  waits for it. With ``staging="blocking"`` the same copy runs before the call returns.
+* donation (``donate_argnums``) is the one way a saved array can change: the step deletes it.
+  While the copier thread reads a CPU array it holds a host view of its buffer, and XLA does not
+  donate a buffer with an external reference (the step copies its input instead), so the copy
+  cannot tear. An array donated before the copier thread reached it cannot be read: the save
+  fails with :class:`~zerostall.errors.DonatedArrayError` naming the leaf, through the save's
+  response like any background failure, and nothing of it is committed. Call
+  ``response.wait_staged()`` before a step that donates the saved arrays (or save with
+  ``staging="blocking"``).
 * a ``jax.Array`` over several devices is a ``sharded`` node (like a DTensor): each addressable
   shard with ``replica_id == 0`` is one leaf with its box in the global array, so every byte is
   written once however the array is replicated.
@@ -53,9 +62,10 @@ import numpy as np
 from jax._src import tree_util as _jax_tree_util
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
-from zerostall.errors import MismatchError, MissingKeyError, UnsupportedLeafError
+from zerostall.errors import DonatedArrayError, MismatchError, MissingKeyError, UnsupportedLeafError
 from zerostall.restore import ReadPlanner, Thunk, register_node_reader
 from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
+from zerostall.stage.overlap import register_background_source
 from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
 
 __all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node"]
@@ -85,19 +95,40 @@ def _dtype_name(dtype: Any, key: str) -> str:
 class _HostView:
     """What the stager copies from: the array's host bytes, typed as the staging buffer's view.
 
-    ``np.copyto`` converts it at staging time, so the device-to-host wait happens there (after
-    every leaf's transfer was started) and no host copy is made on CPU.
+    ``np.copyto`` converts it at staging time (on the training thread with blocking staging, on
+    the copier thread through :meth:`copy_into` otherwise), so the device-to-host wait happens
+    there (after every leaf's transfer was started) and no host copy is made on CPU.
     """
 
-    __slots__ = ("array", "view")
+    __slots__ = ("array", "key", "view")
 
-    def __init__(self, array: Any, view: np.dtype[Any]) -> None:
+    def __init__(self, array: Any, view: np.dtype[Any], key: str) -> None:
         self.array = array
         self.view = view
+        self.key = key
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        host = np.asarray(self.array)
+        try:
+            host = np.asarray(self.array)
+        except RuntimeError as exc:
+            if self.array.is_deleted():
+                raise _donated(self.key) from exc
+            raise
         return host if host.dtype == self.view else host.view(self.view)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        # The host view (np.asarray, zero-copy on CPU) is an external reference to the device
+        # buffer while it lives: XLA will not donate the buffer under it, so these bytes stay the
+        # bytes of the save until the copy is done; it is dropped at return (later steps may donate).
+        np.copyto(dst, self.__array__(), casting="no")
+
+
+def _donated(key: str) -> DonatedArrayError:
+    return DonatedArrayError(
+        "this jax.Array was donated to a computation (donate_argnums) or deleted before its background copy "
+        "to host read it, so the save cannot have its bytes; nothing of this save is committed. Call "
+        "response.wait_staged() before a step that donates the saved arrays, or save with "
+        "SaveOptions(staging='blocking')", key=key)
 
 
 def _host_leaf(a: Any, key: str, name: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> int:
@@ -108,7 +139,7 @@ def _host_leaf(a: Any, key: str, name: str, leaves: list[ArrayLeaf], *, shared: 
         a.copy_to_host_async()  # all transfers in flight before staging waits for the first one
     shape = tuple(int(s) for s in a.shape)
     leaves.append(ArrayLeaf(key, "numpy", name, shape, math.prod(shape) * ITEMSIZE[name],
-                            _HostView(a, to_numpy_dtype(name)), shared))
+                            _HostView(a, to_numpy_dtype(name), key), shared))
     return len(leaves) - 1
 
 
@@ -273,6 +304,7 @@ def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> 
     return None
 
 
+register_background_source(_HostView)
 register_flattener(is_pytree_node_type, flatten_pytree_node)
 register_flattener(is_jax_array_type, flatten_array)
 register_node_reader(_reader)
