@@ -52,6 +52,7 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable
 from typing import Any
@@ -62,13 +63,19 @@ import numpy as np
 from jax._src import tree_util as _jax_tree_util
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
-from zerostall.errors import DonatedArrayError, MismatchError, MissingKeyError, UnsupportedLeafError
+from zerostall.errors import (
+    DonatedArrayError,
+    InvalidArgumentError,
+    MismatchError,
+    MissingKeyError,
+    UnsupportedLeafError,
+)
 from zerostall.restore import ReadPlanner, Thunk, register_node_reader
 from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
 from zerostall.stage.overlap import register_background_source
 from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
 
-__all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node"]
+__all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node", "join_processes"]
 
 #: containers zerostall walks itself (jax registers them too)
 _BUILTIN_NODES = (dict, list, tuple, type(None))
@@ -302,6 +309,52 @@ def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> 
     if tmpl is not None and is_pytree_node_type(type(tmpl)):
         return _into_pytree_node(planner, node, tmpl, key)
     return None
+
+
+def join_processes(timeout_s: float = 300.0) -> None:
+    """Give zerostall's collective saves and loads the processes of ``jax.distributed``.
+
+    zerostall coordinates the processes of a multi-host save (run id, the commit of every
+    process's files as one checkpoint, steps every process sees) through ``torch.distributed``.
+    Call this once after ``jax.distributed.initialize()``: it starts a CPU-only ``gloo`` group with
+    one rank per JAX process (rank ``jax.process_index()``), its address agreed through
+    jax's own coordination service, so nothing else needs configuring. Needs ``torch``. Every
+    process then calls the same ``save_*`` / ``load_*`` / ``Checkpointer`` methods; each writes
+    only the shards it owns (``replica_id == 0``).
+
+    Example::
+
+        >>> jax.distributed.initialize()                       # doctest: +SKIP
+        >>> zerostall.integrations.jax.join_processes()         # doctest: +SKIP
+        >>> ckpt = zerostall.Checkpointer("/shared/run")        # doctest: +SKIP
+
+    Raises:
+        InvalidArgumentError: ``jax.distributed`` is not initialized.
+    """
+    import socket
+
+    import torch.distributed as dist
+    from jax._src import distributed as _jax_distributed
+
+    state = _jax_distributed.global_state
+    client = state.client
+    if client is None or state.coordinator_address is None:
+        raise InvalidArgumentError("call jax.distributed.initialize() before join_processes()",
+                                   argument="jax.distributed")
+    if dist.is_initialized():
+        return
+    key = "zerostall/join_processes/init_method"
+    rank, world = jax.process_index(), jax.process_count()
+    if rank == 0:
+        # the coordinator's host is process 0's (jax requires it); a free port there for torch's store
+        host = state.coordinator_address.rsplit(":", 1)[0]
+        with socket.socket() as sk:
+            sk.bind(("", 0))
+            port = sk.getsockname()[1]
+        client.key_value_set(key, f"tcp://{host}:{port}")
+    init_method = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 register_background_source(_HostView)
