@@ -1,6 +1,10 @@
 """JAX arrays staged in the background: the save returns holding references, the copy to host runs
-on the engine's copier thread, and a train step that donates the saved arrays either runs after
-``wait_staged()`` (bit for bit) or fails that save with ``DonatedArrayError`` (never a torn commit).
+on the engine's copier thread, and a train step that donates the saved arrays never tears a save.
+
+On CPU the save call holds a host view of each buffer (no copy), under which XLA does not donate:
+a donating step right after the call is safe by construction. Off CPU the copier takes the view
+when it copies, and an array donated before that fails the save with ``DonatedArrayError``;
+``HOLD_CPU_VIEWS = False`` gives CPU arrays that path, so it runs here too.
 
 The copier thread is held back with a gate queued on it (a real item of its queue), so "donated
 before the copy" and "copied before the donation" are both certain, not left to timing.
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import zerostall.integrations.jax as zjax
 from zerostall import BackgroundSaveError, Checkpointer, DonatedArrayError, SaveOptions, TornSnapshotError
 
 
@@ -70,6 +75,33 @@ def test_save_returns_before_the_copy_and_donation_after_wait_staged_is_bit_for_
         assert equal(c.load_pytree(1), expect)
 
 
+def test_donation_right_after_the_call_is_safe_on_cpu(tmp_path: Path) -> None:
+    p = params()
+    expect = jax.tree.map(np.array, p)
+    step(params())
+    with Checkpointer(tmp_path / "run") as c:
+        with copier_held(c):
+            r = c.save_pytree_async(1, p)
+            saved = p
+            p = step(p)  # before the copy: XLA copies the held buffers instead of donating them
+            assert not any(a.is_deleted() for a in saved.values())
+            assert not r.staged()
+        r.result()
+        assert equal(c.load_pytree(1), expect)
+        assert equal(jax.tree.map(np.array, p), jax.tree.map(lambda x: np.array(x * 2 + 1), expect))
+        # once copied the views are gone: the next donating step reuses the buffers again
+        saved = p
+        p = step(p)
+        assert all(a.is_deleted() for a in saved.values())
+
+
+@pytest.fixture
+def unheld(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU arrays take the accelerator path: no host view held from the call."""
+    monkeypatch.setattr(zjax, "HOLD_CPU_VIEWS", False)
+
+
+@pytest.mark.usefixtures("unheld")
 def test_donation_before_the_copy_fails_that_save_by_key_and_commits_nothing(tmp_path: Path) -> None:
     p = params()
     step(params())
@@ -90,6 +122,7 @@ def test_donation_before_the_copy_fails_that_save_by_key_and_commits_nothing(tmp
         assert equal(c.load_pytree(2), jax.tree.map(np.array, p))
 
 
+@pytest.mark.usefixtures("unheld")
 def test_unreceived_donation_failure_reaches_the_next_save_and_close(tmp_path: Path) -> None:
     p = params()
     step(params())
@@ -125,6 +158,7 @@ def test_blocking_staging_copies_before_return(tmp_path: Path) -> None:
         assert equal(c.load_pytree(1), expect)
 
 
+@pytest.mark.usefixtures("unheld")
 def test_donation_racing_the_copy_never_commits_a_wrong_checkpoint(tmp_path: Path) -> None:
     p = {"w": jnp.arange(4 << 20, dtype=jnp.float32)}  # 16 MiB: the copy takes a while
     step(jax.block_until_ready({"w": jnp.zeros(4 << 20)}))

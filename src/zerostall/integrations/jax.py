@@ -99,6 +99,11 @@ def _dtype_name(dtype: Any, key: str) -> str:
     return name
 
 
+#: hold a host view of each CPU array from the save call until its background copy (see
+#: ``_HostView.hold``); False gives CPU arrays the accelerator path (tests of that path use it)
+HOLD_CPU_VIEWS = True
+
+
 class _HostView:
     """What the stager copies from: the array's host bytes, typed as the staging buffer's view.
 
@@ -107,12 +112,21 @@ class _HostView:
     there (after every leaf's transfer was started) and no host copy is made on CPU.
     """
 
-    __slots__ = ("array", "key", "view")
+    __slots__ = ("array", "host", "key", "view")
 
     def __init__(self, array: Any, view: np.dtype[Any], key: str) -> None:
         self.array = array
         self.view = view
         self.key = key
+        self.host: np.ndarray | None = None  # the host view held from the save call to the copy
+
+    def hold(self) -> None:
+        # On CPU the host view is the device buffer itself (no copy), and while it lives XLA does
+        # not donate that buffer: a donating step copies its input instead. Held from the call,
+        # it makes donation after save_*_async returns safe. Elsewhere the view would be a blocking
+        # device-to-host copy: the transfer started at flatten time is read on the copier thread.
+        if HOLD_CPU_VIEWS and all(d.platform == "cpu" for d in self.array.sharding.device_set):
+            self.host = self.__array__()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         try:
@@ -124,10 +138,11 @@ class _HostView:
         return host if host.dtype == self.view else host.view(self.view)
 
     def copy_into(self, dst: np.ndarray) -> None:
-        # The host view (np.asarray, zero-copy on CPU) is an external reference to the device
-        # buffer while it lives: XLA will not donate the buffer under it, so these bytes stay the
-        # bytes of the save until the copy is done; it is dropped at return (later steps may donate).
-        np.copyto(dst, self.__array__(), casting="no")
+        host, self.host = self.host, None
+        # A view taken here (not held) is an external reference too, so once it exists the
+        # buffer cannot be donated under the copy; an array donated before that raises instead.
+        np.copyto(dst, self.__array__() if host is None else host, casting="no")
+        # the view is dropped at return: later steps may donate the buffer again
 
 
 def _donated(key: str) -> DonatedArrayError:

@@ -22,9 +22,10 @@ before the copy was done (an in-place change outside ``step()``) fails the save 
 **Background sources.** A leaf whose value is an instance of a type registered with
 :func:`register_background_source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
 is copied by the same thread through the value's own ``copy_into(dst)``, in every overlapped
-save, owned by an optimizer or not; the value judges itself whether it is still intact and
-raises (a :class:`~zerostall.errors.TornSnapshotError` subclass) when not. No guard is needed:
-nothing but the source's own rules (e.g. donation) can change it.
+save, owned by an optimizer or not, after its ``hold()`` ran in the save call; the value judges
+itself whether it is still intact and raises (a :class:`~zerostall.errors.TornSnapshotError`
+subclass) when not. No guard is needed: nothing but the source's own rules (e.g. donation) can
+change it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class _CudaPart:
 
 class BackgroundSource(Protocol):
     """A leaf value that copies itself into its staging view on the copier thread."""
+
+    def hold(self) -> None:
+        """On the training thread, in the save call: keep what the later copy needs (may raise)."""
 
     def copy_into(self, dst: Any) -> None:
         """Copy every byte into ``dst``; raise if the source can no longer give the bytes of the call."""
@@ -244,6 +248,12 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         if not d or dst is None:
             continue
         if _SOURCES and isinstance(leaf.value, _SOURCES):
+            try:
+                leaf.value.hold()
+            except ZerostallError as exc:
+                if exc.path is None:
+                    exc.path = path
+                raise
             task.host.append(_HostCopy(leaf.key, leaf.value, dst))
             continue
         t = leaf.value
