@@ -248,13 +248,14 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         if not d or dst is None:
             continue
         if _SOURCES and isinstance(leaf.value, _SOURCES):
+            source: BackgroundSource = leaf.value
             try:
-                leaf.value.hold()
+                source.hold()
             except ZerostallError as exc:
                 if exc.path is None:
                     exc.path = path
                 raise
-            task.host.append(_HostCopy(leaf.key, leaf.value, dst))
+            task.host.append(_HostCopy(leaf.key, source, dst))
             continue
         t = leaf.value
         version = int(t._version)
