@@ -40,7 +40,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
@@ -248,7 +248,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         if not d or dst is None:
             continue
         if _SOURCES and isinstance(leaf.value, _SOURCES):
-            source: BackgroundSource = leaf.value
+            source = cast(BackgroundSource, leaf.value)
             try:
                 source.hold()
             except ZerostallError as exc:
