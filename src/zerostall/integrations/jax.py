@@ -52,6 +52,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 from collections.abc import Callable
@@ -72,6 +73,7 @@ from zerostall.errors import (
 )
 from zerostall.restore import ReadPlanner, Thunk, register_node_reader
 from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
+from zerostall.stage import overlap as _overlap
 from zerostall.stage.overlap import register_background_source
 from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
 
@@ -373,6 +375,9 @@ def join_processes(timeout_s: float = 300.0) -> None:
 
 
 register_background_source(_HostView)
+# Saves whose background copy is still queued at exit finish before jax's own exit handlers
+# (registered earlier, so run later) tear its backends down.
+atexit.register(_overlap._drain_all)
 register_flattener(is_pytree_node_type, flatten_pytree_node)
 register_flattener(is_jax_array_type, flatten_array)
 register_node_reader(_reader)
