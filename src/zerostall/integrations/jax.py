@@ -13,11 +13,12 @@ Saving (training thread, a :func:`zerostall.tree.register_flattener` hook):
   (a zero-copy host view on CPU, the finished transfer elsewhere). ``response.wait_staged()``
   waits for it. With ``staging="blocking"`` the same copy runs before the call returns.
 * donation (``donate_argnums``) is the one way a saved array can change: the step deletes it.
-  While the copier thread reads a CPU array it holds a host view of its buffer, and XLA does not
-  donate a buffer with an external reference (the step copies its input instead), so the copy
-  cannot tear. An array donated before the copier thread reached it cannot be read: the save
-  fails with :class:`~zerostall.errors.DonatedArrayError` naming the leaf, through the save's
-  response like any background failure, and nothing of it is committed. Call
+  On CPU the save call holds a zero-copy host view of each buffer until its copy, and XLA does not
+  donate a buffer with an external reference (the step copies its input instead, slowly), so a
+  donating step right after the call cannot tear or crash the save. Elsewhere the copier thread
+  takes the view when it copies; an array donated before that cannot be read: the save fails
+  with :class:`~zerostall.errors.DonatedArrayError` naming the leaf, through the save's response
+  like any background failure, and nothing of it is committed. Either way, call
   ``response.wait_staged()`` before a step that donates the saved arrays (or save with
   ``staging="blocking"``).
 * a ``jax.Array`` over several devices is a ``sharded`` node (like a DTensor): each addressable
