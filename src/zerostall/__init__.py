@@ -76,7 +76,3 @@ def _load_jax_integration() -> None:
 
 
 _register_lazy("jax", _load_jax_integration)
-
-from zerostall.errors import DonatedArrayError  # noqa: E402
-
-__all__ += ["DonatedArrayError"]

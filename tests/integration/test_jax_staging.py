@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 import zerostall.integrations.jax as zjax
-from zerostall import BackgroundSaveError, Checkpointer, DonatedArrayError, SaveOptions, TornSnapshotError
+from zerostall import BackgroundSaveError, Checkpointer, SaveOptions, TornSnapshotError
+from zerostall.errors import DonatedArrayError
 
 
 @functools.partial(jax.jit, donate_argnums=0)
