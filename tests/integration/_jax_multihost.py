@@ -2,13 +2,16 @@
 
 ``jax.distributed`` over localhost with gloo CPU collectives; ``join_processes`` gives zerostall
 the same two processes. Saves arrays sharded over a mesh spanning both processes' 8 devices with
-a background (overlapped) save, then loads them into a different mesh; prints one JSON line.
+a background (overlapped) save, fails a second save by a donation on one process, then loads the
+first into a different mesh; prints one JSON line.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerostall
+import zerostall.integrations.jax as zjax
 from zerostall.integrations.jax import join_processes
 
 GLOBAL = {
@@ -27,6 +31,11 @@ GLOBAL = {
 SPECS = {"both": P("x", "y"), "rows": P("x"), "repl": P()}
 # at load: another mesh (devices in another order, axes swapped) and other partitionings
 LOAD_SPECS = {"both": P("b", "a"), "rows": P(None, "b"), "repl": P("a")}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def donate(state: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return jax.tree.map(lambda a: a + 1, state)
 
 
 def main(rank: int, port: int, path: str) -> None:
@@ -46,6 +55,26 @@ def main(rank: int, port: int, path: str) -> None:
         with open(f"{path}/step_00000001/manifest.json") as f:
             manifest = json.load(f)
 
+        # off CPU no host view is held from the call: a donation on process 1 before its copy fails the
+        # save there (DonatedArrayError) and, through the collective decision, on process 0 too
+        zjax.HOLD_CPU_VIEWS = False
+        gate = threading.Event()
+        if rank == 1:
+            ckpt._engine._copier._put(lambda: gate.wait(60))
+        state = {k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, SPECS[k]), lambda i, v=v: v[i])
+                 for k, v in GLOBAL.items()}
+        r = ckpt.save_pytree_async(2, state)
+        if rank == 1:
+            state = donate(state)
+            gate.set()
+        try:
+            r.result()
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            failed = type(exc).__name__
+        zjax.HOLD_CPU_VIEWS = True
+        steps = ckpt.steps()
+
         mesh2 = Mesh(devs[[5, 1, 6, 2, 7, 3, 4, 0]].reshape(2, 4), ("a", "b"))  # processes interleaved
         tmpl = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh2, LOAD_SPECS[k]))
                 for k, v in GLOBAL.items()}
@@ -53,7 +82,7 @@ def main(rank: int, port: int, path: str) -> None:
     equal = {k: all(np.asarray(sh.data).tobytes() == GLOBAL[k][sh.index].tobytes()
                     for sh in out[k].addressable_shards) and out[k].sharding == tmpl[k].sharding
              for k in GLOBAL}
-    print(json.dumps({"rank": rank, "equal": equal, "manifest": manifest}))
+    print(json.dumps({"rank": rank, "equal": equal, "manifest": manifest, "failed": failed, "steps": steps}))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ gloo CPU collectives), 4 CPU devices each, one mesh over all 8.
 
 Each process writes only the shards it owns (replica 0 of each box), the two files commit as one
 checkpoint, and both processes load it into a mesh that orders and splits the devices differently.
+A donation before the background copy on one process fails that save on both, committing nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def test_two_processes_write_their_own_shards_and_load_into_another_mesh(tmp_pat
     for r in range(2):
         assert seen[r]["rank"] == r
         assert seen[r]["equal"] == {"both": True, "rows": True, "repl": True}  # other mesh, bit for bit
+        assert seen[r]["steps"] == [1]  # the failed save 2 is committed nowhere
+    # process 1 donated before its copy (the accelerator path); process 0 fails the same save
+    assert seen[1]["failed"] == "DonatedArrayError"
+    assert seen[0]["failed"] == "DonatedArrayError"  # the same class, through the collective decision
 
     m = seen[0]["manifest"]
     assert [f["path"] for f in m["files"]] == ["data/rank-00000.safetensors", "data/rank-00001.safetensors"]
