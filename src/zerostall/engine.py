@@ -269,12 +269,17 @@ class Engine:
                 on_done: OnDone) -> None:
         """An overlapped copy finished (copier thread): hand the save off, or fail it (torn)."""
         response._staged_s = time.perf_counter() - t0
-        response._staged.set()
         if err is not None:
             self.pool.release(slot)
+            response._staged.set()
             on_done(None, err)
             return
-        self._hand_off_quietly(job, slot, on_done)
+        try:
+            self._hand_off_quietly(job, slot, on_done)
+        finally:
+            # only now: a trainer that dies once wait_staged() returned must leave the job with the
+            # writer (the writer commits what it was handed), as with blocking staging
+            response._staged.set()
 
     def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:
