@@ -4,9 +4,13 @@
 
 Run it again with the same ``--dir`` after a crash (``--kill-at N`` SIGKILLs the process right
 after the save of step N returned) and it resumes from the latest committed step; the final
-parameters are bit for bit those of an uninterrupted run. The train step donates its input state
-(``donate_argnums``) right after ``save_pytree_async`` returned: the save has already copied what
-it needs by then.
+parameters are bit for bit those of an uninterrupted run.
+
+``save_pytree_async`` returns holding references to the state's arrays; their copy to host runs
+in the background. The train step donates its input state (``donate_argnums``), so before the
+next step the loop calls ``response.wait_staged()``: a donated array cannot be read any more, and
+a save whose array was donated first (off CPU) fails with ``zerostall.errors.DonatedArrayError``; on
+CPU the step runs without donating, much slower.
 """
 
 from __future__ import annotations
@@ -70,13 +74,18 @@ def main() -> int:
         if start is not None:
             state = ckpt.load_pytree(start, template=state)  # same TrainState class, apply_fn and tx
             print(f"resumed from step {start}", flush=True)
+        saving: zerostall.Response | None = None
         while int(state.step) < args.steps:
+            if saving is not None:
+                saving.wait_staged()  # the step below donates the arrays the save still copies
+                saving = None
             state, loss = train_step(state)
             step = int(state.step)
             if step % args.save_every == 0:
-                ckpt.save_pytree_async(step, state, metadata={"loss": float(loss)})
+                saving = ckpt.save_pytree_async(step, state, metadata={"loss": float(loss)})
                 if step == args.kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)  # the writer process still commits this save
+                    saving.wait_staged()  # staged: from here the writer process commits it without us
+                    os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
     if args.out:
         flat, _ = jax.tree_util.tree_flatten_with_path(state.params)

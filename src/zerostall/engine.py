@@ -32,8 +32,7 @@ from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
-from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task
-from zerostall.stage.ownership import deferrable
+from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any
 from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
@@ -205,7 +204,7 @@ class Engine:
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
-        split = deferrable(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        split = deferrable_any(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
         defer = split[0] if split is not None else None
         slot = self.pool.acquire()
         task: OverlapTask | None = None
@@ -270,12 +269,17 @@ class Engine:
                 on_done: OnDone) -> None:
         """An overlapped copy finished (copier thread): hand the save off, or fail it (torn)."""
         response._staged_s = time.perf_counter() - t0
-        response._staged.set()
         if err is not None:
             self.pool.release(slot)
+            response._staged.set()
             on_done(None, err)
             return
-        self._hand_off_quietly(job, slot, on_done)
+        try:
+            self._hand_off_quietly(job, slot, on_done)
+        finally:
+            # only now: a trainer that dies once wait_staged() returned must leave the job with the
+            # writer (the writer commits what it was handed), as with blocking staging
+            response._staged.set()
 
     def _on_done(self, response: Response, exc: BaseException | None) -> None:
         with self._lock:

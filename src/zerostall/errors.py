@@ -21,6 +21,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── WriterError(RuntimeError)                    the background writer died or was closed
     │   └── BackgroundSaveError                      a save that failed in the background, raised later
     └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
+        └── DonatedArrayError                        a jax.Array donated before its background copy
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
 class and errno they had in the writer.
@@ -44,6 +45,7 @@ __all__ = [
     "StorageError",
     "WriterError",
     "TornSnapshotError",
+    "DonatedArrayError",
     "WireError",
     "to_wire",
     "from_wire",
@@ -165,6 +167,16 @@ class TornSnapshotError(ZerostallError, RuntimeError):
     """
 
 
+class DonatedArrayError(TornSnapshotError):
+    """A ``jax.Array`` of an overlapped save was donated to a computation (``donate_argnums``), or
+    deleted, before its background copy to host read it. ``key`` names the leaf; nothing of the save
+    is committed.
+
+    Call ``response.wait_staged()`` before a step that donates the
+    saved arrays, or save with ``SaveOptions(staging="blocking")``.
+    """
+
+
 _BY_NAME: dict[str, type[ZerostallError]] = {
     cls.__name__: cls
     for cls in (
@@ -180,6 +192,7 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
         StorageError,
         WriterError,
         TornSnapshotError,
+        DonatedArrayError,
     )
 }
 

@@ -140,6 +140,10 @@ class Response:
         fails with :class:`~zerostall.errors.TornSnapshotError`. A failed copy is reported by
         :meth:`result`, not here.
 
+        ``jax.Array`` leaves are all copied in the background: call this before a step that
+        donates them (``donate_argnums``), otherwise a leaf donated before its copy fails the save
+        with :class:`~zerostall.errors.DonatedArrayError`.
+
         Example::
 
             >>> r = ckpt.save_pytree_async(step, {"model": model, "optim": opt})  # doctest: +SKIP

@@ -85,7 +85,7 @@ def test_checkpointer_async(tmp_path: Path) -> None:
         assert same(c.load_pytree(template=model(0)), model(2))
 
 
-def test_donating_step_right_after_save_async(tmp_path: Path) -> None:
+def test_donating_step_after_wait_staged(tmp_path: Path) -> None:
     @functools.partial(jax.jit, donate_argnums=0)
     def step(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return jax.tree.map(lambda x: x * 2 + 1, p)
@@ -94,6 +94,7 @@ def test_donating_step_right_after_save_async(tmp_path: Path) -> None:
     expect = jax.tree.map(np.array, params)
     with Checkpointer(tmp_path / "run") as c:
         r = c.save_pytree_async(1, params)
+        r.wait_staged()  # the copy to host runs in the background; the step below donates its sources
         saved = params
         for _ in range(5):
             params = step(params)

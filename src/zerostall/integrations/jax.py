@@ -5,12 +5,22 @@ been imported (``import zerostall.integrations.jax`` does it explicitly). It reg
 
 Saving (training thread, a :func:`zerostall.tree.register_flattener` hook):
 
-* a ``jax.Array`` on one device is an ordinary array leaf; its bytes are copied into the staging
-  buffer during ``save_*_async`` straight from the device buffer (a zero-copy host view on CPU;
-  on an accelerator the device-to-host transfers of all leaves are started first with
-  ``copy_to_host_async`` and each is waited for when its turn to be copied comes). JAX arrays are
-  immutable, but a step that donates them (``donate_argnums``) frees their buffers, so the copy
-  is finished before ``save_*_async`` returns: a donating step right after it cannot tear the save.
+* a ``jax.Array`` on one device is an ordinary array leaf. JAX arrays are immutable, so with
+  overlapped staging (the default) ``save_*_async`` only holds a reference to each (and on an
+  accelerator starts its device-to-host transfer with ``copy_to_host_async``) and returns; the
+  copy into the staging buffer runs on the engine's copier thread (a background source, see
+  :func:`zerostall.stage.overlap.register_background_source`), straight from the device buffer
+  (a zero-copy host view on CPU, the finished transfer elsewhere). ``response.wait_staged()``
+  waits for it. With ``staging="blocking"`` the same copy runs before the call returns.
+* donation (``donate_argnums``) is the one way a saved array can change: the step deletes it.
+  On CPU the save call holds a zero-copy host view of each buffer until its copy, and XLA does not
+  donate a buffer with an external reference (the step copies its input instead, slowly), so a
+  donating step right after the call cannot tear or crash the save. Elsewhere the copier thread
+  takes the view when it copies; an array donated before that cannot be read: the save fails
+  with :class:`~zerostall.errors.DonatedArrayError` naming the leaf, through the save's response
+  like any background failure, and nothing of it is committed. Either way, call
+  ``response.wait_staged()`` before a step that donates the saved arrays (or save with
+  ``staging="blocking"``).
 * a ``jax.Array`` over several devices is a ``sharded`` node (like a DTensor): each addressable
   shard with ``replica_id == 0`` is one leaf with its box in the global array, so every byte is
   written once however the array is replicated.
@@ -43,6 +53,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import math
 from collections.abc import Callable
 from typing import Any
@@ -53,12 +65,20 @@ import numpy as np
 from jax._src import tree_util as _jax_tree_util
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
-from zerostall.errors import MismatchError, MissingKeyError, UnsupportedLeafError
+from zerostall.errors import (
+    DonatedArrayError,
+    InvalidArgumentError,
+    MismatchError,
+    MissingKeyError,
+    UnsupportedLeafError,
+)
 from zerostall.restore import ReadPlanner, Thunk, register_node_reader
 from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
+from zerostall.stage import overlap as _overlap
+from zerostall.stage.overlap import register_background_source
 from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
 
-__all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node"]
+__all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node", "join_processes"]
 
 #: containers zerostall walks itself (jax registers them too)
 _BUILTIN_NODES = (dict, list, tuple, type(None))
@@ -82,22 +102,58 @@ def _dtype_name(dtype: Any, key: str) -> str:
     return name
 
 
+#: hold a host view of each CPU array from the save call until its background copy (see
+#: ``_HostView.hold``); False gives CPU arrays the accelerator path (tests of that path use it)
+HOLD_CPU_VIEWS = True
+
+
 class _HostView:
     """What the stager copies from: the array's host bytes, typed as the staging buffer's view.
 
-    ``np.copyto`` converts it at staging time, so the device-to-host wait happens there (after
-    every leaf's transfer was started) and no host copy is made on CPU.
+    ``np.copyto`` converts it at staging time (on the training thread with blocking staging, on
+    the copier thread through :meth:`copy_into` otherwise), so the device-to-host wait happens
+    there (after every leaf's transfer was started) and no host copy is made on CPU.
     """
 
-    __slots__ = ("array", "view")
+    __slots__ = ("array", "host", "key", "view")
 
-    def __init__(self, array: Any, view: np.dtype[Any]) -> None:
+    def __init__(self, array: Any, view: np.dtype[Any], key: str) -> None:
         self.array = array
         self.view = view
+        self.key = key
+        self.host: np.ndarray | None = None  # the host view held from the save call to the copy
+
+    def hold(self) -> None:
+        # On CPU the host view is the device buffer itself (no copy), and while it lives XLA does
+        # not donate that buffer: a donating step copies its input instead. Held from the call,
+        # it makes donation after save_*_async returns safe. Elsewhere the view would be a blocking
+        # device-to-host copy: the transfer started at flatten time is read on the copier thread.
+        if HOLD_CPU_VIEWS and all(d.platform == "cpu" for d in self.array.sharding.device_set):
+            self.host = self.__array__()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        host = np.asarray(self.array)
+        try:
+            host = np.asarray(self.array)
+        except RuntimeError as exc:
+            if self.array.is_deleted():
+                raise _donated(self.key) from exc
+            raise
         return host if host.dtype == self.view else host.view(self.view)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        host, self.host = self.host, None
+        # A view taken here (not held) is an external reference too, so once it exists the
+        # buffer cannot be donated under the copy; an array donated before that raises instead.
+        np.copyto(dst, self.__array__() if host is None else host, casting="no")
+        # the view is dropped at return: later steps may donate the buffer again
+
+
+def _donated(key: str) -> DonatedArrayError:
+    return DonatedArrayError(
+        "this jax.Array was donated to a computation (donate_argnums) or deleted before its background copy "
+        "to host read it, so the save cannot have its bytes; nothing of this save is committed. Call "
+        "response.wait_staged() before a step that donates the saved arrays, or save with "
+        "SaveOptions(staging='blocking')", key=key)
 
 
 def _host_leaf(a: Any, key: str, name: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> int:
@@ -108,7 +164,7 @@ def _host_leaf(a: Any, key: str, name: str, leaves: list[ArrayLeaf], *, shared: 
         a.copy_to_host_async()  # all transfers in flight before staging waits for the first one
     shape = tuple(int(s) for s in a.shape)
     leaves.append(ArrayLeaf(key, "numpy", name, shape, math.prod(shape) * ITEMSIZE[name],
-                            _HostView(a, to_numpy_dtype(name)), shared))
+                            _HostView(a, to_numpy_dtype(name), key), shared))
     return len(leaves) - 1
 
 
@@ -273,6 +329,56 @@ def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> 
     return None
 
 
+def join_processes(timeout_s: float = 300.0) -> None:
+    """Give zerostall's collective saves and loads the processes of ``jax.distributed``.
+
+    zerostall coordinates the processes of a multi-host save (run id, the commit of every
+    process's files as one checkpoint, steps every process sees) through ``torch.distributed``.
+    Call this once after ``jax.distributed.initialize()``: it starts a CPU-only ``gloo`` group with
+    one rank per JAX process (rank ``jax.process_index()``), its address agreed through
+    jax's own coordination service, so nothing else needs configuring. Needs ``torch``. Every
+    process then calls the same ``save_*`` / ``load_*`` / ``Checkpointer`` methods; each writes
+    only the shards it owns (``replica_id == 0``).
+
+    Example::
+
+        >>> jax.distributed.initialize()                       # doctest: +SKIP
+        >>> zerostall.integrations.jax.join_processes()         # doctest: +SKIP
+        >>> ckpt = zerostall.Checkpointer("/shared/run")        # doctest: +SKIP
+
+    Raises:
+        InvalidArgumentError: ``jax.distributed`` is not initialized.
+    """
+    import socket
+
+    import torch.distributed as dist
+    from jax._src import distributed as _jax_distributed
+
+    state = _jax_distributed.global_state
+    client = state.client
+    if client is None or state.coordinator_address is None:
+        raise InvalidArgumentError("call jax.distributed.initialize() before join_processes()",
+                                   argument="jax.distributed")
+    if dist.is_initialized():
+        return
+    key = "zerostall/join_processes/init_method"
+    rank, world = jax.process_index(), jax.process_count()
+    if rank == 0:
+        # the coordinator's host is process 0's (jax requires it); a free port there for torch's store
+        host = state.coordinator_address.rsplit(":", 1)[0]
+        with socket.socket() as sk:
+            sk.bind(("", 0))
+            port = sk.getsockname()[1]
+        client.key_value_set(key, f"tcp://{host}:{port}")
+    init_method = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+register_background_source(_HostView)
+# Saves whose background copy is still queued at exit finish before jax's own exit handlers
+# (registered earlier, so run later) tear its backends down.
+atexit.register(_overlap._drain_all)
 register_flattener(is_pytree_node_type, flatten_pytree_node)
 register_flattener(is_jax_array_type, flatten_array)
 register_node_reader(_reader)

@@ -18,6 +18,14 @@ can run while the next forward and backward passes do. Two parts make that safe:
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
 before the copy was done (an in-place change outside ``step()``) fails the save with
 :class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted.
+
+**Background sources.** A leaf whose value is an instance of a type registered with
+:func:`register_background_source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
+is copied by the same thread through the value's own ``copy_into(dst)``, in every overlapped
+save, owned by an optimizer or not, after its ``hold()`` ran in the save call; the value judges
+itself whether it is still intact and raises (a :class:`~zerostall.errors.TornSnapshotError`
+subclass) when not. No guard is needed: nothing but the source's own rules (e.g. donation) can
+change it.
 """
 
 from __future__ import annotations
@@ -32,12 +40,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
-from zerostall.errors import TornSnapshotError
-from zerostall.stage.ownership import Spans, note_optimizer, optimizer_tensors, span
+from zerostall.errors import TornSnapshotError, ZerostallError
+from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
-__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK"]
+__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK", "BackgroundSource",
+           "register_background_source", "deferrable_any"]
 
 log = logging.getLogger("zerostall")
 
@@ -68,6 +77,51 @@ class _CudaPart:
     sealed: bool = False  # a guard ordered later work after the copy; versions judged then
 
 
+class BackgroundSource(Protocol):
+    """A leaf value that copies itself into its staging view on the copier thread."""
+
+    def hold(self) -> None:
+        """On the training thread, in the save call: keep what the later copy needs (may raise)."""
+
+    def copy_into(self, dst: Any) -> None:
+        """Copy every byte into ``dst``; raise if the source can no longer give the bytes of the call."""
+
+
+#: leaf value types copied through :meth:`BackgroundSource.copy_into` (see :func:`register_background_source`)
+_SOURCES: tuple[type, ...] = ()
+
+
+def register_background_source(t: type) -> None:
+    """Copy leaves whose value is a ``t`` (a :class:`BackgroundSource`) in the background in overlapped saves.
+
+    For values nothing can modify in place (a registering integration's promise): the save returns
+    holding a reference, and the value's ``copy_into`` runs on the copier thread.
+    """
+    global _SOURCES
+    if t not in _SOURCES:
+        _SOURCES = (*_SOURCES, t)
+
+
+def deferrable_any(items: Any, leaves: list[Any]) -> tuple[list[bool], list[Any]] | None:
+    """:func:`~zerostall.stage.ownership.deferrable` plus the leaves of registered background sources."""
+    split = deferrable(items, leaves)
+    if not _SOURCES:
+        return split
+    host = [isinstance(leaf.value, _SOURCES) and leaf.nbytes > 0 for leaf in leaves]
+    if not any(host):
+        return split
+    if split is None:
+        return host, []
+    return [d or h for d, h in zip(split[0], host, strict=True)], split[1]
+
+
+@dataclass
+class _HostCopy:
+    key: str
+    source: Any  # a BackgroundSource; referenced until copied
+    dst: Any
+
+
 @dataclass
 class OverlapTask:
     """The background part of one save."""
@@ -86,6 +140,13 @@ class OverlapTask:
     #: memory of the deferred leaves, to judge an optimizer not among ``owners``
     spans: Spans = field(default_factory=Spans)
     _verdicts: dict[int, bool] = field(default_factory=dict)
+    #: background sources (see :func:`register_background_source`), copied after ``cpu``
+    host: list[_HostCopy] = field(default_factory=list)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether optimizer steps must be ordered after this task (it copies torch tensors)."""
+        return bool(self.owners or self.cpu or self.cuda)
 
     def concerns(self, optimizer: Any) -> bool:
         """Whether ``optimizer.step()`` can change a tensor this task has not copied yet."""
@@ -132,6 +193,18 @@ class OverlapTask:
             self.error = exc
         finally:
             self.cpu_done.set()
+        for h in self.host:
+            if self.error is not None:
+                break
+            try:
+                h.source.copy_into(h.dst)
+            except ZerostallError as exc:
+                if exc.path is None:
+                    exc.path = self.path
+                self.error = exc
+            except BaseException as exc:  # noqa: BLE001 - reported through the save
+                self.error = exc
+        self.host = []  # the sources may be freed (or donated) now
         for part in self.cuda:
             try:
                 part.event.synchronize()
@@ -174,6 +247,16 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
     for leaf, dst, d in zip(leaves, views, defer, strict=True):
         if not d or dst is None:
             continue
+        if _SOURCES and isinstance(leaf.value, _SOURCES):
+            source = cast(BackgroundSource, leaf.value)
+            try:
+                source.hold()
+            except ZerostallError as exc:
+                if exc.path is None:
+                    exc.path = path
+                raise
+            task.host.append(_HostCopy(leaf.key, source, dst))
+            continue
         t = leaf.value
         version = int(t._version)
         storage = t.untyped_storage()
@@ -202,6 +285,8 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
             done = torch.cuda.Event()
             done.record(stream)
             task.cuda.append(_CudaPart(device, done, [(k, t, s, v) for k, t, s, v, _ in entries]))
+    if not task.owners and task.host and any(leaf.kind == "torch" for leaf in leaves):
+        GUARD.learn()  # as for a save with nothing to overlap: an optimizer outside the tree is known next time
     if not task.cpu:
         # Nothing for the host to wait for: a guard must not block until the copier thread
         # reaches this task (it may still be busy with an earlier one).
@@ -299,7 +384,8 @@ class Copier:
 
     def submit(self, task: OverlapTask) -> None:
         """Run ``task`` in the background after everything submitted before it."""
-        GUARD.add(task)
+        if task.guarded:  # a task of background sources only needs no torch hook (nor torch)
+            GUARD.add(task)
         self._put(task)
 
     def in_order(self, fn: Callable[[], None]) -> bool:
