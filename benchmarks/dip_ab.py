@@ -95,7 +95,10 @@ class Config:
 
         name, _, env = spec.partition("=")
         self.name = name
-        self.env = dict(kv.split("=", 1) for kv in env.split(",") if kv) if env else {}
+        pairs = dict(kv.split("=", 1) for kv in env.split(",") if kv) if env else {}
+        # lower-case keys are SaveOptions fields (writer_sched=idle); upper-case ones environment variables
+        self.options = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in pairs.items() if k.islower()}
+        self.env = {k: v for k, v in pairs.items() if not k.islower()}
         self.ck: Any = None
         self.step = 0
         if name == "nosave":
@@ -104,7 +107,8 @@ class Config:
         os.environ.update(self.env)
         try:
             tier = zerostall.MemoryTier(persist_interval_steps=memory_tier) if memory_tier else None
-            self.ck = zerostall.Checkpointer(str(root / name), keep_last=1, memory_tier=tier)
+            self.ck = zerostall.Checkpointer(str(root / name), keep_last=1, memory_tier=tier,
+                                             save_options=zerostall.SaveOptions(**self.options))
         finally:
             for k, v in saved.items():
                 if v is None:
