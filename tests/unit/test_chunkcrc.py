@@ -60,31 +60,36 @@ def test_a_leaf_no_chunk_covered_is_summed_at_finish() -> None:
     assert sums.finish() == [checksum(view)]
 
 
-def test_pipeline_defaults_to_one_writer_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_is_chosen_by_the_writers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PIPELINE_ENV, raising=False)
-    assert pipeline() == "serial"
-    monkeypatch.setenv(PIPELINE_ENV, "threads")
     assert pipeline() == "threads"
+    monkeypatch.setenv(PIPELINE_ENV, "serial")
+    assert pipeline() == "serial"
 
 
-def test_saved_checksums_match_with_small_chunks(tmp_path: Path) -> None:
-    """End to end through the writer process: leaves cut by 1 MiB chunks load and verify."""
+@pytest.mark.parametrize("mode", ["serial", "threads"])
+def test_saved_checksums_match_with_small_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """End to end through a writer process (it inherits the pipeline): leaves cut by 1 MiB chunks
+    load and verify, and a flipped byte is caught."""
+    monkeypatch.setenv(PIPELINE_ENV, mode)
     import torch
 
     import zerostall
 
     tree = {"a": torch.randn(700, 1000), "b": torch.arange(10), "c": torch.randn(3, 5, 7), "e": torch.empty(0)}
-    path = str(tmp_path / "ck")
-    zerostall.save_pytree(path, tree, options=zerostall.SaveOptions(chunk_bytes=MiB))
-    back = zerostall.load_pytree(path)
-    assert all(torch.equal(back[k], tree[k]) for k in tree)
-    # Flip one byte inside the big leaf, past the first chunk: the load names the leaf.
-    data = [p for p in (tmp_path / "ck").rglob("*.safetensors")]
-    assert len(data) == 1
-    with open(data[0], "r+b") as f:
-        f.seek(os.path.getsize(data[0]) - 1000)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(zerostall.ChecksumMismatchError):
-        zerostall.load_pytree(path)
+    # A Checkpointer starts its own writer, which takes this environment (the free functions'
+    # writer may already run with another).
+    with zerostall.Checkpointer(tmp_path / "run", save_options=zerostall.SaveOptions(chunk_bytes=MiB)) as ck:
+        ck.save_pytree(1, tree)
+        back = ck.load_pytree(1)
+        assert all(torch.equal(back[k], tree[k]) for k in tree)
+        # Flip one byte inside the big leaf, past the first chunk: the load names the leaf.
+        data = list((tmp_path / "run").rglob("*.safetensors"))
+        assert len(data) == 1
+        with open(data[0], "r+b") as f:
+            f.seek(os.path.getsize(data[0]) - 1000)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(zerostall.ChecksumMismatchError, match="pytree/a"):
+            ck.load_pytree(1)

@@ -7,8 +7,8 @@ Here the one writing thread checksums the bytes of a chunk and then hands the sa
 about to fetch them anyway. The cost: the checksum pass no longer overlaps the disk, which adds
 the CRC time (~0.1 s per GiB) to the time until the save is durable.
 
-``ZEROSTALL_WRITER_PIPELINE=threads`` in the writer's environment restores the checksum thread
-(for A/B measurements: ``benchmarks/dip_ab.py``). ``ZEROSTALL_WRITER_PACE=D`` (0 < D < 1) makes
+``ZEROSTALL_WRITER_PIPELINE=serial`` in the writer's environment selects this (the default stays the
+checksum thread until a quiet-machine A/B, ``benchmarks/dip_ab.py``, shows a difference). ``ZEROSTALL_WRITER_PACE=D`` (0 < D < 1) makes
 the writer sleep after each chunk's checksum so that it uses at most a fraction D of a core
 while checksumming (a bounded duty cycle; the writes themselves sleep in the kernel).
 """
@@ -30,8 +30,9 @@ PACE_ENV = "ZEROSTALL_WRITER_PACE"
 
 
 def pipeline() -> str:
-    """``"serial"`` (default: checksum on the writing thread) or ``"threads"`` (a checksum thread)."""
-    return "threads" if os.environ.get(PIPELINE_ENV, "").strip() == "threads" else "serial"
+    """``"threads"`` (default: a checksum thread beside the writes) or ``"serial"`` (checksum on the
+    writing thread). Not a measured win yet (docs/performance.md, "The dip, this round"): opt-in."""
+    return "serial" if os.environ.get(PIPELINE_ENV, "").strip() == "serial" else "threads"
 
 
 def pace() -> float:
