@@ -25,6 +25,10 @@ A system's first save (buffer allocation, process start) happens before the wind
 Before every window the trainer waits (up to 5 s) until other users of the shared machine
 leave it nearly idle, and the cores they used during the window are recorded with it.
 
+``zerostall_memtier10`` is a ``Checkpointer`` with ``MemoryTier(persist_interval_steps=10)``: its
+windows alternate between a memory-only save and a persisted one, and the run ends with both
+kinds apart and the loss per save over a 10-save cycle (see :class:`ZerostallMemTier`).
+
 Run alone: ``python -m benchmarks.dip --system zerostall --size 256M --dir /tmp/zsb``.
 """
 
