@@ -15,7 +15,9 @@ Beside the wall-clock loss, each window records what timings on a shared machine
 - the writer process's CPU time (user + system) during the window, per thread
   (``/proc/PID/task/*/stat``), and its minor faults and context switches;
 - the trainer's own CPU time, involuntary context switches (a trainer thread preempted: with
-  OpenMP, the whole parallel region waits for it) and minor faults.
+  OpenMP, the whole parallel region waits for it) and minor faults;
+- the VM's steal time during the window (``/proc/stat``): CPU the host took from the vCPUs, which
+  on a VM with an emulated disk grows with every byte written (``benchmarks/steal_probe.py``).
 
 Printed per config: medians of lost, stall, durable, writer CPU, trainer preemptions.
 With ``--memory-tier K`` every config is a Checkpointer with ``MemoryTier(persist_interval_steps=K)``.
@@ -89,6 +91,12 @@ def proc_ctxt(pid: int) -> tuple[int, int]:
     return vol, invol
 
 
+def _steal() -> float:
+    """vCPU time the hypervisor took from this VM so far (``/proc/stat``), seconds."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) / CLK
+
+
 class Config:
     def __init__(self, spec: str, root: Path, state: Any, memory_tier: int | None) -> None:
         import zerostall
@@ -135,6 +143,7 @@ def window(trainer: Any, cfg: Config, state: Any) -> dict[str, Any]:
     p0 = proc_total(pid) if pid else (0.0, 0)
     c0 = proc_ctxt(pid) if pid else (0, 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    st0 = _steal()
     done = threading.Event()
     box: dict[str, Any] = {}
     iters = 0
@@ -168,6 +177,7 @@ def window(trainer: Any, cfg: Config, state: Any) -> dict[str, Any]:
         iters += 1
     end = time.perf_counter()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
+    st1 = _steal()
     w1 = proc_threads(pid) if pid else {}
     p1 = proc_total(pid) if pid else (0.0, 0)
     c1 = proc_ctxt(pid) if pid else (0, 0)
@@ -183,6 +193,7 @@ def window(trainer: Any, cfg: Config, state: Any) -> dict[str, Any]:
         "trainer_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime),
         "trainer_ivcsw": r1.ru_nivcsw - r0.ru_nivcsw, "trainer_vcsw": r1.ru_nvcsw - r0.ru_nvcsw,
         "trainer_minflt": r1.ru_minflt - r0.ru_minflt, "window_s": end - start,
+        "steal_s": st1 - st0,
         "load": os.getloadavg()[0],
     }
 
@@ -219,7 +230,7 @@ def main() -> None:
                 print(f"r{r} {cfg.name:12} lost {row['lost_s']:.3f} stall {row['stall_s']:.3f} durable "
                       f"{row['durable_s']:.2f} writer cpu {row['writer_cpu_s']:.2f} {row['writer_threads_cpu_s']} "
                       f"flt {row['writer_minflt']} cs {row['writer_vcsw']}/{row['writer_ivcsw']} | trainer cpu "
-                      f"{row['trainer_cpu_s']:.2f} ivcsw {row['trainer_ivcsw']} t0 {row['t0_s'] * 1e3:.1f}ms "
+                      f"{row['trainer_cpu_s']:.2f} ivcsw {row['trainer_ivcsw']} steal {row['steal_s']:.2f} t0 {row['t0_s'] * 1e3:.1f}ms "
                       f"load {row['load']:.1f}", flush=True)
     finally:
         for cfg in configs:
@@ -230,12 +241,12 @@ def main() -> None:
         mine = [x for x in rows if x["config"] == cfg.name]
         med = {k: statistics.median(x[k] for x in mine) for k in
                ("lost_s", "stall_s", "durable_s", "writer_cpu_s", "writer_minflt", "writer_ivcsw", "trainer_ivcsw",
-                "trainer_cpu_s")}
+                "trainer_cpu_s", "steal_s")}
         losts = " ".join(f"{x['lost_s']:.2f}" for x in mine)
         print(f"  {cfg.name:12} lost {med['lost_s']:.3f} s ({losts})  "
               f"stall {med['stall_s']:.3f}  durable {med['durable_s']:.2f}  writer cpu {med['writer_cpu_s']:.2f} s "
               f"flt {med['writer_minflt']:.0f} ivcsw {med['writer_ivcsw']:.0f}  trainer ivcsw {med['trainer_ivcsw']:.0f} "
-              f"cpu {med['trainer_cpu_s']:.2f}")
+              f"cpu {med['trainer_cpu_s']:.2f}  steal in window {med['steal_s']:.2f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     import shutil
