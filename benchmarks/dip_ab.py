@@ -163,6 +163,7 @@ def window(trainer: Any, cfg: Config, state: Any) -> dict[str, Any]:
         def waiter() -> None:
             resp.result()
             box["durable_at"] = time.perf_counter()
+            box["tiers"] = list(getattr(resp.stats, "tiers", ()))
             done.set()
 
         threading.Thread(target=waiter, daemon=True).start()
@@ -185,7 +186,9 @@ def window(trainer: Any, cfg: Config, state: Any) -> dict[str, Any]:
     t0 = statistics.fmean(base)
     per_thread = sorted((w1[t][0] - w0.get(t, (0.0, 0))[0] for t in w1), reverse=True)
     return {
-        "config": cfg.name, "lost_s": (end - start) - iters * t0, "stall_s": stall,
+        "config": cfg.name if "memory" not in box.get("tiers", ())
+        else f"{cfg.name}/{'persisted' if 'storage' in box['tiers'] else 'memory-only'}",
+        "lost_s": (end - start) - iters * t0, "stall_s": stall,
         "durable_s": box["durable_at"] - save_at, "t0_s": t0,
         "writer_cpu_s": p1[0] - p0[0], "writer_threads_cpu_s": [round(x, 3) for x in per_thread if x > 0],
         "writer_minflt": p1[1] - p0[1],
@@ -227,7 +230,7 @@ def main() -> None:
             for cfg in order:
                 row = window(trainer, cfg, state)
                 rows.append(row)
-                print(f"r{r} {cfg.name:12} lost {row['lost_s']:.3f} stall {row['stall_s']:.3f} durable "
+                print(f"r{r} {row['config']:22} lost {row['lost_s']:.3f} stall {row['stall_s']:.3f} durable "
                       f"{row['durable_s']:.2f} writer cpu {row['writer_cpu_s']:.2f} {row['writer_threads_cpu_s']} "
                       f"flt {row['writer_minflt']} cs {row['writer_vcsw']}/{row['writer_ivcsw']} | trainer cpu "
                       f"{row['trainer_cpu_s']:.2f} ivcsw {row['trainer_ivcsw']} steal {row['steal_s']:.2f} t0 {row['t0_s'] * 1e3:.1f}ms "
@@ -237,13 +240,13 @@ def main() -> None:
             if cfg.ck is not None:
                 cfg.ck.close()
     print(f"\n{args.gib:g} GiB, {args.rounds} rounds; medians")
-    for cfg in configs:
-        mine = [x for x in rows if x["config"] == cfg.name]
+    for name in dict.fromkeys(x["config"] for x in rows):  # a memory tier's two kinds of save apart
+        mine = [x for x in rows if x["config"] == name]
         med = {k: statistics.median(x[k] for x in mine) for k in
                ("lost_s", "stall_s", "durable_s", "writer_cpu_s", "writer_minflt", "writer_ivcsw", "trainer_ivcsw",
                 "trainer_cpu_s", "steal_s")}
         losts = " ".join(f"{x['lost_s']:.2f}" for x in mine)
-        print(f"  {cfg.name:12} lost {med['lost_s']:.3f} s ({losts})  "
+        print(f"  {name:22} lost {med['lost_s']:.3f} s ({losts})  "
               f"stall {med['stall_s']:.3f}  durable {med['durable_s']:.2f}  writer cpu {med['writer_cpu_s']:.2f} s "
               f"flt {med['writer_minflt']:.0f} ivcsw {med['writer_ivcsw']:.0f}  trainer ivcsw {med['trainer_ivcsw']:.0f} "
               f"cpu {med['trainer_cpu_s']:.2f}  steal in window {med['steal_s']:.2f} s")
