@@ -25,6 +25,10 @@ A system's first save (buffer allocation, process start) happens before the wind
 Before every window the trainer waits (up to 5 s) until other users of the shared machine
 leave it nearly idle, and the cores they used during the window are recorded with it.
 
+``zerostall_memtier10`` is a ``Checkpointer`` with ``MemoryTier(persist_interval_steps=10)``: its
+windows alternate between a memory-only save and a persisted one, and the run ends with both
+kinds apart and the loss per save over a 10-save cycle (see :class:`ZerostallMemTier`).
+
 Run alone: ``python -m benchmarks.dip --system zerostall --size 256M --dir /tmp/zsb``.
 """
 
@@ -51,7 +55,9 @@ NONE_WINDOW_S = PRE_S + 2.0 + POST_S
 #: state, handed to each system in its own array type (``System.native``: jax arrays for Orbax),
 #: so a jax checkpointer competes with the torch trainer for the cores like any other.
 SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "orbax_save", "orbax_async", "zerostall",
-           "zerostall_idle"]
+           "zerostall_idle", "zerostall_memtier10"]
+#: zerostall_memtier10 persists every MEMTIER_K-th step (issue 13's target: a tenth of the persist per save)
+MEMTIER_K = 10
 DEFAULT = ["none", "torch_save", "dcp_async_stager", "zerostall"]
 
 
@@ -85,9 +91,46 @@ class Trainer:
         return times
 
 
+class ZerostallMemTier(measure.System):
+    """A ``Checkpointer`` with ``MemoryTier(persist_interval_steps=10)``: every save commits to the
+    host's memory tier, every 10th step also to storage.
+
+    The windows alternate between a memory-only save and a persisted one (steps 11, 20, 21, 30,
+    ...), so both kinds are measured in one run; a job's loss per save over a cycle of ten saves
+    is ``(9 x memory-only + 1 x persisted) / 10`` (printed at the end). Retention keeps the newest
+    persisted step (``keep_last=1``: deleting the previous one is part of a persisted save).
+    """
+
+    name = "zerostall_memtier10"
+    in_place = True
+    warmup_saves = 2  # one of each kind before the windows: buffers, writer, keeper
+
+    def setup(self, directory: Path) -> None:
+        import zerostall
+
+        self.root = measure.scratch_path(directory, "dip-memtier")
+        self.ck = zerostall.Checkpointer(str(self.root), keep_last=1,
+                                         memory_tier=zerostall.MemoryTier(persist_interval_steps=MEMTIER_K))
+        self.saves = 0
+
+    def save(self, path: Path, state: Any) -> measure.Pending:
+        from benchmarks.zs import _ZsPending
+
+        self.saves += 1
+        half = (self.saves + 1) // 2
+        step = MEMTIER_K * half if self.saves % 2 else MEMTIER_K * half + 1
+        return _ZsPending(self.ck.save_pytree_async(step, state))
+
+    def close(self) -> None:
+        self.ck.close()
+        measure.remove(self.root)
+
+
 def _make_system(name: str) -> measure.System | None:
     if name == "none":
         return None
+    if name == "zerostall_memtier10":
+        return ZerostallMemTier()
     if name in ("zerostall", "zerostall_idle"):
         from benchmarks.zs import Zerostall, ZerostallIdle, available
 
@@ -114,7 +157,7 @@ def window(trainer: Trainer, system: measure.System | None, state: Any, director
 
     def waiter(pending: measure.Pending) -> None:
         try:
-            pending.wait()
+            box["stats"] = pending.wait()
         except BaseException as e:  # surfaced below; a failed save is not a result
             box["error"] = e
         box["durable_at"] = measure.now()
@@ -165,6 +208,7 @@ def window(trainer: Trainer, system: measure.System | None, state: Any, director
         "iters_during_persist": len(during),
         "slowdown_during_persist": (statistics.fmean(during) / t0) if during else None,
         "foreign_cores": foreign.cores, **quiet,
+        "tiers": list((box.get("stats") or {}).get("tiers") or ()),
     }
 
 
@@ -181,8 +225,9 @@ def run(system_name: str, state_size: int, directory: Path, repeats: int) -> dic
             system.setup(directory)
             state = system.native(state)
             first = measure.scratch_path(directory, f"dip-first-{system_name}")
-            system.save(first, state).wait()  # first save: allocations and process start
-            measure.remove(first)
+            for _ in range(getattr(system, "warmup_saves", 1)):
+                system.save(first, state).wait()  # first save: allocations and process start
+                measure.remove(first)
         for r in range(repeats):
             w = window(trainer, system, state, directory)
             out["windows"].append(w)
@@ -192,9 +237,33 @@ def run(system_name: str, state_size: int, directory: Path, repeats: int) -> dic
                         f"{w['slowdown_during_persist'] or float('nan'):.2f}x; others used {w['foreign_cores']:.1f} cores")
         if system is not None:
             system.close()
+        if system_name == "zerostall_memtier10":
+            out["memtier"] = memtier_summary(out["windows"])
     except Exception as e:
         measure.log(f"dip {system_name} failed: {type(e).__name__}: {e}")
         out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def memtier_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Memory-only and persisted windows apart (medians), and the loss per save over a cycle of
+    ``MEMTIER_K`` saves: ``((K - 1) x memory-only + persisted) / K``; stall and background apart."""
+    kinds = {"memory_only": [w for w in windows if "storage" not in w["tiers"]],
+             "persisted": [w for w in windows if "storage" in w["tiers"]]}
+    out: dict[str, Any] = {"k": MEMTIER_K}
+    for kind, ws in kinds.items():
+        if ws:
+            out[kind] = {f: statistics.median(w[f] for w in ws) for f in ("lost_s", "stall_s", "durable_s")}
+            out[kind]["background_s"] = out[kind]["lost_s"] - out[kind]["stall_s"]
+            out[kind]["windows"] = len(ws)
+    if "memory_only" in out and "persisted" in out:
+        m, p = out["memory_only"], out["persisted"]
+        for f in ("lost_s", "stall_s", "background_s"):
+            out[f"per_save_{f}"] = ((MEMTIER_K - 1) * m[f] + p[f]) / MEMTIER_K
+        measure.log(f"dip zerostall_memtier10: memory-only lost {m['lost_s']:.2f}s (stall {m['stall_s']:.3f}s), "
+                    f"persisted lost {p['lost_s']:.2f}s (stall {p['stall_s']:.3f}s); per save over {MEMTIER_K} saves "
+                    f"{out['per_save_lost_s']:.2f}s (stall {out['per_save_stall_s']:.3f}s, background "
+                    f"{out['per_save_background_s']:.2f}s)")
     return out
 
 

@@ -15,6 +15,10 @@ Training lost per window = window wall time - iterations x the mean iteration ti
 no-load blocks on both sides. Together with the stall (a memcpy of the state), these are the
 floors of zerostall's "training work lost per save": the bytes must be copied once, read once
 to be checksummed, and written once. Medians over the repeats are printed.
+
+The ``write`` line depends on the host: on a VM whose virtio disk the host emulates on CPUs it
+shares with the vCPUs, the host's copy of the written bytes is taken from the trainer as steal
+time, which no guest process's CPU time shows; ``benchmarks/steal_probe.py`` measures it.
 """
 
 from __future__ import annotations

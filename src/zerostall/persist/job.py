@@ -36,6 +36,7 @@ from zerostall.manifest import encode_manifest
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
+from zerostall.persist.chunkcrc import ChunkChecksums, pipeline
 from zerostall.persist.collective import CollectiveStep
 from zerostall.stage.plan import plan_file
 from zerostall.storage import Storage, open_storage
@@ -219,18 +220,26 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
             except BaseException as exc:  # noqa: BLE001 - re-raised below on the job's thread
                 crc_error.append(exc)
 
-        crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
-        crc_thread.start()
+        # One writer thread where the storage checksums as it writes (see chunkcrc): the CRC
+        # thread would run beside the writes, on a core the trainer's threads use.
+        fused = _fused_checksums(job, step, storage, views, mine)
+        crc_thread = None
+        if fused is None:
+            crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
+            crc_thread.start()
         t_write = time.perf_counter()
         try:
             faults.hit("write", job.root)
             if getattr(step, "writes", True):
-                written, files = _write(job, step, storage, views, mine)
+                written, files = _write(job, step, storage, views, mine, fused)
             else:  # the staged images stay where they are (the memory tier)
                 written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
                 files = [{"name": f.name, "size": f.length} for f in job.files]
+            if fused is not None:
+                crcs = fused.finish()
         finally:
-            crc_thread.join()
+            if crc_thread is not None:
+                crc_thread.join()
         write_s = time.perf_counter() - t_write
         released()
         is_released = True
@@ -287,19 +296,37 @@ def _release_after_failure(lease: Lease, storage: Storage) -> None:
     lease.release(delete=gone)
 
 
-def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int]
-           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Write this writer's data files; return the manifest rows of the leaves written, and the files."""
+def _fused_checksums(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int]
+                     ) -> ChunkChecksums | None:
+    """The chunk-by-chunk checksummer, where this save writes every staged file whole to a storage
+    that calls a hook per chunk; None: checksum on a thread of its own."""
+    if (pipeline() != "serial" or not getattr(step, "writes", True) or len(mine) != len(job.leaves)
+            or not getattr(storage, "writes_with_hook", False)):
+        return None
+    return ChunkChecksums(job.leaves, mine, views)
+
+
+def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int],
+           fused: ChunkChecksums | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Write this writer's data files; return the manifest rows of the leaves written, and the files.
+
+    With ``fused``, the files are written one after another on this thread, each chunk
+    checksummed right before it is written."""
     w = job.write
     if len(mine) == len(job.leaves):
         # Everything staged is this writer's: the staged images are the files, written as they are.
         def write_file(i: int) -> None:
             f = job.files[i]
+            if fused is not None:
+                storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=1,  # type: ignore[call-arg]
+                                          chunk_bytes=w.chunk_bytes, direct=w.direct_io, before_chunk=fused.hook(i))
+                return
             storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=w.io_threads,
                                       chunk_bytes=w.chunk_bytes, direct=w.direct_io)
 
-        if len(job.files) == 1:
-            write_file(0)
+        if len(job.files) == 1 or fused is not None:
+            for i in range(len(job.files)):
+                write_file(i)
         else:
             with ThreadPoolExecutor(max_workers=min(4, len(job.files))) as pool:
                 list(pool.map(write_file, range(len(job.files))))
