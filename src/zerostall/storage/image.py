@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from zerostall.storage import register_scheme
+from zerostall.storage.release import unmap_later
 
 __all__ = ["ImageStorage", "open_image", "SCHEME"]
 
@@ -61,11 +62,8 @@ class ImageStorage:
         for v in self._views.values():
             v.release()
         self._views = {}
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view handed out is still alive: unmapped when it goes
-                pass
+        for m in self._maps:  # a view handed out still alive: unmapped when it goes
+            unmap_later(m)
         self._maps = []
 
     def __enter__(self) -> ImageStorage:

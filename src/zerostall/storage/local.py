@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from zerostall.storage.release import unmap_later
+
 __all__ = ["LocalStorage", "MappedFile"]
 
 _ALIGN = 4096
@@ -363,10 +365,7 @@ class MappedFile:
     def close(self) -> None:
         self.view.release()
         del self._arr
-        try:
-            self._m.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with it
-            pass
+        unmap_later(self._m)  # a view still alive somewhere: the mapping goes with it
 
 
 def _round_up(n: int, a: int) -> int:
