@@ -356,14 +356,16 @@ class _Reader:
             index = {id(q): i for i, q in enumerate(reqs)}
             groups = [[(index[id(q)], q.leaf.nbytes) for q in g] for g in _group(reqs, self.chunk)]
             pieces = split_chunks(groups, _FILL_CHUNK)
-        parts = [p for got in run_all(lambda piece: self.verify_piece(reqs, piece, not warm), pieces, n)
+        parts = [p for got in run_all(lambda piece: self.verify_piece(reqs, piece, warm), pieces, n)
                  for p in got]
         for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
             self.check(q, crc or 0)
 
-    def verify_piece(self, reqs: list[ReadRequest], piece: list[Span], fill: bool) -> list[tuple[Span, int]]:
+    def verify_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool) -> list[tuple[Span, int]]:
+        """Checksum a piece's spans (``warm``: all resident a moment ago, so not asked again:
+        ``mincore`` over a GiB costs tens of milliseconds)."""
         first = reqs[piece[0][0]].leaf
-        if fill and getattr(self.storage, "fill_cache", None) is not None:
+        if not warm and getattr(self.storage, "fill_cache", None) is not None:
             last = reqs[piece[-1][0]].leaf
             start, end = first.offset + piece[0][1], last.offset + piece[-1][2]
             if not self._maps[first.file].cached(start, end - start):
@@ -376,7 +378,7 @@ class _Reader:
             leaf = reqs[i].leaf
             mf = self._maps[leaf.file]
             a = leaf.offset + lo
-            if mf.cached(a, hi - lo):
+            if warm or mf.cached(a, hi - lo):
                 crc = checksum(mf.view[a:a + hi - lo])
             else:  # evicted already (or never cached): read it through a scratch buffer
                 acc = [0]
@@ -398,12 +400,16 @@ class _Reader:
         if not reqs:
             return
 
+        # Resident right now (asked once for all: a page of a file mapping that has to come from
+        # disk turns a read error into SIGBUS); else each span is asked before it is touched.
+        warm = all(self._maps[f].cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
+
         def copy(piece: list[Span]) -> None:
             for i, lo, hi in piece:
                 q = reqs[i]
                 mf = self._maps[q.leaf.file]
                 a = q.leaf.offset + lo
-                if mf.cached(a, hi - lo):
+                if warm or mf.cached(a, hi - lo):
                     mf.copy_into(a, q.dest[lo:hi])
                     continue
                 try:

@@ -137,7 +137,7 @@ def join_crcs(parts: Sequence[tuple[Span, int]], count: int) -> list[int | None]
         for lo, hi, c in spans:
             if lo != pos:  # a hole or an overlap: the split is wrong, never a corrupt file
                 raise AssertionError(f"spans do not tile the leaf: {lo} after {pos}")
-            crc = checksum_combine(crc, c, hi - lo)
+            crc = checksum_combine(crc, c, hi - lo) if lo else c
             pos = hi
         out.append(crc)
     return out
