@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import ChecksumMismatchError, SaveOptions, WriterKind
+from zerostall import ChecksumMismatchError, LoadOptions, SaveOptions, WriterKind
 from zerostall.restore import read as restore_read
 from zerostall.restore.load import load_items
 from zerostall.storage.image import open_image
@@ -38,7 +38,8 @@ def untouched(t: dict[str, Any]) -> bool:
     return all(bool((x == -7.0).all()) for x in [t["big"], *t["small"]])
 
 
-def load_from_image(ckpt: Path, tmpl: dict[str, Any], flip_at: tuple[str, float] | None = None) -> None:
+def load_from_image(ckpt: Path, tmpl: dict[str, Any], flip_at: tuple[str, float] | None = None,
+                    options: LoadOptions | None = None) -> None:
     manifest = (ckpt / "manifest.json").read_bytes()
     m = json.loads(manifest)
     data = next((ckpt / "data").iterdir())
@@ -51,7 +52,7 @@ def load_from_image(ckpt: Path, tmpl: dict[str, Any], flip_at: tuple[str, float]
     os.ftruncate(fd, size)
     os.pwrite(fd, raw, 0)
     with open_image(ckpt.name, manifest, [(data.name, len(raw), size, fd)]) as image:
-        load_items(image.url, ckpt.name, {"pytree": tmpl})
+        load_items(image.url, ckpt.name, {"pytree": tmpl}, options)
 
 
 @pytest.fixture
@@ -76,3 +77,16 @@ def test_a_flipped_byte_anywhere_in_the_image_leaves_the_template_untouched(
     with pytest.raises(ChecksumMismatchError) as info:
         load_from_image(ckpt, tmpl, where)
     assert info.value.key == where[0] and untouched(tmpl)
+
+
+def test_streaming_and_unverified_loads_read_the_image_too(ckpt: Path) -> None:
+    """atomic=False and verify=False read through ImageStorage.read_into (copies without the GIL)."""
+    s = state()
+    for opts in (LoadOptions(atomic=False), LoadOptions(verify=False)):
+        tmpl = sentinel()
+        load_from_image(ckpt, tmpl, options=opts)
+        assert torch.equal(tmpl["big"], s["big"])
+        assert all(torch.equal(a, b) for a, b in zip(tmpl["small"], s["small"], strict=True))
+    with pytest.raises(ChecksumMismatchError) as info:
+        load_from_image(ckpt, sentinel(), ("pytree/big", 0.7), LoadOptions(atomic=False))
+    assert info.value.key == "pytree/big"

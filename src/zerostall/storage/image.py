@@ -95,7 +95,9 @@ class ImageStorage:
             return
         if offset + len(buf) > len(v):
             raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
-        buf[:] = v[offset:offset + len(buf)]
+        # numpy copies without holding the GIL (a memoryview assignment holds it): the load's
+        # threads copy side by side.
+        np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(v, dtype=np.uint8, count=len(buf), offset=offset))
 
     def map_file(self, key: str) -> ImageMap | None:
         """The data file's bytes where they lie, for a load that verifies before it copies.
