@@ -232,3 +232,23 @@ def test_atomic_option_is_checked() -> None:
         LoadOptions(atomic="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="atomic"):
         LoadOptions(atomic=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+@pytest.mark.parametrize("where", [0.3, 0.5, 0.9, 0.999])
+def test_a_corrupt_byte_in_a_leaf_split_between_threads(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        where: float, warm: bool) -> None:
+    """The 12 MiB leaf is cut between three threads (restore.spans): a flipped byte in any part
+    fails its own leaf's checksum, and no template byte changes."""
+    monkeypatch.setattr(restore_read, "workers", lambda io_threads: 3)
+    monkeypatch.setattr(restore_read, "_FILL_CHUNK", 4 * MiB)  # cold: the leaf is read in pieces too
+    tmpl = sentinel()
+    cache(ckpt, warm)
+    zerostall.load_pytree(ckpt, tmpl)  # intact: every part joins to the leaf's checksum
+    assert torch.equal(tmpl["big"], state()["big"]) and np.array_equal(tmpl["np"], state()["np"])
+    flip(ckpt, "pytree/big", where)
+    cache(ckpt, warm)
+    tmpl = sentinel()
+    with pytest.raises(ChecksumMismatchError) as info:
+        zerostall.load_pytree(ckpt, tmpl)
+    assert info.value.key == "pytree/big" and untouched(tmpl)

@@ -108,3 +108,46 @@ def test_load_of_a_large_leaf_is_verified_on_the_direct_path(tmp_path) -> None:
     with pytest.raises(ChecksumMismatchError) as ei:
         zerostall.load_pytree(path, {k: torch.zeros_like(v) for k, v in state.items()}, options=stream)
     assert ei.value.key == "pytree/big" and path in str(ei.value)
+
+
+def test_residency_by_cachestat_agrees_with_mincore(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MappedFile.cached (cachestat where the kernel has it) says what mincore says, range by range."""
+    from zerostall.storage import local
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 1 << 20, 2 << 20)  # [2 MiB, 3 MiB) cached (readahead may add more after it)
+    finally:
+        os.close(fd)
+    st = LocalStorage(str(tmp_path))
+    ranges = [(2 << 20, 1 << 20), (2 << 20, 100), ((2 << 20) + 5, 4000), (0, 4096), (0, 8 << 20)]
+    mf = st.map_file("f")
+    assert mf is not None
+    try:
+        by_cachestat = [mf.cached(o, n) for o, n in ranges]
+        monkeypatch.setattr(local, "_cachestat_ok", False)
+        by_mincore = [mf.cached(o, n) for o, n in ranges]
+    finally:
+        mf.close()
+    assert by_cachestat == by_mincore
+    assert by_cachestat[:3] == [True, True, True] and by_cachestat[3] is False
+
+
+def test_unmap_later_closes_large_mappings_in_the_background() -> None:
+    import mmap
+    import time
+
+    from zerostall.storage.release import unmap_later
+
+    small, large = mmap.mmap(-1, 1 << 20), mmap.mmap(-1, 128 << 20)
+    unmap_later(small)
+    assert small.closed
+    unmap_later(large)
+    deadline = time.monotonic() + 10
+    while not large.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert large.closed

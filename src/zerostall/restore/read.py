@@ -28,6 +28,7 @@ from zerostall.manifest import LeafEntry, Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.files import missing_file_error
 from zerostall.restore.plan import ReadRequest
+from zerostall.restore.spans import Span, join_crcs, run_all, split_chunks, split_even, workers
 from zerostall.storage import Storage
 
 __all__ = ["execute_reads", "prepare_reads", "available_memory", "ATOMIC_MEMORY_FRACTION"]
@@ -35,6 +36,10 @@ __all__ = ["execute_reads", "prepare_reads", "available_memory", "ATOMIC_MEMORY_
 log = logging.getLogger("zerostall")
 
 _VERIFY_CHUNK = 4 << 20
+#: A verify pass that reads as it goes (bytes not yet in the page cache) fills and checks pieces
+#: of this size in file order, on every core: one thread's piece is read while another's is
+#: checked, so the pass costs the read and little more.
+_FILL_CHUNK = 32 << 20
 
 #: ``atomic="auto"`` holds a load's in-place bytes back (in the page cache, or in a staging copy)
 #: only while they are at most this fraction of the memory the kernel reports available.
@@ -86,15 +91,21 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
             for q, s in zip(held, staged, strict=True):
                 q.dest[:] = s.dest
         return copy_staged
-    held_tasks = r.tasks(held)
+    # Leaves whose data file maps (the page cache's pages, or a memory-tier image) are checked and
+    # copied by byte ranges on every core (restore.spans); the rest group by group.
+    mapped = r.mappable(held)
+    ids = {id(q) for q in mapped}
+    held_tasks = [g for g in r.tasks(held) if id(g[0]) not in ids]
     try:
         r.run([(g, False) for g in r.tasks(fresh)] + [(g, True) for g in held_tasks], r.read_or_scan)
+        r.verify_spans(mapped)
     except BaseException:
         r.close()
         raise
 
     def copy_verified() -> None:
         try:
+            r.copy_spans(mapped)
             r.run(held_tasks, r.copy_held)
         finally:
             r.close()
@@ -322,12 +333,109 @@ class _Reader:
             return
         self.read_unverified(group)
 
+    # -- by byte ranges, on every core: leaves whose data file maps --------------------------
+
+    def mappable(self, held: list[ReadRequest]) -> list[ReadRequest]:
+        """The held requests whose data file maps, in file order (their mappings opened here)."""
+        if self.map_file is None or not held:
+            return []
+        return sorted((q for q in held if self.mapping(q.leaf.file) is not None),
+                      key=lambda q: (q.leaf.file, q.leaf.offset))
+
+    def verify_spans(self, reqs: list[ReadRequest]) -> None:
+        """Checksum every byte of ``reqs`` where it lies, split evenly between the threads when
+        it is all in memory already, else read into the page cache piece by piece (in file order)
+        and checked right behind the read. Raises for the first bad leaf in file order."""
+        if not reqs:
+            return
+        n = workers(self.opts.io_threads)
+        warm = all(self._maps[f].cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
+        if warm:
+            pieces = split_even([q.leaf.nbytes for q in reqs], n)
+        else:
+            index = {id(q): i for i, q in enumerate(reqs)}
+            groups = [[(index[id(q)], q.leaf.nbytes) for q in g] for g in _group(reqs, self.chunk)]
+            pieces = split_chunks(groups, _FILL_CHUNK)
+        parts = [p for got in run_all(lambda piece: self.verify_piece(reqs, piece, warm), pieces, n)
+                 for p in got]
+        for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
+            self.check(q, crc or 0)
+
+    def verify_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool) -> list[tuple[Span, int]]:
+        """Checksum a piece's spans (``warm``: all resident a moment ago, so not asked again:
+        ``mincore`` over a GiB costs tens of milliseconds)."""
+        first = reqs[piece[0][0]].leaf
+        if not warm and getattr(self.storage, "fill_cache", None) is not None:
+            last = reqs[piece[-1][0]].leaf
+            start, end = first.offset + piece[0][1], last.offset + piece[-1][2]
+            if not self._maps[first.file].cached(start, end - start):
+                try:  # into the page cache only, read errors reported here; checked there below
+                    self.storage.fill_cache(self.key(first), start, end - start)  # type: ignore[attr-defined]
+                except (EOFError, OSError) as exc:
+                    raise self.fail(exc, first) from exc
+        out = []
+        for i, lo, hi in piece:
+            leaf = reqs[i].leaf
+            mf = self._maps[leaf.file]
+            a = leaf.offset + lo
+            if warm or mf.cached(a, hi - lo):
+                crc = checksum(mf.view[a:a + hi - lo])
+            else:  # evicted already (or never cached): read it through a scratch buffer
+                acc = [0]
+
+                def add(view: memoryview, acc: list[int] = acc) -> None:
+                    acc[0] = checksum(view, acc[0])
+                assert self.scan is not None
+                try:
+                    self.scan(self.key(leaf), a, hi - lo, add)
+                except (EOFError, OSError) as exc:
+                    raise self.fail(exc, leaf) from exc
+                crc = acc[0]
+            out.append(((i, lo, hi), crc))
+        return out
+
+    def copy_spans(self, reqs: list[ReadRequest]) -> None:
+        """Copy verified bytes into their destinations, split evenly between the threads: out of
+        the mapping while it is resident (checked again right before), else by reads."""
+        if not reqs:
+            return
+
+        # Resident right now (asked once for all: a page of a file mapping that has to come from
+        # disk turns a read error into SIGBUS); else each span is asked before it is touched.
+        warm = all(self._maps[f].cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
+
+        def copy(piece: list[Span]) -> None:
+            for i, lo, hi in piece:
+                q = reqs[i]
+                mf = self._maps[q.leaf.file]
+                a = q.leaf.offset + lo
+                if warm or mf.cached(a, hi - lo):
+                    mf.copy_into(a, q.dest[lo:hi])
+                    continue
+                try:
+                    self.storage.read_into(self.key(q.leaf), a, q.dest[lo:hi])
+                except (EOFError, OSError) as exc:
+                    raise self.fail(exc, q.leaf) from exc
+
+        n = workers(self.opts.io_threads)
+        run_all(copy, split_even([q.leaf.nbytes for q in reqs], n), n)
+
     def close(self) -> None:
         with self._maps_lock:
             maps, self._maps = list(self._maps.values()), {}
         for mf in maps:
             if mf is not None:
                 mf.close()
+
+
+def _extents(reqs: list[ReadRequest]) -> list[tuple[int, int, int]]:
+    """``(file, start, end)``: the range each data file's requests span (in file order)."""
+    out: dict[int, tuple[int, int]] = {}
+    for q in reqs:
+        lf = q.leaf
+        lo, hi = out.get(lf.file, (lf.offset, lf.offset + lf.nbytes))
+        out[lf.file] = (min(lo, lf.offset), max(hi, lf.offset + lf.nbytes))
+    return [(f, lo, hi) for f, (lo, hi) in out.items()]
 
 
 def _group(reads: Iterable[ReadRequest], limit: int) -> list[list[ReadRequest]]:

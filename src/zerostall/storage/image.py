@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from zerostall.storage import register_scheme
+from zerostall.storage.release import unmap_later
 
 __all__ = ["ImageStorage", "open_image", "SCHEME"]
 
@@ -61,11 +62,8 @@ class ImageStorage:
         for v in self._views.values():
             v.release()
         self._views = {}
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view handed out is still alive: unmapped when it goes
-                pass
+        for m in self._maps:  # a view handed out still alive: unmapped when it goes
+            unmap_later(m)
         self._maps = []
 
     def __enter__(self) -> ImageStorage:
@@ -97,7 +95,9 @@ class ImageStorage:
             return
         if offset + len(buf) > len(v):
             raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
-        buf[:] = v[offset:offset + len(buf)]
+        # numpy copies without holding the GIL (a memoryview assignment holds it): the load's
+        # threads copy side by side.
+        np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(v, dtype=np.uint8, count=len(buf), offset=offset))
 
     def map_file(self, key: str) -> ImageMap | None:
         """The data file's bytes where they lie, for a load that verifies before it copies.

@@ -7,12 +7,15 @@ import ctypes
 import errno
 import mmap
 import os
+import platform
 import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from zerostall.storage.release import unmap_later
 
 __all__ = ["LocalStorage", "MappedFile"]
 
@@ -295,11 +298,14 @@ class LocalStorage:
             if not size or _libc() is None:
                 return None
             try:
-                return MappedFile(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             except (OSError, ValueError):
                 return None
+            mf, fd = MappedFile(m, fd), -1  # the descriptor stays open for cachestat
+            return mf
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
 
     def size(self, key: str) -> int:
         return os.stat(self._p(key)).st_size
@@ -349,8 +355,10 @@ class MappedFile:
     before they touch a range, and read the ordinary way when it says no.
     """
 
-    def __init__(self, m: mmap.mmap) -> None:
+    def __init__(self, m: mmap.mmap, fd: int = -1) -> None:
+        """Owns ``m`` and ``fd`` (the file's descriptor, if given: residency by ``cachestat``)."""
         self._m = m
+        self._fd = fd
         self.view = memoryview(m)
         self._arr = np.frombuffer(m, dtype=np.uint8)
         self._addr = int(self._arr.ctypes.data)
@@ -360,6 +368,10 @@ class MappedFile:
         libc = _libc()
         if libc is None or offset < 0 or offset + length > len(self._arr):
             return False
+        if self._fd >= 0:
+            got = _cachestat(self._fd, offset, length)
+            if got is not None:
+                return got[0] == got[1]
         start = offset - offset % mmap.PAGESIZE
         size = offset + length - start
         vec = np.zeros((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE, dtype=np.uint8)
@@ -376,10 +388,10 @@ class MappedFile:
     def close(self) -> None:
         self.view.release()
         del self._arr
-        try:
-            self._m.close()
-        except BufferError:  # a view is still alive somewhere: the mapping goes with it
-            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        unmap_later(self._m)  # a view still alive somewhere: the mapping goes with it
 
 
 def _round_up(n: int, a: int) -> int:
@@ -433,6 +445,9 @@ def _resident(fd: int, offset: int, length: int) -> float | None:
     libc = _libc()
     if libc is None:
         return None
+    got = _cachestat(fd, offset, length)
+    if got is not None:
+        return got[0] / got[1] if got[1] else 1.0
     start = offset - offset % mmap.PAGESIZE
     size = offset + length - start
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
@@ -446,6 +461,38 @@ def _resident(fd: int, offset: int, length: int) -> float | None:
         return int(np.count_nonzero(vec & 1)) / pages
     finally:
         libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # Linux 6.5+, on x86-64 and on the architectures of the generic table (arm64, riscv)
+_cachestat_ok = platform.machine() in ("x86_64", "aarch64", "arm64", "riscv64")  # until the kernel says no
+
+
+def _cachestat(fd: int, offset: int, length: int) -> tuple[int, int] | None:
+    """``(pages cached, pages)`` of the range, by ``cachestat(2)``; None where that is missing.
+
+    Counted by the kernel per folio of the page cache: about 0.1 ms for a GiB here, where
+    ``mincore`` on a mapping of it (one byte per 4 KiB page) takes 40-140 ms.
+    """
+    global _cachestat_ok
+    libc = _libc()
+    if not _cachestat_ok or libc is None or not hasattr(libc, "syscall"):
+        return None
+    start = offset - offset % mmap.PAGESIZE
+    pages = (offset + length - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    rng, out = _CachestatRange(start, pages * mmap.PAGESIZE), _Cachestat()
+    if libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # older kernel, or a seccomp filter
+            _cachestat_ok = False
+        return None
+    return int(out.cache), pages
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -1,0 +1,143 @@
+"""Byte-range work splitting for the passes of an all-or-nothing load over bytes in memory.
+
+A load that verifies before it copies (``LoadOptions.atomic``) makes two passes over the bytes
+it holds back: a checksum pass and a copy pass. Both are bound by memory bandwidth, so they are
+split by *bytes*, not by leaf: one large leaf must not leave every thread but one idle. A leaf
+cut between threads is checksummed in parts and the parts joined with
+:func:`~zerostall.checksum.checksum_combine`, so every leaf is still checked against its own
+CRC32C. Each thread copies its share with one large copy per contiguous range (a C library
+``memmove`` of many MiB uses non-temporal stores; many small copies do not, and cost up to 1.8x
+as much, measured here).
+
+The threads come from one pool per process, made on first use: starting threads costs
+milliseconds per load on a busy machine.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from zerostall.checksum import checksum_combine
+
+__all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
+
+#: ``(request index, start, end)``: bytes ``[start, end)`` of one request's leaf.
+Span = tuple[int, int, int]
+
+_ALIGN = 4096  # cut points between threads: whole pages, so no two threads write one cache line
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_pool_lock = threading.Lock()
+
+
+def workers(io_threads: int) -> int:
+    """Threads for a memory-bound pass: ``io_threads``, but no more than the CPUs this process may
+    run on (``sched_getaffinity``): a third thread on two cores only adds switches."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(io_threads, cpus))
+
+
+def split_even(sizes: Sequence[int], parts: int) -> list[list[Span]]:
+    """Cut the concatenation of items of ``sizes`` bytes into ``parts`` runs of nearly equal bytes.
+
+    Cut points fall on page boundaries of the concatenation; runs that would be empty are
+    dropped. Every byte of every item is in exactly one span, and spans come in item order.
+
+    Example::
+
+        >>> split_even([10000, 2000], 2)
+        [[(0, 0, 4096)], [(0, 4096, 10000), (1, 0, 2000)]]
+    """
+    total = sum(sizes)
+    if total == 0 or parts <= 1:
+        return [[(i, 0, n) for i, n in enumerate(sizes) if n]] if total else []
+    cuts = sorted({min(total, (total * k // parts) // _ALIGN * _ALIGN) for k in range(1, parts)} | {total})
+    out: list[list[Span]] = []
+    cur: list[Span] = []
+    base = 0  # offset of item i in the concatenation
+    ci = 0
+    for i, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            while cuts[ci] <= base + lo:  # a cut at or before here: start the next run
+                if cur:
+                    out.append(cur)
+                    cur = []
+                ci += 1
+            hi = min(n, cuts[ci] - base)
+            cur.append((i, lo, hi))
+            lo = hi
+        base += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def split_chunks(groups: Sequence[Sequence[tuple[int, int]]], chunk: int) -> list[list[Span]]:
+    """Runs of at most about ``chunk`` bytes, in order: each group (``(request index, nbytes)``
+    items that lie next to each other) whole if it fits, else cut into ``chunk``-byte pieces.
+
+    For a pass that reads as it goes: the pieces are the units read and then checked, in order.
+    """
+    out: list[list[Span]] = []
+    for g in groups:
+        if sum(n for _, n in g) <= chunk:
+            out.append([(i, 0, n) for i, n in g])
+            continue
+        for i, n in g:
+            out.extend([(i, lo, min(n, lo + chunk))] for lo in range(0, n, chunk))
+    return out
+
+
+def _executor(n: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        pid = os.getpid()  # a forked child has none of its parent's threads: a pool of its own
+        if _pool is None or _pool[0] != pid or _pool[1] < n:
+            _pool = (pid, n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="zerostall-pass"))
+        return _pool[2]
+
+
+def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_R]:
+    """``fn`` over ``items`` on up to ``threads`` pooled threads, results in order; every item
+    runs to its end before the first error (in item order) is raised."""
+    if threads <= 1 or len(items) <= 1:
+        return [fn(t) for t in items]
+    pool = _executor(threads)
+    futures = [pool.submit(fn, t) for t in items]
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return [f.result() for f in futures]
+
+
+def join_crcs(parts: Sequence[tuple[Span, int]], count: int) -> list[int | None]:
+    """Each request's CRC32C from the checksums of its spans (any order); None for a request with
+    no span (an empty leaf has none: its checksum is 0)."""
+    by_item: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    for (i, lo, hi), crc in parts:
+        by_item[i].append((lo, hi, crc))
+    out: list[int | None] = []
+    for spans in by_item:
+        if not spans:
+            out.append(None)
+            continue
+        spans.sort()
+        pos, crc = 0, 0
+        for lo, hi, c in spans:
+            if lo != pos:  # a hole or an overlap: the split is wrong, never a corrupt file
+                raise AssertionError(f"spans do not tile the leaf: {lo} after {pos}")
+            crc = checksum_combine(crc, c, hi - lo) if lo else c
+            pos = hi
+        out.append(crc)
+    return out
