@@ -82,7 +82,7 @@ try:
 except ImportError as exc:  # depends on the environment (tests/adversarial/test_newcomer.py blocks it)
     raise MissingDependencyError(
         "zerostall.lightning needs the `lightning` package, which is not installed: "
-        "pip install 'zerostall[lightning]'", name=exc.name or "lightning") from exc
+        "pip install 'zerostall[lightning]'", name=(exc.name or "lightning").split(".")[0]) from exc
 
 __all__ = ["ZerostallCheckpointIO"]
 
