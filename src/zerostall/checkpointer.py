@@ -598,7 +598,10 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         if mem is not None and mem[0] == step:
             return mem[1]
-        return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+        try:
+            return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+        except CheckpointNotFoundError as exc:
+            raise _hint_steps(exc, committed_steps(self._storage)) from exc
 
     def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
         """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""

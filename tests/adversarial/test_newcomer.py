@@ -112,4 +112,6 @@ def test_checkpointer_step_mistakes_say_what_to_do(tmp_path: Path) -> None:
         with pytest.raises(CheckpointNotFoundError, match="committed steps here: 5, 10") as nf:
             ck.load_pytree(7, template={"model": model})
         assert nf.value.path is not None and nf.value.path.endswith("step_00000007")
+        with pytest.raises(CheckpointNotFoundError, match="committed steps here: 5, 10"):
+            ck.metadata(7)
         assert ck.load_pytree(10, template={"model": model})["model"] is model
