@@ -31,12 +31,13 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    MismatchError,
     MissingKeyError,
     NoValidCheckpointError,
 )
-from zerostall.options import LoadOptions, SaveOptions
+from zerostall.options import LoadOptions, SaveOptions, WriterKind
 from zerostall.response import Response
-from zerostall.restore import read_manifest
+from zerostall.restore import ReadPlanner, Thunk, read_manifest, register_node_reader
 from zerostall.storage import open_storage, split_url
 from zerostall.validate import check_instance, check_int, check_items, check_path, clean_metadata
 
@@ -132,6 +133,7 @@ def save_checkpointables_async(
     metadata = clean_metadata(metadata, path=where)
     _raise_shared_failures()
     parent, name = split_url(where)
+    check_writer_reaches(where, options)
     return _engine(options).save_async(parent, name, dict(items), metadata=metadata)
 
 
@@ -386,3 +388,40 @@ def set_buffer_cache_limit(nbytes: int) -> None:
         _cache_bytes = int(nbytes)
         for eng in _engines.values():
             eng.pool.cache_bytes = _cache_bytes
+
+
+# -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+
+
+def check_writer_reaches(path: str, options: SaveOptions | None) -> None:
+    """Refuse a save to ``memory://`` that the default writer *process* would make in its own memory.
+
+    ``memory://`` storage is a dictionary of the process that opens it: a writer process would
+    commit the checkpoint into its own memory, where this process never finds it (a silent loss).
+
+    Raises:
+        InvalidArgumentError: ``path`` is a ``memory://`` URL and ``options`` does not ask for
+            the thread writer.
+    """
+    if not str(path).lower().startswith("memory://"):
+        return
+    if (options or SaveOptions()).writer is WriterKind.THREAD:
+        return
+    raise InvalidArgumentError(
+        "memory:// storage lives in one process, and saves are written by a separate writer process by "
+        "default, so this checkpoint could never be loaded here: pass "
+        "SaveOptions(writer=WriterKind.THREAD) (options= or a Checkpointer's save_options=), or save to a directory",
+        path=str(path), argument="options")
+
+
+def _refuse_meta_template(planner: ReadPlanner, node: dict[str, object], tmpl: object, key: str) -> Thunk | None:
+    """A template tensor on torch's ``meta`` device has no memory to load into: loading would hand
+    it back still empty, as if it had been restored. Refused, naming the key."""
+    if getattr(tmpl, "is_meta", False) is not True:
+        return None
+    raise MismatchError(
+        "the template tensor is on the meta device (it has no storage to load into): materialize it first, "
+        "e.g. model.to_empty(device='cpu') or the device it trains on, then load", path=planner.path, key=key)
+
+
+register_node_reader(_refuse_meta_template)

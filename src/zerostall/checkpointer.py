@@ -23,13 +23,14 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE, load_newest_valid
+from zerostall.api import PYTREE, check_writer_reaches, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
 from zerostall.errors import (
     AdviceError,
+    ArgumentTypeError,
     BackgroundSaveError,
     CheckpointNotFoundError,
     InvalidArgumentError,
@@ -157,6 +158,8 @@ class Checkpointer:
                                 load_options=load_options, on_error=on_error, read_only=read_only)
         _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
                             save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
+        if not read_only:
+            check_writer_reaches(directory, save_options)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
         if save_interval_steps is not None and save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
@@ -225,6 +228,7 @@ class Checkpointer:
         flight); under torch.distributed it is then rank 0's answer, broadcast to the group at
         every call, so every rank must call it at every step.
         """
+        step = check_step(step, path=self.directory)  # a str step would fail deep inside (str % int)
         if self._cadence.auto is not None:
             return self._should_save_auto(step)
         self._cadence.observe_step(step)
@@ -381,6 +385,7 @@ class Checkpointer:
             NoValidCheckpointError: ``fallback=True`` and no step from ``step`` down loads.
             The errors of :func:`zerostall.load_checkpointables`.
         """
+        _check_load_step(step, self.directory, "load_checkpointables", "items")
         if fallback:
             name, out = load_newest_valid(self.directory, self._fallback_names(step), items, self.load_options)
             self.last_loaded_step = parse_step(name)
@@ -390,7 +395,12 @@ class Checkpointer:
             out = self._load_collective(resolved, items)
         else:
             got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
-            out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+            try:
+                out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
+            except CheckpointNotFoundError as exc:
+                if step is None:
+                    raise
+                raise _hint_steps(exc, self.steps()) from exc
         self.last_loaded_step = resolved
         return out
 
@@ -438,6 +448,7 @@ class Checkpointer:
 
         ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
         """
+        _check_load_step(step, self.directory, "load_pytree", "template")
         return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
 
     def _agreed_steps(self) -> list[int]:
@@ -587,7 +598,10 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         if mem is not None and mem[0] == step:
             return mem[1]
-        return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+        try:
+            return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
+        except CheckpointNotFoundError as exc:
+            raise _hint_steps(exc, committed_steps(self._storage)) from exc
 
     def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
         """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
@@ -824,3 +838,27 @@ class _FixedCosts(CadenceEstimator):
 
     def costs(self) -> MeasuredCosts | None:
         return self._fixed
+
+
+# -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+
+
+def _check_load_step(step: object, directory: str, method: str, what: str) -> None:
+    """``ckpt.load_pytree(state)``: the template passed where the step goes. Say so, not only
+    that a step must be an int."""
+    if step is None:
+        return
+    try:
+        check_step(step, path=directory)
+    except ArgumentTypeError as exc:
+        raise ArgumentTypeError(f"{exc.message}: the first argument of {method} is the step to load (None: the "
+                                f"latest); pass the {what} by keyword: ckpt.{method}({what}=...)",
+                                path=directory, argument="step") from None
+
+
+def _hint_steps(exc: CheckpointNotFoundError, steps: list[int]) -> CheckpointNotFoundError:
+    """A step that is not committed: name the ones that are (or say there are none)."""
+    held = ", ".join(map(str, steps[-10:])) if steps else "none"
+    more = f" (the newest {min(len(steps), 10)} of {len(steps)})" if len(steps) > 10 else ""
+    return CheckpointNotFoundError(f"{exc.message}; committed steps here: {held}{more}", path=exc.path, key=exc.key,
+                                   rank=exc.rank)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import errno
 import json
 import os
@@ -33,12 +34,19 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 from zerostall._version import __version__
 from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, delete_checkpoint, parse_step, step_name
-from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, StorageError, ZerostallError
-from zerostall.interop import export_checkpoint, import_checkpoint
+from zerostall.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    StorageError,
+    UnsupportedFormatError,
+    ZerostallError,
+)
+from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
@@ -101,7 +109,7 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
                    if img.step is not None and img.step not in steps]
     return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
             "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
-            "memory_only": memory_only}
+            "memory_only": memory_only, "is_checkpoint": storage.exists(MANIFEST_NAME)}
 
 
 def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
@@ -111,7 +119,7 @@ def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNot
     except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
         return exc
     if not steps:
-        return exc
+        return _hint_missing_path(url, exc)
     return CheckpointNotFoundError(
         f"{exc.message}; this is a directory of {len(steps)} committed step(s): pass one, e.g. "
         f"{url.rstrip('/')}/{step_name(steps[-1])} (zerostall list shows them all)", path=exc.path)
@@ -154,8 +162,11 @@ def cmd_verify(args: argparse.Namespace) -> dict[str, Any]:
     steps = _run_steps(url)
     if steps or args.latest:
         return _verify_run(args, url, steps)
-    with _progress(args, f"verify {args.path}") as progress:
-        report = verify_checkpoint(url, progress=progress)
+    try:
+        with _progress(args, f"verify {args.path}") as progress:
+            report = verify_checkpoint(url, progress=progress)
+    except CheckpointNotFoundError as exc:
+        raise _hint_missing_path(url, exc) from exc
     return _report_doc(report)
 
 
@@ -171,6 +182,7 @@ def _report_doc(report: Any) -> dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    _check_export_suffix(args)
     try:
         with _progress(args, f"export {args.out}") as progress:
             report = export_checkpoint(_url(args.checkpoint), args.out, format=args.format, item=args.item,
@@ -181,8 +193,12 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> dict[str, Any]:
-    with _progress(args, f"import {args.src}") as progress:
-        report = import_checkpoint(args.src, _url(args.dst), format=args.format, progress=progress)
+    try:
+        with _progress(args, f"import {args.src}") as progress:
+            report = import_checkpoint(args.src, _url(args.dst), format=args.format, progress=progress)
+    except CheckpointExistsError as exc:
+        raise CheckpointExistsError(f"{exc.message}: pick another DST, or delete it first (zerostall rm DST)",
+                                    path=exc.path) from exc
     return dataclasses.asdict(report)
 
 
@@ -216,6 +232,9 @@ def _progress(args: argparse.Namespace, label: str) -> Progress:
 def _print_list(r: dict[str, Any]) -> None:
     if not r["checkpoints"]:
         _out(f"no committed checkpoints in {r['dir']}")
+    if r.get("is_checkpoint"):
+        _out(f"({r['dir']} is itself a checkpoint: zerostall inspect or zerostall verify shows it; "
+             "zerostall list takes the directory that holds checkpoints)")
     for row in r["checkpoints"]:
         if row["ok"]:
             _out(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
@@ -332,7 +351,7 @@ def _summarize(node: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerostall", description="List, inspect, verify, export and import zerostall checkpoints.")
+    p = _Parser(prog="zerostall", description="List, inspect, verify, export and import zerostall checkpoints.")
     p.add_argument("--version", action="version", version=f"zerostall {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext, arg in (
@@ -381,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # every failure is one line (or one JSON document), never a traceback
         if os.environ.get("ZEROSTALL_DEBUG"):
             raise
+        exc = _as_zerostall_error(exc, args)
         if args.json:
             print(json.dumps({"ok": False, "error": _error_doc(exc)}))
         else:
@@ -600,6 +620,75 @@ def _print_values(values: list[dict[str, Any]], saving: int | None = None) -> No
         _out(f"  {v['key']:<{width}} = {text[:200]}{where}")
     if len(values) > _MAX_VALUES_SHOWN:
         _out(f"  ... {len(values) - _MAX_VALUES_SHOWN} more (--json lists them all)")
+
+
+# -- mistakes a newcomer makes, answered with what to do (docs/newcomer-run.md) ------------------
+
+
+def _hint_missing_path(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
+    """A local path that does not exist says so (not only "no manifest"), and a step name that is
+    not committed (a typo, a deleted step) is answered with the steps its run directory holds."""
+    local = local_path(url)
+    if local is None or os.path.exists(local):
+        return exc
+    parent = os.path.dirname(local)
+    try:
+        steps = committed_steps(open_storage(parent)) if os.path.isdir(parent) else []
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        steps = []
+    if steps:
+        shown = ", ".join(step_name(s) for s in steps[-5:])
+        return CheckpointNotFoundError(f"{exc.message}: no such file or directory; {parent} holds {len(steps)} "
+                                       f"committed step(s): {shown} (zerostall list {parent} shows them all)",
+                                       path=exc.path)
+    return CheckpointNotFoundError(f"{exc.message}: no such file or directory (pass a checkpoint: the directory "
+                                   "holding manifest.json; zerostall list DIR shows those in DIR)", path=exc.path)
+
+
+def _check_export_suffix(args: argparse.Namespace) -> None:
+    """OUT without a known suffix: say which suffixes and which --format (the library's message
+    names the Python argument ``format=``)."""
+    if args.format is not None:
+        return
+    try:
+        _export_format(args.out, None)
+    except UnsupportedFormatError as exc:
+        raise UnsupportedFormatError(f"cannot tell the format from the suffix of {args.out!r}: name it .safetensors "
+                                     "or .pt, or pass --format safetensors or --format torch", path=exc.path) from exc
+
+
+def _as_zerostall_error(exc: Exception, args: argparse.Namespace) -> Exception:
+    """A backend's raw ``OSError`` (an S3 listing refused for want of credentials, say) reported
+    as the :class:`StorageError` the library raises elsewhere: errno kept, the path named."""
+    if not isinstance(exc, OSError) or isinstance(exc, ZerostallError):
+        return exc
+    where = next((getattr(args, a) for a in ("dir", "path", "checkpoint", "src") if getattr(args, a, None)), None)
+    path = exc.filename if isinstance(exc.filename, str) else where
+    return StorageError(exc.strerror or str(exc), errno=exc.errno, path=path)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, plus "did you mean" for a mistyped option (``--jsn``); Python < 3.14 has none."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = _option_strings(self)
+            hints = [f"{a} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(a, known, n=1)) else a
+                     for a in message[len(prefix):].split()]
+            message = prefix + " ".join(hints)
+        super().error(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its sub-commands."""
+    out: list[str] = []
+    for action in parser._actions:
+        out.extend(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out.extend(_option_strings(sub))
+    return sorted(set(out))
 
 
 if __name__ == "__main__":

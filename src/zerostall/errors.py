@@ -357,3 +357,22 @@ class AdviceError(ZerostallError, ValueError):
 
 _BY_NAME["AdviceError"] = AdviceError
 __all__ += ["AdviceError"]
+
+
+class MissingDependencyError(ZerostallError, ImportError):
+    """An optional dependency of the feature asked for is not installed (``boto3`` for ``s3://``,
+    ``lightning`` for :mod:`zerostall.lightning`). The message names the extra that brings it
+    (``pip install 'zerostall[s3]'``); ``name`` is the missing module, ``path`` the URL asked for.
+
+    Also an ``ImportError``, so code that caught the plain ``ImportError`` zerostall raised
+    before keeps working.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 rank: int | None = None, name: str | None = None) -> None:
+        super().__init__(message, path=path, key=key, rank=rank)
+        self.name = name  # ImportError's attribute: the module that could not be imported
+
+
+_BY_NAME["MissingDependencyError"] = MissingDependencyError
+__all__ += ["MissingDependencyError"]

@@ -74,13 +74,15 @@ from zerostall import (
     UnsupportedLeafError,
     ZerostallError,
 )
+from zerostall.errors import MissingDependencyError
 
 try:
     from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.utilities import AttributeDict
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "zerostall.lightning needs the `lightning` package: pip install 'zerostall[lightning]'") from exc
+except ImportError as exc:  # depends on the environment (tests/adversarial/test_newcomer.py blocks it)
+    raise MissingDependencyError(
+        "zerostall.lightning needs the `lightning` package, which is not installed: "
+        "pip install 'zerostall[lightning]'", name=(exc.name or "lightning").split(".")[0]) from exc
 
 __all__ = ["ZerostallCheckpointIO"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable
 
-from zerostall.errors import InvalidArgumentError
+from zerostall.errors import InvalidArgumentError, MissingDependencyError
 from zerostall.storage.base import Storage
 
 __all__ = ["Storage", "open_storage", "split_url", "register_scheme", "local_path"]
@@ -80,6 +80,8 @@ def open_storage(root_url: str) -> Storage:
         module = __import__(module_name, fromlist=[attr])
     except ImportError as exc:  # an optional dependency is missing
         hint = f": pip install 'zerostall[{extra}]'" if extra else ""
-        raise ImportError(f"the {scheme}:// backend needs an optional dependency{hint} ({exc})") from exc
+        missing = exc.name or module_name
+        raise MissingDependencyError(f"the {scheme}:// backend needs {missing!r}, which is not installed{hint}",
+                                     path=str(root_url), name=missing) from exc
     factory: _Factory = getattr(module, attr)
     return factory(str(root_url))
