@@ -37,9 +37,7 @@ def _state(gib: float) -> dict[str, object]:
 
 
 def _save_and_die(d: str, gib: float) -> None:
-    from zerostall import Checkpointer, LoadOptions, MemoryTier
-    from zerostall.restore import load_items
-    from zerostall.storage.image import open_image
+    from zerostall import Checkpointer, MemoryTier
 
     ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=300))
     ck.save_pytree(1, _state(gib))
