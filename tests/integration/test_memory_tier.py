@@ -23,7 +23,7 @@ import pytest
 
 from zerostall import Checkpointer, MemoryTier, SaveOptions, WriterKind
 from zerostall.commit import step_name
-from zerostall.errors import ChecksumMismatchError, MismatchError
+from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError
 from zerostall.messages import Image
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
@@ -411,12 +411,15 @@ def test_restart_loads_the_image_its_keeper_verified(tmp_path: Path) -> None:
         assert out["w"] is w  # in place, bit for bit
         # Still all or nothing with the checksum pass skipped: a template that does not match is
         # refused before any of its bytes changes.
-        bad = state(0)
-        bad["h"] = np.zeros(5, dtype=np.float16)
-        with pytest.raises(MismatchError):
-            ck.load_pytree(2, template=bad)
-        for k in ("w", "i", "flags"):
-            assert bad[k].tobytes() == state(0)[k].tobytes(), k
+        for change in ({"h": np.zeros(5, dtype=np.float16)},  # shape
+                       {"i": np.zeros(17, dtype=np.int32)},  # dtype
+                       {"extra": np.zeros(3)}):  # a key the step lacks
+            bad = state(0) | change
+            with pytest.raises((MismatchError, MissingKeyError)):
+                ck.load_pytree(2, template=bad)
+            for k in ("w", "h", "i", "flags"):
+                if k not in change:
+                    assert bad[k].tobytes() == state(0)[k].tobytes(), (change.keys(), k)
         # A step this live trainer saves is not verified by the keeper: its load checks it itself.
         ck.save_pytree(3, state(3))
         img = _image(ck)
