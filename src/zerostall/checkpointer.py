@@ -424,7 +424,8 @@ class Checkpointer:
 
     def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
                           collective: bool = False) -> dict[str, Any] | None:
-        """Load ``step`` from this host's memory tier if it holds it (verified as from storage).
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage, or
+        already by the keeper after a crash: then the load only copies).
 
         Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
         rank then restores the tree it saved from its own memory, with no collective traffic.
@@ -440,8 +441,15 @@ class Checkpointer:
                 os.close(fd)
             return None
         files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        opts = self.load_options
+        if img.verified:
+            # The keeper checked every leaf after the trainer that staged them died, and nothing
+            # writes to them since (persist.keeper): only the copy is left. Still all or nothing:
+            # with no checksum to fail, what can still fail (a key, shape or dtype the template
+            # does not match) is raised while planning, before the first byte is copied.
+            opts = dataclasses.replace(opts or LoadOptions(), verify=False)
         with open_image(img.name, img.manifest.encode(), files) as image:
-            return load_items(image.url, img.name, items, self.load_options)
+            return load_items(image.url, img.name, items, opts)
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.

@@ -7,9 +7,16 @@ writes. A bottom layer: both the persist and the restore side import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import crc32c
 
-__all__ = ["checksum", "checksum_combine"]
+__all__ = ["checksum", "checksum_combine", "Span", "split_even", "join_crcs"]
+
+#: ``(item index, start, end)``: bytes ``[start, end)`` of one item (a leaf) of a split pass.
+Span = tuple[int, int, int]
+
+_ALIGN = 4096  # cut points between threads: whole pages, so no two threads write one cache line
 
 
 def checksum(view: memoryview | bytes | bytearray, value: int = 0) -> int:
@@ -73,3 +80,64 @@ def checksum_combine(first: int, second: int, second_len: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, first) ^ (second & 0xFFFFFFFF)
+
+
+# -- splitting one pass over many leaves between threads, by bytes ---------------------------
+
+
+def split_even(sizes: Sequence[int], parts: int) -> list[list[Span]]:
+    """Cut the concatenation of items of ``sizes`` bytes into ``parts`` runs of nearly equal bytes.
+
+    Cut points fall on page boundaries of the concatenation; runs that would be empty are
+    dropped. Every byte of every item is in exactly one span, and spans come in item order.
+
+    Example::
+
+        >>> split_even([10000, 2000], 2)
+        [[(0, 0, 4096)], [(0, 4096, 10000), (1, 0, 2000)]]
+    """
+    total = sum(sizes)
+    if total == 0 or parts <= 1:
+        return [[(i, 0, n) for i, n in enumerate(sizes) if n]] if total else []
+    cuts = sorted({min(total, (total * k // parts) // _ALIGN * _ALIGN) for k in range(1, parts)} | {total})
+    out: list[list[Span]] = []
+    cur: list[Span] = []
+    base = 0  # offset of item i in the concatenation
+    ci = 0
+    for i, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            while cuts[ci] <= base + lo:  # a cut at or before here: start the next run
+                if cur:
+                    out.append(cur)
+                    cur = []
+                ci += 1
+            hi = min(n, cuts[ci] - base)
+            cur.append((i, lo, hi))
+            lo = hi
+        base += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def join_crcs(parts: Sequence[tuple[Span, int]], count: int) -> list[int | None]:
+    """Each request's CRC32C from the checksums of its spans (any order); None for a request with
+    no span (an empty leaf has none: its checksum is 0)."""
+    by_item: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    for (i, lo, hi), crc in parts:
+        by_item[i].append((lo, hi, crc))
+    out: list[int | None] = []
+    for spans in by_item:
+        if not spans:
+            out.append(None)
+            continue
+        spans.sort()
+        pos, crc = 0, 0
+        for lo, hi, c in spans:
+            if lo != pos:  # a hole or an overlap: the split is wrong, never a corrupt file
+                raise AssertionError(f"spans do not tile the leaf: {lo} after {pos}")
+            crc = checksum_combine(crc, c, hi - lo) if lo else c
+            pos = hi
+        out.append(crc)
+    return out

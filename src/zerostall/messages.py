@@ -223,6 +223,12 @@ class Image:
     name: str
     manifest: str
     files: tuple[ImageFile, ...]
+    #: the keeper checked every leaf's CRC32C against the manifest after the trainer that staged
+    #: the buffers died, and all matched; nothing writes to them since (docs/guarantees.md,
+    #: "Where the memory tier's bytes are verified"), so the load may skip its checksum pass.
+    #: A default, so an older keeper's Image (without it) still decodes: as not verified, the
+    #: meaning it had there; so no protocol bump.
+    verified: bool = False
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery

@@ -2,11 +2,14 @@
 
 ``python _memory_trainer.py DIR FIRST LAST PERSIST_EVERY LINGER_S MODE`` saves steps FIRST..LAST
 (each waited for), printing ``SAVED <step> <tiers>``; MODE ``kill`` SIGKILLs itself after the
-last, ``close`` closes cleanly, ``loop`` keeps saving (without waiting) until killed.
+last, ``close`` closes cleanly, ``loop`` keeps saving (without waiting) until killed,
+``corrupt`` flips one byte of leaf ``w`` in the step its keeper holds (through the keeper's own
+descriptor, mapped writable: after the commit, as a stray write would) and then SIGKILLs itself.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import sys
@@ -14,6 +17,7 @@ import sys
 import numpy as np
 
 from zerostall import Checkpointer, MemoryTier
+from zerostall.manifest import parse_manifest
 
 
 def state(step: int, big: bool = False) -> dict:
@@ -47,9 +51,24 @@ def main() -> None:
             if step == int(last):
                 break
         step += 1
-    if mode == "kill":
+    if mode == "corrupt":
+        _corrupt_held(ckpt)
+    if mode in ("kill", "corrupt"):
         os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
+
+
+def _corrupt_held(ckpt: Checkpointer) -> None:
+    got = ckpt._engine.writer.query_image()
+    assert got is not None
+    img, fds = got
+    m = parse_manifest(img.manifest.encode(), path="memory")
+    leaf = next(lf for lf in m.leaves if lf.key.split("/")[-1] == "w")
+    name = m.files[leaf.file].path.rsplit("/", 1)[-1]
+    i = next(j for j, f in enumerate(img.files) if f.name == name)
+    with mmap.mmap(fds[i], img.files[i].size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mem:
+        mem[leaf.offset + 5] ^= 0x40
+    print("CORRUPTED", leaf.key, flush=True)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ itself plays the restarted trainer, so it adopts the keeper the dead trainer lef
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,11 @@ import pytest
 
 from zerostall import Checkpointer, MemoryTier, SaveOptions, WriterKind
 from zerostall.commit import step_name
-from zerostall.persist.keeper import ADDRESS_PREFIX, keeper_address
+from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError
+from zerostall.messages import Image
+from zerostall.persist.faults import ENV as FAULTS_ENV
+from zerostall.persist.faults import MARK_ENV
+from zerostall.persist.keeper import ADDRESS_PREFIX, keeper_address, query_held
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
@@ -31,9 +37,10 @@ EXAMPLE = str(Path(__file__).parents[2] / "examples" / "torchrun_ddp.py")
 DEADLINE_S = 120.0  # generous: only a hung keeper takes this long
 
 
-def _trainer(d: Path, first: int, last: int, every: int, linger: float, mode: str) -> subprocess.Popen[str]:
+def _trainer(d: Path, first: int, last: int, every: int, linger: float, mode: str,
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, TRAINER, str(d), str(first), str(last), str(every), str(linger), mode],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
 
 
 def _run(d: Path, first: int, last: int, every: int, linger: float, mode: str) -> tuple[int, int, dict[int, str]]:
@@ -374,3 +381,94 @@ def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path)
         assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
         _assert_state(ck.load_pytree(), state(1))
     _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+
+
+# -- the keeper's check after a crash: a restart's load only copies ----------------------------
+
+
+def _image(ck: Checkpointer) -> Image:
+    """What the keeper answers this trainer's query (the Image a load from memory gets)."""
+    got = ck._engine.writer.query_image()
+    assert got is not None
+    img, fds = got
+    for fd in fds:
+        os.close(fd)
+    return img
+
+
+def test_restart_loads_the_image_its_keeper_verified(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    rc, keeper, saved = _run(d, 1, 2, 5, 60, "kill")
+    assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
+    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+        assert ck._engine.writer.pid == keeper
+        img = _image(ck)
+        assert img.step == 2 and img.verified  # every leaf checked by the keeper after the trainer died
+        tmpl = state(0)
+        w = tmpl["w"]
+        out = ck.load_pytree(2, template=tmpl)
+        _assert_state(out, state(2))
+        assert out["w"] is w  # in place, bit for bit
+        # Still all or nothing with the checksum pass skipped: a template that does not match is
+        # refused before any of its bytes changes.
+        for change in ({"h": np.zeros(5, dtype=np.float16)},  # shape
+                       {"i": np.zeros(17, dtype=np.int32)},  # dtype
+                       {"extra": np.zeros(3)}):  # a key the step lacks
+            bad = state(0) | change
+            with pytest.raises((MismatchError, MissingKeyError)):
+                ck.load_pytree(2, template=bad)
+            for k in ("w", "h", "i", "flags"):
+                if k not in change:
+                    assert bad[k].tobytes() == state(0)[k].tobytes(), (change.keys(), k)
+        # A step this live trainer saves is not verified by the keeper: its load checks it itself.
+        ck.save_pytree(3, state(3))
+        img = _image(ck)
+        assert img.step == 3 and not img.verified
+        _assert_state(ck.load_pytree(3), state(3))
+
+
+def test_a_byte_changed_in_memory_after_the_save_is_never_loaded(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    p = _trainer(d, 1, 2, 5, 60, "corrupt")
+    out, _ = p.communicate(timeout=DEADLINE_S)
+    keeper, saved = _parse(out.splitlines())
+    assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
+    keys = [line.split()[1] for line in out.splitlines() if line.startswith("CORRUPTED ")]
+    assert len(keys) == 1
+    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+        assert ck._engine.writer.pid == keeper
+        img = _image(ck)
+        assert img.step == 2 and not img.verified  # the keeper's check found it
+        # ...and the load verifies as it always did, failing as a corrupt image fails from storage.
+        tmpl = state(0)
+        with pytest.raises(ChecksumMismatchError) as err:
+            ck.load_pytree(2, template=tmpl)
+        assert err.value.key == keys[0]
+        assert tmpl["w"].tobytes() == state(0)["w"].tobytes()  # all or nothing
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    # The keeper never persisted the changed bytes (under checksums taken afresh they would verify).
+    assert 2 not in _storage_steps(d)
+
+
+def test_a_query_during_the_keepers_check_waits_for_it(tmp_path: Path) -> None:
+    d, marks, go = tmp_path / "run", tmp_path / "marks", tmp_path / "go"
+    marks.mkdir()
+    env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_check": f"wait:{go}"}), MARK_ENV: str(marks)})
+    p = _trainer(d, 1, 2, 5, 60, "kill", env=env)
+    out, _ = p.communicate(timeout=DEADLINE_S)
+    keeper, saved = _parse(out.splitlines())
+    assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
+    _wait(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
+    look = query_held(str(d), 0)  # a look (zerostall list) does not wait: not verified yet
+    assert look is not None and look.step == 2 and not look.verified
+    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+        assert ck._engine.writer.pid == keeper  # adopting does not wait for the check
+        got: list[Image] = []
+        asker = threading.Thread(target=lambda: got.append(_image(ck)))
+        asker.start()
+        asker.join(0.5)
+        assert asker.is_alive() and not got  # held until the check ends (it cannot before `go`)
+        go.touch()
+        asker.join(DEADLINE_S)
+        assert len(got) == 1 and got[0].step == 2 and got[0].verified
+        _assert_state(ck.load_pytree(2), state(2))

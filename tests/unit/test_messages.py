@@ -166,3 +166,13 @@ def test_a_trainer_refuses_a_writer_of_another_protocol(monkeypatch: pytest.Monk
             ck.save_pytree_async(2, {"w": torch.ones(3)})
     assert len(started) == 1
     assert ck.steps() == []
+
+
+def test_an_image_without_verified_decodes_as_not_verified() -> None:
+    # What a keeper of the same protocol from before Image.verified sends: the load then verifies.
+    doc = json.loads(encode(Image(step=3, name="s", manifest="{}", files=(), verified=True)))
+    del doc["verified"]
+    old = decode(json.dumps(doc).encode())
+    assert isinstance(old, Image) and old.verified is False
+    assert decode(encode(Image(step=3, name="s", manifest="{}", files=(), verified=True))) == \
+        Image(step=3, name="s", manifest="{}", files=(), verified=True)

@@ -11,6 +11,9 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
 * ``wait:<path>``: block until the file ``path`` exists (lets a test order events without
   timing thresholds); marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does.
 
+One more phase is not a save's: ``keeper_check``, where the memory tier's keeper starts checking
+the held step after its trainer died (:mod:`zerostall.persist.keeper`).
+
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with
 the default process writer; with a thread writer they affect the whole test process):

@@ -20,6 +20,12 @@ step. A trainer asks for the held step with :class:`ImageQuery`; the keeper answ
 :class:`Image` and the buffers' descriptors, which the trainer maps read-only to restore from.
 On expiry the keeper exits (once that persist has ended); the kernel frees the memory, and an
 abstract socket leaves no file.
+
+Beside that persist, the keeper checks the held step after a crash: every leaf's CRC32C against
+its manifest, on every core it may use (:mod:`zerostall.persist.imagecheck`). The restarted
+trainer's query waits for that check, and an :class:`Image` that passed it says ``verified``:
+the trainer's load then only copies (docs/guarantees.md, "Where the memory tier's bytes are
+verified").
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import RetentionPolicy
+from zerostall.persist import faults
 from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
+from zerostall.persist.imagecheck import cpus, first_bad_leaf
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import Storage, local_path, open_storage
 
@@ -275,11 +283,22 @@ class _Held:
         self.maps = [mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                      for fd, size in zip(fds, sizes, strict=True)]
         self.views = {f.buffer: memoryview(m) for f, m in zip(job.files, self.maps, strict=True)}
+        #: the keeper's check of every leaf after the trainer died (None: never started); set when it ended
+        self.checked: threading.Event | None = None
+        #: that check ended and every leaf matched (written before ``checked`` is set)
+        self.verified = False
+        #: the first leaf that did not match, if any
+        self.bad_key: str | None = None
 
     def image(self, with_files: bool = True) -> Image:
+        # ``verified`` holds for as long as the keeper holds the step: the trainer that staged
+        # these buffers is dead (the check starts only then), a held step's slot is never handed
+        # back to a later trainer (Released goes only to the session that staged it), the keeper
+        # maps them writable but never writes, and a trainer it sends them to maps them read-only.
         return Image(step=self.job.step, name=self.job.name, manifest=self.manifest.decode(),
                      files=tuple(ImageFile(name=f.name, length=f.length, size=s)
-                                 for f, s in zip(self.job.files, self.sizes, strict=True)) if with_files else ())
+                                 for f, s in zip(self.job.files, self.sizes, strict=True)) if with_files else (),
+                     verified=self.verified)
 
     def close(self) -> None:
         for v in self.views.values():
@@ -459,10 +478,14 @@ class Keeper:
             held.close()
 
     def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
-        held = self.held
+        held = self.held  # stable: only this thread (the job loop) replaces it
         if held is None:
             send(_empty_image())
             return
+        if held.checked is not None:
+            # The check after a crash is running: it is the pass the trainer would make itself
+            # (the same bytes, the same cores), so wait for it rather than do it twice.
+            held.checked.wait()
         send(held.image())
         for fd in held.fds:
             send_handle(conn, fd, 0)
@@ -477,6 +500,7 @@ class Keeper:
             os.close(fd)
         self._fds = {}
         if not closed:
+            self._start_check()
             self._start_crash_persist()
         if closed or self._listener is None:
             return None
@@ -519,6 +543,15 @@ class Keeper:
                 return
             held.attempted = True
         job = dataclasses.replace(held.job, persist=True)
+        if job.collective is None and held.checked is not None:
+            # The persist checksums the bytes afresh: a leaf the check after the crash found
+            # changed since its save would reach storage under a matching checksum. (A collective
+            # step is written regardless: every other rank's keeper waits on this one's part.)
+            held.checked.wait()
+            if held.bad_key is not None:
+                print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
+                      "after its save", file=sys.stderr, flush=True)
+                return
         try:
             storage = open_storage(job.root)
             if held.job.step is not None and held.job.step in committed_steps(storage):
@@ -534,6 +567,36 @@ class Keeper:
                   file=sys.stderr, flush=True)
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
+
+    # -- after a crash: the check of the held step --------------------------------------------
+
+    def _start_check(self) -> None:
+        """Check every leaf of the held step in the background (once per held step: nothing can
+        write to it after its trainer died, so a second trainer's death changes nothing)."""
+        held = self._use_held()
+        if held is None:
+            return
+        if held.checked is not None:
+            self._unuse_held(held)
+            return
+        held.checked = threading.Event()  # set before session_ended returns: a query waits for it
+        threading.Thread(target=self._check, args=(held,), name="zerostall-keeper-check", daemon=True).start()
+
+    def _check(self, held: _Held) -> None:
+        assert held.checked is not None
+        try:
+            faults.hit("keeper_check")
+            views = {f.name: held.views[f.buffer] for f in held.job.files}
+            held.bad_key = first_bad_leaf(held.manifest, views, cpus(), path=f"memory:{held.job.name}")
+            held.verified = held.bad_key is None
+            if held.bad_key is not None:  # the restarted trainer's load verifies and names it too
+                print(f"zerostall keeper: leaf {held.bad_key!r} of {held.job.name} held in memory does not "
+                      "match its checksum", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - not verified: the trainer's load checks it itself
+            print(f"zerostall keeper: checking {held.job.name} in memory failed: {exc}", file=sys.stderr, flush=True)
+        finally:
+            held.checked.set()
+            self._unuse_held(held)
 
     # -- after a crash: the persist, and the aborts of what this rank will never finish ----------
 

@@ -21,14 +21,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from zerostall.checksum import checksum_combine
+# The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
+# sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
+from zerostall.checksum import Span, join_crcs, split_even
 
 __all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
-
-#: ``(request index, start, end)``: bytes ``[start, end)`` of one request's leaf.
-Span = tuple[int, int, int]
-
-_ALIGN = 4096  # cut points between threads: whole pages, so no two threads write one cache line
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -44,42 +41,6 @@ def workers(io_threads: int) -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(io_threads, cpus))
-
-
-def split_even(sizes: Sequence[int], parts: int) -> list[list[Span]]:
-    """Cut the concatenation of items of ``sizes`` bytes into ``parts`` runs of nearly equal bytes.
-
-    Cut points fall on page boundaries of the concatenation; runs that would be empty are
-    dropped. Every byte of every item is in exactly one span, and spans come in item order.
-
-    Example::
-
-        >>> split_even([10000, 2000], 2)
-        [[(0, 0, 4096)], [(0, 4096, 10000), (1, 0, 2000)]]
-    """
-    total = sum(sizes)
-    if total == 0 or parts <= 1:
-        return [[(i, 0, n) for i, n in enumerate(sizes) if n]] if total else []
-    cuts = sorted({min(total, (total * k // parts) // _ALIGN * _ALIGN) for k in range(1, parts)} | {total})
-    out: list[list[Span]] = []
-    cur: list[Span] = []
-    base = 0  # offset of item i in the concatenation
-    ci = 0
-    for i, n in enumerate(sizes):
-        lo = 0
-        while lo < n:
-            while cuts[ci] <= base + lo:  # a cut at or before here: start the next run
-                if cur:
-                    out.append(cur)
-                    cur = []
-                ci += 1
-            hi = min(n, cuts[ci] - base)
-            cur.append((i, lo, hi))
-            lo = hi
-        base += n
-    if cur:
-        out.append(cur)
-    return out
 
 
 def split_chunks(groups: Sequence[Sequence[tuple[int, int]]], chunk: int) -> list[list[Span]]:
@@ -119,25 +80,3 @@ def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_
     if first is not None:
         raise first
     return [f.result() for f in futures]
-
-
-def join_crcs(parts: Sequence[tuple[Span, int]], count: int) -> list[int | None]:
-    """Each request's CRC32C from the checksums of its spans (any order); None for a request with
-    no span (an empty leaf has none: its checksum is 0)."""
-    by_item: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
-    for (i, lo, hi), crc in parts:
-        by_item[i].append((lo, hi, crc))
-    out: list[int | None] = []
-    for spans in by_item:
-        if not spans:
-            out.append(None)
-            continue
-        spans.sort()
-        pos, crc = 0, 0
-        for lo, hi, c in spans:
-            if lo != pos:  # a hole or an overlap: the split is wrong, never a corrupt file
-                raise AssertionError(f"spans do not tile the leaf: {lo} after {pos}")
-            crc = checksum_combine(crc, c, hi - lo) if lo else c
-            pos = hi
-        out.append(crc)
-    return out

@@ -1,0 +1,148 @@
+"""The memory tier after a crash: a restarted process's restore from its keeper vs a memcpy.
+
+    python benchmarks/memory_restart.py [--gib 1 4] [--repeats 3]
+
+A child process saves a memory-only step of ``--gib`` (64 float32 tensors) and is SIGKILLed.
+A fresh process, as a torchrun restart is (imports torch, opens the Checkpointer, which adopts
+the keeper), times its first load from memory into a template of touched tensors, then pairs
+each of ``--repeats`` memcpys of the same tensors (the faster of torch ``copy_`` and
+``numpy.copyto`` per tensor, as benchmarks/memory_tier.py) with a load right after it. It prints
+both, the ratios, and whether the keeper had verified the image (its check after the crash; the
+load then only copies). For comparison each repeat also pairs a memcpy with a load of the same
+image that checksums it itself, as every load from memory did before (r2preverify). Target
+(issue 13): restore <= 1.2x the memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+N_TENSORS = 64
+
+
+def _state(gib: float) -> dict[str, object]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = int(gib * (1 << 30)) // 4 // N_TENSORS
+    return {f"p{i}": torch.randn(n, generator=g) for i in range(N_TENSORS)}
+
+
+def _save_and_die(d: str, gib: float) -> None:
+    from zerostall import Checkpointer, MemoryTier
+
+    ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=300))
+    ck.save_pytree(1, _state(gib))
+    assert ck.stats()[-1].tiers == ("memory",)
+    print("SAVED", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _restore(d: str, gib: float, repeats: int) -> None:
+    t_start = time.perf_counter()
+    import numpy as np
+    import torch
+
+    from zerostall import Checkpointer, LoadOptions, MemoryTier
+    from zerostall.restore import load_items
+    from zerostall.storage.image import open_image
+
+    torch.set_num_threads(2)
+    t_import = time.perf_counter() - t_start
+    want = _state(gib)
+    tmpl = {k: torch.zeros_like(v) for k, v in want.items()}  # type: ignore[arg-type]
+    nbytes = sum(v.numel() * 4 for v in tmpl.values())
+    t0 = time.perf_counter()
+    ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=0))
+    t_open = time.perf_counter() - t0
+    adopted = ck._engine.writer.adopted
+    t0 = time.perf_counter()
+    ck.load_pytree(1, template=tmpl)  # the restart's load: waits for the keeper's check if still running
+    t_first = time.perf_counter() - t0
+    got = ck._engine.writer.query_image()
+    assert got is not None
+    img, fds = got
+    for fd in fds:
+        os.close(fd)
+    assert all(torch.equal(tmpl[k], v) for k, v in want.items()), "restored bytes differ"  # type: ignore[arg-type]
+    pairs = [(tmpl[k].numpy(), v.numpy()) for k, v in want.items()]  # type: ignore[union-attr]
+
+    def memcpy() -> float:
+        best = float("inf")
+        for fn in (lambda: [tmpl[k].copy_(v) for k, v in want.items()],  # type: ignore[arg-type]
+                   lambda: [np.copyto(a, b) for a, b in pairs]):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def load_verifying() -> None:  # Checkpointer._load_from_memory with the trainer's own checksum pass
+        got = ck._engine.writer.query_image()
+        assert got is not None
+        img, fds = got
+        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        with open_image(img.name, img.manifest.encode(), files) as image:
+            load_items(image.url, img.name, {"pytree": tmpl}, LoadOptions())
+
+    memcpys, loads, memcpys_v, loads_v = [], [], [], []
+    for _ in range(repeats):
+        memcpys.append(memcpy())
+        t0 = time.perf_counter()
+        ck.load_pytree(1, template=tmpl)
+        loads.append(time.perf_counter() - t0)
+        memcpys_v.append(memcpy())
+        t0 = time.perf_counter()
+        load_verifying()
+        loads_v.append(time.perf_counter() - t0)
+    ck.close()
+    ratios = [b / a for a, b in zip(memcpys, loads, strict=True)]
+    ratios_v = [b / a for a, b in zip(memcpys_v, loads_v, strict=True)]
+    gb = nbytes / 1e9
+    print(f"{gib:g} GiB restart: adopted keeper {adopted}, image verified by the keeper {img.verified}; "
+          f"import torch+zerostall {t_import:.2f} s, open {t_open:.3f} s")
+    print(f"    first load after restart {t_first:.3f} s ({t_first / min(memcpys):.2f}x the best memcpy "
+          f"{min(memcpys):.3f} s, {gb / min(memcpys):.2f} GB/s)")
+    print(f"    paired (memcpy, then load) x{repeats}: memcpy {', '.join(f'{t:.3f}' for t in memcpys)} s; "
+          f"load {', '.join(f'{t:.3f}' for t in loads)} s; load/memcpy median {statistics.median(ratios):.2f}x "
+          f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"    the same image checksummed by the trainer's load instead (before r2preverify): load "
+          f"{', '.join(f'{t:.3f}' for t in loads_v)} s; load/memcpy median {statistics.median(ratios_v):.2f}x "
+          f"({', '.join(f'{r:.2f}' for r in ratios_v)})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--child", choices=("save", "restore"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--at", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child == "save":
+        _save_and_die(args.at, args.gib[0])
+        return
+    if args.child == "restore":
+        _restore(args.at, args.gib[0], args.repeats)
+        return
+    for gib in args.gib:
+        d = tempfile.mkdtemp(dir=args.dir)
+        try:
+            me = [sys.executable, os.path.abspath(__file__), "--gib", str(gib), "--at", d]
+            saver = subprocess.run([*me, "--child", "save"], capture_output=True, text=True, check=False)
+            if saver.returncode != -signal.SIGKILL or "SAVED" not in saver.stdout:
+                raise SystemExit(f"the saving child failed ({saver.returncode}): {saver.stderr[-2000:]}")
+            subprocess.run([*me, "--child", "restore", "--repeats", str(args.repeats)], check=True)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
