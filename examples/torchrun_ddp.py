@@ -6,8 +6,11 @@ With ``--persist-every K`` every step is checkpointed into host memory (the memo
 K-th is also persisted; ``--fail-at-step N`` makes rank 1 SIGKILL itself once step N is in memory,
 on the first attempt only, so that torchrun restarts the group and it resumes from memory:
 
-    torchrun --nproc-per-node 2 --max-restarts 1 examples/torchrun_ddp.py --dir /tmp/zs-ddp-mem \
-        --steps 60 --persist-every 10 --fail-at-step 25
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
+        examples/torchrun_ddp.py --dir /tmp/zs-ddp-mem --steps 60 --persist-every 10 --fail-at-step 25
+
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it torch 2.13's restarted gloo workers often fail
+in ``init_process_group`` with "Connection refused", zerostall or not; docs/distributed.md.)
 
 Meanwhile the ranks' keepers persist step 25 to ``--dir`` together, in the background, so that a
 restart on other nodes would find it too (with ``--max-restarts 0`` that is all that happens).
