@@ -6,6 +6,8 @@
   itself at once (after a barrier: every keeper holds step LAST);
 - ``split``: rank 1 SIGKILLs itself after step LAST-1, before its save of step LAST; the other
   ranks save step LAST, then SIGKILL themselves: the keepers hold different steps;
+- ``corrupt``: as ``both``, but rank 1 first flips a byte of leaf ``w`` in the step its keeper
+  holds (``_memory_trainer._corrupt_held``);
 - ``wait``: save 1..LAST, print ``READY`` and wait to be killed;
 - ``resume``: adopt the keeper, restore the step the ranks agree on, save on to LAST and close;
   writes ``DIR/resume-RANK.json``;
@@ -107,8 +109,14 @@ def main() -> None:
     if mode == "wait":
         print("READY", flush=True)
         sys.stdin.read()
-    if mode == "both":
+    if mode in ("both", "corrupt"):
         dist.barrier()  # every keeper holds LAST
+    if mode == "corrupt" and rank == 1:
+        from _memory_trainer import _corrupt_held  # a stray write into the held step, after its save
+
+        _corrupt_held(ck)
+    if mode == "corrupt":
+        dist.barrier()  # rank 1's byte is flipped before any trainer dies
     os.kill(os.getpid(), signal.SIGKILL)
 
 

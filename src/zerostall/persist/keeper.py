@@ -47,7 +47,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps
-from zerostall.errors import ZerostallError
+from zerostall.errors import ChecksumMismatchError, ZerostallError
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -65,7 +65,13 @@ from zerostall.messages import (
 )
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
-from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
+from zerostall.persist.collective import (
+    abort_attempts_except,
+    abort_doc,
+    attempt_names,
+    decide,
+    sweep_aborted_decisions,
+)
 from zerostall.persist.imagecheck import cpus, first_bad_leaf
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import Storage, local_path, open_storage
@@ -543,14 +549,15 @@ class Keeper:
                 return
             held.attempted = True
         job = dataclasses.replace(held.job, persist=True)
-        if job.collective is None and held.checked is not None:
+        if held.checked is not None:
             # The persist checksums the bytes afresh: a leaf the check after the crash found
-            # changed since its save would reach storage under a matching checksum. (A collective
-            # step is written regardless: every other rank's keeper waits on this one's part.)
+            # changed since its save would reach storage under a matching checksum.
             held.checked.wait()
             if held.bad_key is not None:
                 print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
                       "after its save", file=sys.stderr, flush=True)
+                if job.collective is not None:  # every other rank's keeper waits on this one's part
+                    self._abort_attempt(job, held.bad_key)
                 return
         try:
             storage = open_storage(job.root)
@@ -567,6 +574,21 @@ class Keeper:
                   file=sys.stderr, flush=True)
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
+
+    def _abort_attempt(self, job: SaveJob, bad_key: str) -> None:
+        """Decide "abort" for this collective step's attempt, so that the other ranks' keepers
+        drop their parts at once instead of waiting out the collective timeout."""
+        coll = job.collective
+        assert coll is not None
+        try:
+            storage = open_storage(job.root)
+            err = ChecksumMismatchError("changed in the memory tier after its save (found by the keeper's "
+                                        "check after the trainer died): not persisted", path=job.path, key=bad_key)
+            decide(storage, attempt_names(storage, job.name, coll.run, coll.counter),
+                   abort_doc(err, coll.rank, job.path))
+        except Exception as exc:  # noqa: BLE001 - the others then abort on their timeout
+            print(f"zerostall keeper: could not abort {job.path}'s collective attempt: {exc}",
+                  file=sys.stderr, flush=True)
 
     # -- after a crash: the check of the held step --------------------------------------------
 
