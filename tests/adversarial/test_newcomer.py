@@ -115,3 +115,16 @@ def test_checkpointer_step_mistakes_say_what_to_do(tmp_path: Path) -> None:
         with pytest.raises(CheckpointNotFoundError, match="committed steps here: 5, 10"):
             ck.metadata(7)
         assert ck.load_pytree(10, template={"model": model})["model"] is model
+
+
+def test_jax_integration_without_jax_is_a_zerostall_error_naming_the_extra() -> None:
+    # In a fresh interpreter: this one may have the integration loaded (and registered) already.
+    import subprocess
+
+    code = ("import sys; sys.modules['jax'] = None\n"
+            "from zerostall.errors import MissingDependencyError\n"
+            "try:\n    import zerostall.integrations.jax\n"
+            "except MissingDependencyError as e:\n    print('MISSING', e.name, isinstance(e, ImportError), e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("MISSING jax True") and "pip install 'zerostall[jax]'" in out.stdout

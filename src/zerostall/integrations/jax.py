@@ -59,10 +59,18 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax._src import tree_util as _jax_tree_util
+
+from zerostall.errors import MissingDependencyError
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax._src import tree_util as _jax_tree_util
+except ImportError as _exc:  # only when imported by hand: zerostall loads this module once jax is imported
+    raise MissingDependencyError(
+        "zerostall.integrations.jax needs the `jax` package, which is not installed: "
+        "pip install 'zerostall[jax]'", name=(_exc.name or "jax").split(".")[0]) from _exc
 
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
 from zerostall.errors import (
