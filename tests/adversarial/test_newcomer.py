@@ -49,7 +49,10 @@ def test_missing_dependency_error_crosses_the_writer_wire() -> None:
 
 
 def test_lightning_without_lightning_is_a_zerostall_error_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "lightning", None)  # as where lightning is not installed
+    # As where lightning is not installed. Its submodules too: the suite's collection may have
+    # imported them already, and an import finds a submodule in sys.modules without its parent.
+    for name in [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")] + ["lightning"]:
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, "zerostall.lightning", raising=False)
     monkeypatch.delitem(sys.modules, "zerostall.integrations.lightning", raising=False)
     with pytest.raises(MissingDependencyError, match=r"pip install 'zerostall\[lightning\]'") as info:
