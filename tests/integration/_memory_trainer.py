@@ -43,11 +43,11 @@ def main() -> None:
     while True:
         r = ckpt.save_pytree_async(step, state(step, big))
         if mode == "loop":
-            print("SUBMITTED", step, flush=True)
-            r.add_done_callback(lambda r, s=step: print("SAVED", s, ",".join(r.stats.tiers), flush=True))
+            _say(f"SUBMITTED {step}")
+            r.add_done_callback(lambda r, s=step: _say(f"SAVED {s} {','.join(r.stats.tiers)}"))
         else:
             r.result()
-            print("SAVED", step, ",".join(r.stats.tiers), flush=True)
+            _say(f"SAVED {step} {','.join(r.stats.tiers)}")
             if step == int(last):
                 break
         step += 1
@@ -56,6 +56,13 @@ def main() -> None:
     if mode in ("kill", "corrupt"):
         os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
+
+
+def _say(line: str) -> None:
+    # One write per line: print() writes the text and the newline apart, and the done callback's
+    # thread and the main thread could interleave them ("SAVED SUBMITTED 6 ...").
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _corrupt_held(ckpt: Checkpointer) -> None:

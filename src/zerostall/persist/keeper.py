@@ -47,7 +47,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps
-from zerostall.errors import ChecksumMismatchError, ZerostallError
+from zerostall.errors import ZerostallError
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -65,13 +65,7 @@ from zerostall.messages import (
 )
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
-from zerostall.persist.collective import (
-    abort_attempts_except,
-    abort_doc,
-    attempt_names,
-    decide,
-    sweep_aborted_decisions,
-)
+from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.imagecheck import cpus, first_bad_leaf
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.storage import Storage, local_path, open_storage
@@ -556,8 +550,9 @@ class Keeper:
             if held.bad_key is not None:
                 print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
                       "after its save", file=sys.stderr, flush=True)
-                if job.collective is not None:  # every other rank's keeper waits on this one's part
-                    self._abort_attempt(job, held.bad_key)
+                # A collective step: the other ranks' keepers then abort on the collective timeout.
+                # (Deciding "abort" here raced with the sweep of the dead run's abort decisions, which
+                # could remove it before a slower rank's keeper had started and seen it.)
                 return
         try:
             storage = open_storage(job.root)
@@ -574,21 +569,6 @@ class Keeper:
                   file=sys.stderr, flush=True)
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
-
-    def _abort_attempt(self, job: SaveJob, bad_key: str) -> None:
-        """Decide "abort" for this collective step's attempt, so that the other ranks' keepers
-        drop their parts at once instead of waiting out the collective timeout."""
-        coll = job.collective
-        assert coll is not None
-        try:
-            storage = open_storage(job.root)
-            err = ChecksumMismatchError("changed in the memory tier after its save (found by the keeper's "
-                                        "check after the trainer died): not persisted", path=job.path, key=bad_key)
-            decide(storage, attempt_names(storage, job.name, coll.run, coll.counter),
-                   abort_doc(err, coll.rank, job.path))
-        except Exception as exc:  # noqa: BLE001 - the others then abort on their timeout
-            print(f"zerostall keeper: could not abort {job.path}'s collective attempt: {exc}",
-                  file=sys.stderr, flush=True)
 
     # -- after a crash: the check of the held step --------------------------------------------
 
