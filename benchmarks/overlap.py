@@ -1,7 +1,7 @@
 """Overlapped staging on CPU: what a save costs a trainer whose optimizer owns the checkpointed state.
 
     python -m benchmarks.overlap [--size 1G] [--saves 5] [--dir /tmp/zsov]
-                                 [--systems overlap,overlap_nice10,blocking]
+                                 [--systems overlap,overlap_normal,blocking]
 
 The trainer is the small transformer of ``benchmarks.dip`` (its own forward, backward and AdamW
 step each iteration). The checkpointed state is the synthetic state of ``--size``
@@ -10,8 +10,10 @@ parameters of a second AdamW whose ``state`` holds the moments, and that optimiz
 ``step()`` runs every iteration (it has no gradients, so the step changes nothing and costs
 microseconds, but zerostall's guard runs in it exactly as in a real step).
 
-Per save, for each system (``overlap``: the default; ``overlap_nice10``: the copier thread at
-niceness 10; ``blocking``: ``SaveOptions(staging="blocking")``):
+Systems (``overlap``: the default, whose copier policy is ``auto``, i.e. ``SCHED_IDLE`` when
+torch's threads fill every CPU; ``overlap_idle`` / ``overlap_normal``: that policy forced;
+``blocking``: ``SaveOptions(staging="blocking")``) take turns in one Checkpointer, one save each
+per round, so they are paired against the same machine; per save:
 
 * ``blocked_s``: the training thread's time blocked by the save: the call itself plus every
   guard wait (the extra time of the big optimizer's steps until the copy is done);
@@ -24,7 +26,8 @@ niceness 10; ``blocking``: ``SaveOptions(staging="blocking")``):
   iterations x baseline iteration``), which also counts the writer's CPU.
 
 The machine's other users make single numbers noisy; run ``--saves`` of at least 5 and compare
-systems within one run. Prints one JSON line (``measure.emit``) and a table on stderr.
+systems within one run: with ``blocking`` among the systems, each other system's ``lost_s``
+minus blocking's in the same round is reported too (median and range). Prints one JSON line (``measure.emit``) and a table on stderr.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from benchmarks import measure  # noqa: E402
 from benchmarks.dip import Trainer  # noqa: E402
 from benchmarks.state import build_state, format_size, parse_size  # noqa: E402
 
-SYSTEMS = ["overlap", "overlap_nice10", "blocking"]
+SYSTEMS = ["overlap", "overlap_normal", "blocking"]
 BASE_ITERS = 8
 POST_S = 0.5
 
@@ -73,68 +76,105 @@ def _iteration(trainer: Trainer, big: torch.optim.Optimizer) -> tuple[float, flo
     return e - t, e - s
 
 
-def run_system(name: str, trainer: Trainer, state: dict[str, Any], big: torch.optim.Optimizer, saves: int,
-               directory: Path) -> dict[str, Any]:
+def _configure(name: str, ckpt: Any) -> None:
+    """Make the next save of ``ckpt`` one of system ``name`` (interleaved in one Checkpointer)."""
+    import dataclasses
+
     import zerostall
     from zerostall.stage import overlap
 
-    overlap.COPIER_NICE = 10 if name == "overlap_nice10" else 0
+    overlap.COPIER_POLICY = {"overlap_idle": "idle", "overlap_normal": "normal"}.get(name, "auto")  # type: ignore[assignment]
     staging = "blocking" if name == "blocking" else "overlap"
-    opts = zerostall.SaveOptions(staging=staging)
+    engine = ckpt._engine  # the benchmark switches staging per save so the systems are paired
+    engine.options = dataclasses.replace(engine.options, staging=zerostall.SaveOptions(staging=staging).staging)
+
+
+def one_save(name: str, i: int, ckpt: Any, trainer: Trainer, state: dict[str, Any], big: torch.optim.Optimizer,
+             flat: list[torch.Tensor], scratch: list[torch.Tensor]) -> dict[str, Any]:
+    """One save of system ``name``: baseline iterations, paired memcpy, the save, training until durable."""
+    _configure(name, ckpt)
+    base = [_iteration(trainer, big) for _ in range(BASE_ITERS)]
+    t0 = statistics.fmean(b[0] for b in base)
+    step0 = statistics.median(b[1] for b in base)
+    m = time.perf_counter()
+    for d, s in zip(scratch, flat):
+        d.copy_(s)
+    memcpy_s = time.perf_counter() - m
+    start = time.perf_counter()
+    r = ckpt.save_pytree_async(i, state)
+    call_s = time.perf_counter() - start
+    in_flight: list[float] = []
+    guard_s = 0.0
+    iters = 0
+    while not r.done():
+        was_staged = r.staged()
+        it, st = _iteration(trainer, big)
+        iters += 1
+        if not was_staged:
+            in_flight.append(it)
+            guard_s += max(0.0, st - step0)
+    durable = time.perf_counter()
+    while time.perf_counter() - durable < POST_S:
+        _iteration(trainer, big)
+        iters += 1
+    window = time.perf_counter() - start
+    r.result()
+    row = {
+        "t0_s": t0, "memcpy_s": memcpy_s, "call_s": call_s, "guard_s": guard_s,
+        "blocked_s": call_s + guard_s, "blocked_over_memcpy": (call_s + guard_s) / memcpy_s,
+        "staged_s": r.stats.staged_s, "durable_s": durable - start,
+        "iters_in_flight": len(in_flight),
+        "iter_ratio_in_flight": (statistics.fmean(in_flight) / t0) if in_flight else None,
+        "lost_s": window - iters * t0,
+    }
+    measure.log(f"{name} save {i}: blocked {row['blocked_s'] * 1e3:.1f} ms (call {call_s * 1e3:.1f} + "
+                f"guard {guard_s * 1e3:.1f}) = {row['blocked_over_memcpy']:.2f}x memcpy "
+                f"({memcpy_s * 1e3:.0f} ms); staged after {row['staged_s'] or 0:.3f} s; iterations in "
+                f"flight {len(in_flight)} at {row['iter_ratio_in_flight'] or float('nan'):.2f}x; "
+                f"lost {row['lost_s']:.3f} s")
+    return row
+
+
+def run_systems(names: list[str], trainer: Trainer, state: dict[str, Any], big: torch.optim.Optimizer, saves: int,
+                directory: Path) -> list[dict[str, Any]]:
+    """``saves`` rounds; each round saves once per system, in turn, so every system sees the same
+    machine (the systems' medians and the per-round differences are paired)."""
+    import zerostall
+
     flat = [t for t in state["model"].values()] + [v for st in big.state.values() for v in st.values()]
     scratch = [torch.empty_like(t) for t in flat]  # warm destination of the paired memcpy
     for d, s in zip(scratch, flat):
         d.copy_(s)
-    rows = []
-    shutil.rmtree(directory / name, ignore_errors=True)  # this benchmark's own scratch from an earlier run
-    with zerostall.Checkpointer(directory / name, keep_last=1, save_options=opts) as ckpt:
+    rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    shutil.rmtree(directory / "run", ignore_errors=True)  # this benchmark's own scratch from an earlier run
+    step = 0
+    with zerostall.Checkpointer(directory / "run", keep_last=1) as ckpt:
         ckpt.prepare(tree=state)
-        ckpt.save_pytree(0, state)  # first save: buffers, writer, ownership learned
-        for i in range(1, saves + 1):
-            base = [_iteration(trainer, big) for _ in range(BASE_ITERS)]
-            t0 = statistics.fmean(b[0] for b in base)
-            step0 = statistics.median(b[1] for b in base)
-            m = time.perf_counter()
-            for d, s in zip(scratch, flat):
-                d.copy_(s)
-            memcpy_s = time.perf_counter() - m
-            start = time.perf_counter()
-            r = ckpt.save_pytree_async(i, state)
-            call_s = time.perf_counter() - start
-            in_flight: list[float] = []
-            guard_s = 0.0
-            iters = 0
-            while not r.done():
-                was_staged = r.staged()
-                it, st = _iteration(trainer, big)
-                iters += 1
-                if not was_staged:
-                    in_flight.append(it)
-                    guard_s += max(0.0, st - step0)
-            durable = time.perf_counter()
-            while time.perf_counter() - durable < POST_S:
-                _iteration(trainer, big)
-                iters += 1
-            window = time.perf_counter() - start
-            r.result()
-            row = {
-                "t0_s": t0, "memcpy_s": memcpy_s, "call_s": call_s, "guard_s": guard_s,
-                "blocked_s": call_s + guard_s, "blocked_over_memcpy": (call_s + guard_s) / memcpy_s,
-                "staged_s": r.stats.staged_s, "durable_s": durable - start,
-                "iters_in_flight": len(in_flight),
-                "iter_ratio_in_flight": (statistics.fmean(in_flight) / t0) if in_flight else None,
-                "lost_s": window - iters * t0,
-            }
-            rows.append(row)
-            measure.log(f"{name} save {i}: blocked {row['blocked_s'] * 1e3:.1f} ms (call {call_s * 1e3:.1f} + "
-                        f"guard {guard_s * 1e3:.1f}) = {row['blocked_over_memcpy']:.2f}x memcpy "
-                        f"({memcpy_s * 1e3:.0f} ms); staged after {row['staged_s'] or 0:.3f} s; iterations in "
-                        f"flight {len(in_flight)} at {row['iter_ratio_in_flight'] or float('nan'):.2f}x; "
-                        f"lost {row['lost_s']:.3f} s")
-    return {"system": name, "saves": rows,
-            "median": {k: statistics.median(r[k] for r in rows if r[k] is not None)
-                       for k in ("blocked_s", "memcpy_s", "blocked_over_memcpy", "lost_s", "staged_s")
-                       if any(r[k] is not None for r in rows)}}
+        for name in names:  # first save of each kind: buffers, writer, ownership learned
+            _configure(name, ckpt)
+            ckpt.save_pytree(step, state)
+            step += 1
+        for _ in range(saves):
+            for name in names:
+                rows[name].append(one_save(name, step, ckpt, trainer, state, big, flat, scratch))
+                step += 1
+    shutil.rmtree(directory / "run", ignore_errors=True)
+    out = []
+    for name in names:
+        rs = rows[name]
+        med = {k: statistics.median(r[k] for r in rs if r[k] is not None)
+               for k in ("blocked_s", "memcpy_s", "blocked_over_memcpy", "lost_s", "staged_s", "iter_ratio_in_flight")
+               if any(r[k] is not None for r in rs)}
+        out.append({"system": name, "saves": rs, "median": med})
+    if "blocking" in rows:
+        for name in names:
+            if name == "blocking":
+                continue
+            diffs = [a["lost_s"] - b["lost_s"] for a, b in zip(rows[name], rows["blocking"])]
+            out[names.index(name)]["lost_minus_blocking"] = {
+                "per_round": diffs, "median": statistics.median(diffs),
+                "min": min(diffs), "max": max(diffs)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,15 +193,17 @@ def main(argv: list[str] | None = None) -> None:
         trainer.step()
     state, big = owned_state(size)
     measure.log(f"state {format_size(size)}; trainer iteration ~{statistics.fmean(_iteration(trainer, big)[0] for _ in range(5)) * 1e3:.0f} ms")
-    results = [run_system(name, trainer, state, big, args.saves, directory)
-               for name in args.systems.split(",") if name]
+    results = run_systems([n for n in args.systems.split(",") if n], trainer, state, big, args.saves, directory)
     for res in results:
         med = res["median"]
-        measure.log(f"{res['system']:>15}: blocked {med['blocked_s'] * 1e3:7.1f} ms = {med['blocked_over_memcpy']:.2f}x "
-                    f"memcpy, lost {med['lost_s']:.3f} s per save (medians)")
+        line = (f"{res['system']:>15}: blocked {med['blocked_s'] * 1e3:7.1f} ms = {med['blocked_over_memcpy']:.2f}x "
+                f"memcpy, lost {med['lost_s']:.3f} s per save, iteration in flight "
+                f"{med.get('iter_ratio_in_flight', float('nan')):.2f}x (medians)")
+        if "lost_minus_blocking" in res:
+            d = res["lost_minus_blocking"]
+            line += f"; lost minus blocking's, paired: median {d['median']:+.3f} s ({d['min']:+.3f} .. {d['max']:+.3f})"
+        measure.log(line)
     measure.emit({"size": size, "results": results})
-    for name in args.systems.split(","):
-        shutil.rmtree(directory / name, ignore_errors=True)
 
 
 if __name__ == "__main__":

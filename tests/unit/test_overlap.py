@@ -447,3 +447,104 @@ def test_an_unreceived_torn_save_is_raised_by_the_next_save(ckdir):
             ckpt.save_pytree(2, case.tree())
         assert isinstance(info.value.__cause__, TornSnapshotError)
         assert ckpt.steps() == []
+
+
+def _cpu_task(tensors: list[torch.Tensor], *, idle: bool = False):
+    """A task over CPU tensors as ``build_task`` makes it (not submitted: no background thread)."""
+    from zerostall.stage import overlap
+    from zerostall.tree import flatten
+
+    flat = flatten({"t": {str(i): t for i, t in enumerate(tensors)}})
+    dsts = [torch.empty_like(t) for t in tensors]
+    task = overlap.build_task("mem://x", flat.leaves, dsts, [True] * len(tensors))
+    task.idle = idle
+    outcome: list[BaseException | None] = []
+    task.on_staged = outcome.append
+    return task, dsts, outcome
+
+
+def test_the_guard_copies_what_the_background_has_not_started(monkeypatch):
+    """A step before the background reached the copy: the training thread copies it itself
+    (never waits on a starved idle worker), and the background, once there, copies nothing."""
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "CHUNK", 1 << 16)  # several pieces per tensor
+    src = [torch.arange(100_000, dtype=torch.float32) + i for i in range(3)]
+    task, dsts, outcome = _cpu_task(src, idle=True)
+    assert task.pieces is not None and task.pieces.left > 3
+    task.order_step()  # the guard, on this thread
+    assert task.cpu_done.is_set() and task.pieces.left == 0 and task.error is None
+    for d, s in zip(dsts, src):
+        assert torch.equal(d, s)
+    for s in src:
+        s.zero_()  # the step's own changes, after the copy
+    copied: list[int] = []
+    overlap._run_task(task, lambda p: copied.append(p.work()))  # the copier reaching it later
+    assert outcome == [None] and copied == [0]
+    assert all(torch.equal(d, torch.arange(100_000, dtype=torch.float32) + i) for i, d in enumerate(dsts))
+
+
+def test_a_change_before_the_guard_finished_the_copy_fails_the_save():
+    src = [torch.ones(1000), torch.ones(1000)]
+    task, _, outcome = _cpu_task(src)
+    with torch.no_grad():
+        src[1].add_(1)  # in place, outside step(), before any copy
+    task.order_step()
+    assert isinstance(task.error, TornSnapshotError) and task.error.key == "t/1"
+    from zerostall.stage.overlap import _run_task
+
+    _run_task(task)
+    assert isinstance(outcome[0], TornSnapshotError)
+
+
+def test_guard_and_idle_worker_share_the_pieces(monkeypatch):
+    """Both threads claim pieces of one copy; each piece is copied once, every byte lands."""
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "CHUNK", 1 << 12)
+    src = [torch.randn(1 << 18) for _ in range(4)]
+    task, dsts, outcome = _cpu_task(src, idle=True)
+    copier = overlap.Copier("zerostall-test-copier")
+    copier._put(task)
+    task.order_step()
+    copier.drain(10)
+    assert outcome == [None]
+    for d, s in zip(dsts, src):
+        assert torch.equal(d, s)
+
+
+def test_the_idle_worker_runs_under_sched_idle(ckdir, monkeypatch):
+    """With the idle policy the snapshot is still the state at the call, and the worker that
+    copies it runs under SCHED_IDLE."""
+    import os
+
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "COPIER_POLICY", "idle")
+    case = _Case("adamw_foreach")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(3):
+            expected = _snapshot(case.state())
+            r = ckpt.save_pytree_async(step, case.tree())
+            case.step()
+            r.result()
+            loaded = ckpt.load_pytree(step)
+            _equal(expected["model"], loaded["model"], "model")
+            _equal(expected["optim"][0]["state"], {int(k): v for k, v in loaded["optim"][0]["state"].items()}, "optim")
+    idle = [t for t in threading.enumerate() if t.name.endswith("-idle") and t.native_id is not None]
+    assert idle and all(os.sched_getscheduler(t.native_id) == os.SCHED_IDLE for t in idle)
+
+
+def test_auto_policy_follows_torchs_thread_count():
+    from zerostall.stage import overlap
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(overlap._cpus())
+        assert overlap._idle_policy()  # the trainer's threads fill every CPU: copy in idle time
+        if overlap._cpus() > 1:
+            torch.set_num_threads(overlap._cpus() - 1)
+            assert not overlap._idle_policy()  # a spare core: copy at the trainer's priority
+    finally:
+        torch.set_num_threads(before)

@@ -4,15 +4,21 @@ Nothing modifies an optimizer's parameters and state until its next ``step()``, 
 can run while the next forward and backward passes do. Two parts make that safe:
 
 * **The copy** (:class:`Copier`, one background thread per engine). A CPU tensor is copied with
-  one ``memmove`` per 64 MiB piece on that thread: no torch kernel, so none of torch's intra-op
-  (OpenMP) threads, whose barrier-synchronised loops slow down badly when a core is taken from
-  them, and the GIL is released during each piece. A CUDA tensor is copied on a side stream
+  one ``memmove`` per 64 MiB piece: no torch kernel, so none of torch's intra-op (OpenMP)
+  threads, and the GIL is released during each piece. When torch's intra-op threads fill every
+  CPU the process may use (:data:`COPIER_POLICY` ``"auto"``), the pieces are copied by a worker
+  thread under ``SCHED_IDLE``: it runs only on a core training leaves idle, because a copy that
+  takes a core from a barrier-synchronised OpenMP loop stalls the whole team (measured: the
+  iteration in flight ran 3x slower at the trainer's priority). The guard then copies whatever
+  is left itself (see below), so a copy the idle worker could not finish costs what a blocking
+  copy would, never a wait on a starved thread. A CUDA tensor is copied on a side stream
   that first waits for an event recorded on the caller's current stream at the call; the thread
   waits for the copy's event. Each source's storage is referenced until its copy is done, so a
   parameter whose ``.data`` is replaced, or a block the CUDA caching allocator would hand out
   again, still yields the bytes of the call.
 * **The guard** (:class:`Guard`, one global optimizer step pre-hook, installed while a copy is
-  in flight). Before any optimizer's ``step()``: on CPU it waits for the copier; on CUDA the
+  in flight). Before any optimizer's ``step()``: on CPU it copies the pieces nobody has started
+  and waits for those in progress; on CUDA the
   current stream waits for the copy's event (the host does not block).
 
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
@@ -40,7 +46,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
@@ -53,9 +59,12 @@ log = logging.getLogger("zerostall")
 #: bytes per memmove call: large enough to run at memory bandwidth, small enough that the GIL
 #: is taken back often (other Python threads are never held up for long)
 CHUNK = 64 << 20
-#: niceness of the copier thread (Linux: per thread). 0: the copy competes with training as an
-#: equal, which finishes it soonest when the step waits for it; benchmarks/overlap.py measures others
-COPIER_NICE = 0
+#: Who copies a CPU save's pieces in the background. ``"idle"``: a ``SCHED_IDLE`` worker thread,
+#: which only gets a core training leaves idle; ``"normal"``: the copier thread, at the trainer's
+#: priority (best when a core is spare: the copy is done soonest); ``"auto"`` (default):
+#: ``"idle"`` when ``torch.get_num_threads()`` (read on the training thread) covers every CPU of
+#: ``sched_getaffinity``, else ``"normal"``. benchmarks/overlap.py measures each.
+COPIER_POLICY: Literal["auto", "idle", "normal"] = "auto"
 
 
 @dataclass
@@ -67,6 +76,54 @@ class _CpuCopy:
     dst: int
     nbytes: int
     version: int
+
+
+class _Pieces:
+    """A task's CPU copies cut into ``CHUNK`` pieces that any thread may claim.
+
+    The background thread copies them; the guard copies the ones nobody has started instead of
+    waiting (a starved idle worker must never hold up a step).
+    """
+
+    def __init__(self, copies: list[_CpuCopy]) -> None:
+        self._items = [(c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
+                       for c in copies for off in range(0, c.nbytes, CHUNK)]
+        self._next = 0
+        self._running = 0
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+
+    def work(self) -> int:
+        """Copy unclaimed pieces until none is left; the bytes this thread copied."""
+        copied = 0
+        while True:
+            with self._cond:
+                if self._next >= len(self._items) or self.error is not None:
+                    return copied
+                dst, src, n = self._items[self._next]
+                self._next += 1
+                self._running += 1
+            try:
+                ctypes.memmove(dst, src, n)  # a CFUNCTYPE call: the GIL is released for the copy
+                copied += n
+            except BaseException as exc:  # noqa: BLE001 - fails the save through the task
+                with self._cond:
+                    self.error = self.error or exc
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every piece is copied (or one failed and none is still running)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._running == 0 and (self._next >= len(self._items) or self.error is not None))
+
+    @property
+    def left(self) -> int:
+        """Pieces nobody has started yet."""
+        with self._cond:
+            return len(self._items) - self._next
 
 
 @dataclass
@@ -142,6 +199,10 @@ class OverlapTask:
     _verdicts: dict[int, bool] = field(default_factory=dict)
     #: background sources (see :func:`register_background_source`), copied after ``cpu``
     host: list[_HostCopy] = field(default_factory=list)
+    #: ``cpu`` cut into claimable pieces (set by :func:`build_task`)
+    pieces: _Pieces | None = None
+    #: copy ``pieces`` on the copier's ``SCHED_IDLE`` worker (see :data:`COPIER_POLICY`)
+    idle: bool = False
 
     @property
     def guarded(self) -> bool:
@@ -167,6 +228,9 @@ class OverlapTask:
 
     def order_step(self) -> None:
         """Order an optimizer step about to run after this copy (the guard; training thread)."""
+        if not self.cpu_done.is_set() and self.pieces is not None:
+            self.pieces.work()  # what the background has not started, this thread copies
+            self._finish_cpu()
         self.cpu_done.wait()
         if not self.cuda:
             return
@@ -182,17 +246,31 @@ class OverlapTask:
                     self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
                 part.sealed = True
 
-    def _run(self) -> None:
+    def _finish_cpu(self) -> None:
+        """Once every piece is copied: judge the versions, release the guard (either thread, once)."""
+        if self.pieces is not None:
+            self.pieces.wait()
+        with self.lock:
+            if self.cpu_done.is_set():
+                return
+            try:
+                if self.error is None and self.pieces is not None:
+                    self.error = self.pieces.error
+                if self.error is None:
+                    self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
+            except BaseException as exc:  # noqa: BLE001 - reported through the save
+                self.error = self.error or exc
+            finally:
+                self.cpu_done.set()
+
+    def _run(self, idle_worker: Callable[[_Pieces], None] | None = None) -> None:
         """Copy, check, hand on (copier thread)."""
-        try:
-            for c in self.cpu:
-                _memmove(c.dst, c.src, c.nbytes)
-            if self.error is None:
-                self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
-        except BaseException as exc:  # noqa: BLE001 - reported through the save
-            self.error = exc
-        finally:
-            self.cpu_done.set()
+        if self.pieces is not None:
+            if self.idle and idle_worker is not None:
+                idle_worker(self.pieces)  # this thread sleeps in _finish_cpu meanwhile
+            else:
+                self.pieces.work()
+        self._finish_cpu()
         for h in self.host:
             if self.error is not None:
                 break
@@ -227,12 +305,6 @@ def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError 
                 "response.wait_staged() before modifying optimizer-owned tensors outside step(), or save with "
                 "SaveOptions(staging='blocking')", path=path, key=key)
     return None
-
-
-def _memmove(dst: int, src: int, nbytes: int) -> None:
-    # ctypes.memmove is a CFUNCTYPE call: it releases the GIL for the copy.
-    for off in range(0, nbytes, CHUNK):
-        ctypes.memmove(dst + off, src + off, min(CHUNK, nbytes - off))
 
 
 def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool],
@@ -291,7 +363,26 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         # Nothing for the host to wait for: a guard must not block until the copier thread
         # reaches this task (it may still be busy with an earlier one).
         task.cpu_done.set()
+    else:
+        task.pieces = _Pieces(task.cpu)
+        task.idle = _idle_policy()
     return task
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _idle_policy() -> bool:
+    """Whether this save's CPU pieces go to the idle worker (training thread: torch's own count)."""
+    if COPIER_POLICY != "auto":
+        return COPIER_POLICY == "idle"
+    torch = sys.modules.get("torch")
+    threads = int(torch.get_num_threads()) if torch is not None else 1
+    return threads >= _cpus()
 
 
 class Guard:
@@ -373,13 +464,13 @@ def _drain_all() -> None:
 class Copier:
     """One background thread that runs an engine's overlapped copies and hand-offs, in order."""
 
-    def __init__(self, name: str = "zerostall-copier", nice: int | None = None) -> None:
+    def __init__(self, name: str = "zerostall-copier") -> None:
         self._queue: collections.deque[OverlapTask | Callable[[], None]] = collections.deque()
         self._cond = threading.Condition()
         self._busy = 0  # queued or running items
         self._thread: threading.Thread | None = None
         self._name = name
-        self._nice = COPIER_NICE if nice is None else nice
+        self._idle: _IdleWorker | None = None
         _COPIERS.add(self)
 
     def submit(self, task: OverlapTask) -> None:
@@ -413,12 +504,13 @@ class Copier:
         with self._cond:
             return self._cond.wait_for(lambda: self._busy == 0, timeout=timeout)
 
+    def _idle_worker(self) -> Callable[[_Pieces], None] | None:
+        """The ``SCHED_IDLE`` worker's intake (copier thread), None where the policy cannot be had."""
+        if self._idle is None:
+            self._idle = _IdleWorker(self._name + "-idle")
+        return self._idle.give if self._idle.ok else None
+
     def _loop(self) -> None:
-        if self._nice:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except (OSError, AttributeError):  # pragma: no cover - not Linux, or not permitted
-                pass
         while True:
             with self._cond:
                 while not self._queue:
@@ -426,7 +518,7 @@ class Copier:
                 item = self._queue.popleft()
             try:
                 if isinstance(item, OverlapTask):
-                    _run_task(item)
+                    _run_task(item, self._idle_worker() if item.idle else None)
                 else:
                     item()
             except BaseException:
@@ -437,9 +529,48 @@ class Copier:
                     self._cond.notify_all()
 
 
-def _run_task(task: OverlapTask) -> None:
+class _IdleWorker:
+    """A daemon thread under ``SCHED_IDLE`` that copies the pieces it is given, in order.
+
+    A thread cannot leave ``SCHED_IDLE`` without privilege (``RLIMIT_NICE``), so the copier
+    thread, which hands saves to the writer, stays at the trainer's priority and only sleeps
+    while this one copies.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: collections.deque[_Pieces] = collections.deque()
+        self._cond = threading.Condition()
+        self._ready = threading.Event()
+        self.ok = False
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        self._ready.wait()
+
+    def give(self, pieces: _Pieces) -> None:
+        with self._cond:
+            self._queue.append(pieces)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
+            self.ok = True
+        except (OSError, AttributeError) as exc:  # pragma: no cover - not Linux, or refused
+            log.debug("zerostall: no SCHED_IDLE copy worker (%s); the copier thread copies", exc)
+        finally:
+            self._ready.set()
+        if not self.ok:  # pragma: no cover
+            return
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                pieces = self._queue.popleft()
+            pieces.work()
+
+
+def _run_task(task: OverlapTask, idle_worker: Callable[[_Pieces], None] | None = None) -> None:
     try:
-        task._run()
+        task._run(idle_worker)
     finally:
         GUARD.discard(task)
         try:
