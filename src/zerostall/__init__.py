@@ -8,6 +8,7 @@ existing tensors and verifies checksums. Data files are safetensors; nothing run
 from zerostall._version import __version__
 from zerostall.api import (
     load_checkpointables,
+    load_metadata,
     load_pytree,
     prepare,
     release_buffers,
@@ -18,13 +19,21 @@ from zerostall.api import (
 )
 from zerostall.checkpointer import Checkpointer
 from zerostall.errors import (
+    ArgumentTypeError,
+    BackgroundSaveError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DonatedArrayError,
+    InvalidArgumentError,
+    MetadataError,
+    MetadataTypeError,
     MismatchError,
+    MissingDependencyError,
     MissingKeyError,
     NoValidCheckpointError,
+    ReadOnlyError,
     StorageError,
     TornSnapshotError,
     UnsupportedFormatError,
@@ -40,33 +49,23 @@ __all__ = [
     "__version__",
     # saving and loading
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-    "load_pytree", "load_checkpointables",
+    "load_pytree", "load_checkpointables", "load_metadata",
     "prepare", "release_buffers",
     "Checkpointer", "Response", "SaveStats",
     # configuration and extension
-    "SaveOptions", "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler",
-    "unregister_handler", "MemoryTier",
-    # errors
-    "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
-    "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
-    "UnsupportedLeafError", "StorageError", "WriterError",
-    "NoValidCheckpointError",
-    # overlapped staging
-    "Staging", "TornSnapshotError",
+    "SaveOptions", "LoadOptions", "WriterKind", "Staging", "DistributedOptions", "Replicated", "MemoryTier",
+    "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+    # errors (docs/guarantees.md lists which builtin each also is)
+    "ZerostallError", "InvalidArgumentError", "ArgumentTypeError", "MissingDependencyError",
+    "CheckpointNotFoundError", "CheckpointExistsError", "ReadOnlyError",
+    "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
+    "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
+    "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
 ]
 
-from zerostall.errors import BackgroundSaveError, ReadOnlyError
+import importlib as _importlib
 
-__all__ += ["BackgroundSaveError", "ReadOnlyError"]
-
-from zerostall.api import load_metadata  # noqa: E402 - added apart from the block above to keep merges simple
-from zerostall.errors import ArgumentTypeError, InvalidArgumentError, MetadataError, MetadataTypeError  # noqa: E402
-
-__all__ += ["load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
-
-import importlib as _importlib  # noqa: E402
-
-from zerostall.tree import register_lazy_integration as _register_lazy  # noqa: E402
+from zerostall.tree import register_lazy_integration as _register_lazy
 
 
 # JAX arrays and pytrees work without an explicit import: the integration loads at the first save or
