@@ -239,6 +239,8 @@ class Engine:
         if task is not None:
             response._staged.clear()
             task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done)
+            if task.pieces is not None:
+                response._help_stage = task.pieces.work
             self._copier.submit(task)
         elif self._copier.in_order(lambda: self._hand_off_quietly(job, slot, on_done)):
             self._hand_off(job, slot, on_done, raised_to=response)

@@ -82,6 +82,8 @@ class Response:
         self._received = False
         # set once every byte is in host memory; the engine clears it for an overlapped save
         self._staged = threading.Event()
+        #: copies the part of an overlapped copy nobody has started, on the waiting thread
+        self._help_stage: Callable[[], object] | None = None
         self._staged.set()
         self._staged_s: float | None = None
 
@@ -138,7 +140,8 @@ class Response:
         itself. Call this before modifying such tensors in place *outside* ``step()`` (weight
         clipping, an EMA written into the parameters, ``load_state_dict``); otherwise the save
         fails with :class:`~zerostall.errors.TornSnapshotError`. A failed copy is reported by
-        :meth:`result`, not here.
+        :meth:`result`, not here. Without a ``timeout``, the calling thread copies the part of
+        the CPU copy the background has not started yet, rather than only wait for it.
 
         ``jax.Array`` leaves are all copied in the background: call this before a step that
         donates them (``donate_argnums``), otherwise a leaf donated before its copy fails the save
@@ -153,6 +156,8 @@ class Response:
         Raises:
             TimeoutError: the copy did not finish within ``timeout`` seconds (it goes on).
         """
+        if self._help_stage is not None and timeout is None and not self._staged.is_set():
+            self._help_stage()  # this thread copies too, rather than wait on a background thread alone
         if not self._staged.wait(timeout):
             raise TimeoutError(f"{self._path}: staging did not finish within {timeout} s")
 

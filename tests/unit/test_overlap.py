@@ -548,3 +548,23 @@ def test_auto_policy_follows_torchs_thread_count():
             assert not overlap._idle_policy()  # a spare core: copy at the trainer's priority
     finally:
         torch.set_num_threads(before)
+
+
+def test_wait_staged_copies_on_the_waiting_thread(ckdir):
+    """wait_staged() does not leave the copy to a background thread alone: with the copier held
+    back, the waiting thread copies every piece, and the snapshot is the state at the call."""
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        expected = _snapshot(case.model.state_dict())
+        opened = threading.Event()
+        ckpt._engine._copier._put(lambda: opened.wait(10))
+        r = ckpt.save_pytree_async(0, case.tree())
+        assert r._help_stage is not None
+        assert r._help_stage() > 0 and not r.staged()  # copied here; the hand-off waits for the copier
+        opened.set()
+        r.wait_staged()
+        with torch.no_grad():
+            case.model[0].weight.clamp_(-0.01, 0.01)
+        r.result()
+        _equal(expected, ckpt.load_pytree(0)["model"])
