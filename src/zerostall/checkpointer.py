@@ -566,9 +566,16 @@ class Checkpointer:
 
         Raises:
             BackgroundSaveError: as :meth:`wait` (the writer is stopped all the same).
+            KeeperPersistError: with a memory tier, the keeper could not persist the step only its
+                memory held (storage full, say); the keeper has exited, so that step is lost.
+                It is also in :attr:`keeper_failures`.
         """
+        told = len(self._engine.writer.keeper_failures)
         self._engine.close()
         self._engine.raise_failures()
+        lost = self._engine.writer.keeper_failures[told:]
+        if lost:  # reported while closing: the keeper exits with it, so no restart can resume it
+            raise lost[-1]
 
     @property
     def keep_last(self) -> int | None:

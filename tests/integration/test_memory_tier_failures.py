@@ -123,3 +123,17 @@ def test_marker_falls_back_to_this_host_when_storage_refuses_it(tmp_path: Path, 
     assert [(x.step, x.rank) for x in read_markers(storage, str(d))] == [(9, 1)]
     assert [x.step for x in take_markers(storage, str(d), 1)] == [9]
     assert not Path(where).exists() and read_markers(storage, str(d)) == []
+
+
+def test_a_failed_persist_at_close_is_raised_by_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The keeper (started by this Checkpointer) inherits the fault: its persist at close fails.
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"keeper_persist": "raise:ENOSPC"}))
+    d = tmp_path / "run"
+    ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60))
+    ck.save_pytree(5, state(5))  # persisted by the save itself
+    ck.save_pytree(6, state(6))  # memory only
+    with pytest.raises(KeeperPersistError) as got:
+        ck.close()
+    _check(got.value, d, 6)
+    assert ck.keeper_failures == [got.value]
+    assert _storage_steps(d) == [5] and not (d / marker_key(0)).exists()
