@@ -34,6 +34,7 @@ from zerostall.errors import (
     BackgroundSaveError,
     CheckpointNotFoundError,
     InvalidArgumentError,
+    KeeperPersistError,
     NoValidCheckpointError,
     ReadOnlyError,
     StorageError,
@@ -43,6 +44,7 @@ from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
+from zerostall.persist.keeperfail import take_markers
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import local_path, open_storage
@@ -203,6 +205,10 @@ class Checkpointer:
                                               path=self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
             self.gc_report = collect_at_start(self._storage) if not self.read_only else None
+            if keeper is not None and not self.read_only:
+                # A keeper whose persist failed with no trainer to tell left a marker: report it once.
+                for failure in take_markers(self._storage, self.directory, keeper.rank):
+                    self._engine.writer.note_keeper_failure(failure)
         except BaseException:
             self._engine.close()
             raise
@@ -312,6 +318,27 @@ class Checkpointer:
         """Statistics of the most recent committed saves (up to 100), oldest first."""
         # Read when asked, not when recorded: a save can commit before its stall is set.
         return [r.stats for r in list(self._committed)]
+
+    @property
+    def keeper_failures(self) -> list[KeeperPersistError]:
+        """The memory tier's failed persists reported to this Checkpointer, oldest first.
+
+        After a crash the keeper persists the newest memory-only step in the background; if that
+        fails (storage full or read-only, the held bytes changed, a collective persist aborted or
+        timed out), the trainer that adopts the keeper is told, or, when none did before the
+        keeper exited, the next ``Checkpointer`` of this directory and rank reads the marker it
+        left. Each failure is also logged at WARNING on the ``zerostall`` logger as it arrives.
+        Nothing is raised: the step is still in memory for this trainer to resume from, but
+        storage lacks it (a restart elsewhere gets an older step). See docs/guarantees.md,
+        "When the keeper's persist fails".
+
+        Example::
+
+            ckpt = Checkpointer(directory, memory_tier=MemoryTier(persist_interval_steps=10))
+            for err in ckpt.keeper_failures:
+                print(err.step, err.path, type(err.cause).__name__, err.errno)
+        """
+        return list(self._engine.writer.keeper_failures)
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -539,9 +566,16 @@ class Checkpointer:
 
         Raises:
             BackgroundSaveError: as :meth:`wait` (the writer is stopped all the same).
+            KeeperPersistError: with a memory tier, the keeper could not persist the step only its
+                memory held (storage full, say); the keeper has exited, so that step is lost.
+                It is also in :attr:`keeper_failures`.
         """
+        told = len(self._engine.writer.keeper_failures)
         self._engine.close()
         self._engine.raise_failures()
+        lost = self._engine.writer.keeper_failures[told:]
+        if lost:  # reported while closing: the keeper exits with it, so no restart can resume it
+            raise lost[-1]
 
     @property
     def keep_last(self) -> int | None:

@@ -376,3 +376,34 @@ class MissingDependencyError(ZerostallError, ImportError):
 
 _BY_NAME["MissingDependencyError"] = MissingDependencyError
 __all__ += ["MissingDependencyError"]
+
+
+class KeeperPersistError(WriterError):
+    """The memory tier's keeper could not persist a memory-only step after its trainer died.
+
+    Not raised: the restarted trainer still resumes from memory, and under torch.distributed an
+    aborted persist of the keepers is an expected outcome (a rank did not hold the step). It is
+    reported instead (docs/guarantees.md, "When the keeper's persist fails"): logged at WARNING
+    on the ``zerostall`` logger and listed in :attr:`zerostall.Checkpointer.keeper_failures` of
+    the trainer that adopts the keeper, or, when no trainer adopts it before its linger expires,
+    kept in a marker file that the next ``Checkpointer`` of that directory and rank reports.
+    ``step`` and ``path`` name the step that storage lacks, ``cause`` is the persist's own error
+    (``StorageError`` with its errno, ``ChecksumMismatchError`` when the held bytes changed,
+    ``WriterError`` for a collective persist that was aborted or timed out).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None,
+                 rank: int | None = None, step: int | None = None, cause: BaseException | None = None) -> None:
+        super().__init__(message, path=path, key=key, rank=rank)
+        self.step = step
+        self.cause = cause
+
+    @property
+    def errno(self) -> int | None:
+        """The cause's errno (``ENOSPC``, ``EROFS``, ...), if it has one."""
+        value = getattr(self.cause, "errno", None)
+        return value if isinstance(value, int) else None
+
+
+_BY_NAME["KeeperPersistError"] = KeeperPersistError
+__all__ += ["KeeperPersistError"]

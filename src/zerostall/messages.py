@@ -34,11 +34,11 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
-    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image",
+    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 2
+PROTOCOL = 3  # 3: KeeperFailed
 
 
 class ProtocolMismatchError(WriterError):
@@ -231,12 +231,26 @@ class Image:
     verified: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeeperFailed:
+    """The keeper's persist of a memory-only step after its trainer died failed (the step, its
+    path, the error). Sent on the keeper's job loop to the trainer it serves: right after the
+    Hello of an adopting trainer, after each job or image query, and before a clean close ends."""
+
+    step: int | None
+    path: str
+    error: WireError
+    #: the rank of the keeper (its directory and rank name it)
+    rank: int = 0
+
+
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery
-           | Image)
+           | Image | KeeperFailed)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
+    "keeper-failed": KeeperFailed,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

@@ -22,6 +22,7 @@ pytest.importorskip("torch")
 from zerostall.commit import step_name
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import keeper_address
+from zerostall.persist.keeperfail import MARKER_PREFIX, read_markers
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -73,7 +74,16 @@ def _died(procs: list[subprocess.Popen[str]]) -> list[tuple[int, dict[int, str]]
 
 
 def _storage(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir())
+    """What the directory holds, less the keepers' markers of failed persists (see :func:`_failed`)."""
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(MARKER_PREFIX))
+
+
+def _failed(d: Path) -> dict[int, list[tuple[int | None, str]]]:
+    """The failed persists the keepers left markers of, by rank: (step, error class)."""
+    out: dict[int, list[tuple[int | None, str]]] = {}
+    for f in read_markers(open_storage(str(d)), str(d)):
+        out.setdefault(f.rank, []).append((f.step, f.error.cls))
+    return out
 
 
 def _keepers_gone(d: Path, keepers: list[int]) -> None:
@@ -153,6 +163,8 @@ def test_keepers_holding_different_steps_commit_nothing(tmp_path: Path) -> None:
     # and nothing of either attempt is left; step 10 is intact.
     assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
     assert "nothing of this save was committed" in log.read_text()
+    # No trainer adopted the keepers: each left a marker naming the step it could not persist.
+    assert _failed(d) == {0: [(LAST, "WriterError")], 1: [(LAST - 1, "WriterError")]}
     _assert_rank0(d, 10)
 
 
@@ -165,6 +177,7 @@ def test_a_byte_changed_in_one_ranks_memory_aborts_the_keepers_persist(tmp_path:
     # Step 12 is not committed with the changed byte under a fresh checksum (nor at all); step 10 is intact.
     assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
     assert "changed in memory after its save" in log.read_text()
+    assert _failed(d) == {0: [(LAST, "WriterError")], 1: [(LAST, "ChecksumMismatchError")]}
     _assert_rank0(d, 10)
 
 
@@ -193,6 +206,7 @@ def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(t
     _keepers_gone(d, keepers)
     assert _storage(d) == [step_name(10)], log.read_text()[-4000:]
     assert "did not publish" in log.read_text()
+    assert _failed(d) == {0: [(LAST, "WriterError")]}
 
 
 def test_a_restart_beside_keepers_holding_different_steps_resumes_from_storage(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from zerostall.messages import (
     Image,
     ImageFile,
     ImageQuery,
+    KeeperFailed,
     LeafRow,
     MapBuffer,
     ProtocolMismatchError,
@@ -66,6 +67,7 @@ MESSAGES = [
     Image(step=3, name="step_00000003", manifest="{}", files=(ImageFile(name="rank-00000.safetensors", length=4160,
                                                                       size=8192),)),
     Image(step=None, name="", manifest="", files=()),
+    KeeperFailed(step=4, path="/r/step_00000004", rank=1, error=to_wire(OSError(28, "No space left on device"))),
     dataclasses.replace(JOB, memory=True, persist=False),
     Done(job=7, stats=WriterStats(nbytes=4160, tiers=("memory",))),
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
 from zerostall.commit import is_committed
-from zerostall.errors import WriterError, ZerostallError, from_wire
+from zerostall.errors import KeeperPersistError, WriterError, ZerostallError, from_wire
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -31,6 +32,7 @@ from zerostall.messages import (
     Hello,
     Image,
     ImageQuery,
+    KeeperFailed,
     MapBuffer,
     Message,
     ProtocolMismatchError,
@@ -43,6 +45,7 @@ from zerostall.messages import (
 )
 from zerostall.options import WriterKind
 from zerostall.persist.keeper import KeeperSpec, adopt
+from zerostall.persist.keeperfail import KeeperFailure, as_error
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
@@ -51,6 +54,7 @@ __all__ = ["WriterClient", "OnDone"]
 #: called once per job: the writer's statistics, or the error
 OnDone = Callable[[WriterStats | None, BaseException | None], None]
 
+log = logging.getLogger("zerostall")
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CLIENTS: weakref.WeakSet[WriterClient] = weakref.WeakSet()
 
@@ -115,6 +119,9 @@ class WriterClient:
         self._incompatible: ProtocolMismatchError | None = None
         #: set when the running writer has said hello (or its listener ended): see wait_ready()
         self._ready = threading.Event()
+        #: the keeper's failed persists of memory-only steps it reported (oldest first); see
+        #: :attr:`zerostall.Checkpointer.keeper_failures`
+        self.keeper_failures: list[KeeperPersistError] = []
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -335,6 +342,9 @@ class WriterClient:
                     p.on_released()
                 if hold is not None:
                     hold()
+            elif isinstance(msg, KeeperFailed):
+                self.note_keeper_failure(KeeperFailure(step=msg.step, path=msg.path, error=msg.error, rank=msg.rank,
+                                                       time=0.0))
             elif isinstance(msg, Image):
                 fds = [recv_handle(conn) for _ in msg.files]
                 self._image_reply((msg, fds))
@@ -370,6 +380,13 @@ class WriterClient:
             held, self._held = self._held, {}
         for release in held.values():
             release()
+
+    def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
+        """Record a failed persist of the keeper (from its message or a marker) and log it."""
+        err = as_error(failure)
+        self.keeper_failures.append(err)
+        log.warning("zerostall: %s", err)
+        return err
 
     def _image_reply(self, reply: tuple[Image, list[int]] | None) -> None:
         box = self._image_waiter

@@ -12,7 +12,9 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
   timing thresholds); marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does.
 
 One more phase is not a save's: ``keeper_check``, where the memory tier's keeper starts checking
-the held step after its trainer died (:mod:`zerostall.persist.keeper`).
+the held step after its trainer died (:mod:`zerostall.persist.keeper`). And ``keeper_persist``,
+where the keeper starts persisting a memory-only step after its trainer died or closed (the
+trainer's own saves never reach it, so ``raise:ENOSPC`` there fails only that persist).
 
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with

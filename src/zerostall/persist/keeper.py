@@ -47,7 +47,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps
-from zerostall.errors import ZerostallError
+from zerostall.errors import ChecksumMismatchError, ZerostallError, to_wire
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -55,6 +55,7 @@ from zerostall.messages import (
     Image,
     ImageFile,
     ImageQuery,
+    KeeperFailed,
     LeafRow,
     Message,
     Released,
@@ -68,6 +69,7 @@ from zerostall.persist import faults
 from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.imagecheck import cpus, first_bad_leaf
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
+from zerostall.persist.keeperfail import KeeperFailure, write_marker
 from zerostall.storage import Storage, local_path, open_storage
 
 __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
@@ -277,6 +279,8 @@ class _Held:
         self.session, self.persisted = session, persisted
         #: a persist after its trainer died was tried (once: a collective attempt's names are taken)
         self.attempted = False
+        #: a persist of it runs now (two never run at once)
+        self.persisting = False
         #: threads reading the views (the persist after a crash); close() waits for the last one
         self.users = 0
         self.doomed = False
@@ -337,6 +341,8 @@ class Keeper:
         self._root_of_run: str | None = None
         self._stop = threading.Event()
         self._scanners: list[threading.Thread] = []
+        #: failed persists after a crash that no trainer has been told of yet (see :meth:`take_failed`)
+        self._failed: list[KeeperFailure] = []
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -539,9 +545,21 @@ class Keeper:
 
     def _persist(self, held: _Held) -> None:
         with self._cond:  # two persists after crashes may hold the same step: one tries it
-            if held.persisted or held.attempted:
+            # A solo step whose persist failed is tried again at a clean close (its attempt names
+            # are its own); a collective attempt's names are used up, and a step whose bytes
+            # changed in memory is never persisted.
+            if held.persisted or held.persisting or (
+                    held.attempted and (held.job.collective is not None or held.bad_key is not None)):
                 return
+            held.persisting = True
             held.attempted = True
+        try:
+            self._persist_once(held)
+        finally:
+            with self._cond:
+                held.persisting = False
+
+    def _persist_once(self, held: _Held) -> None:
         job = dataclasses.replace(held.job, persist=True)
         if held.checked is not None:
             # The persist checksums the bytes afresh: a leaf the check after the crash found
@@ -550,11 +568,15 @@ class Keeper:
             if held.bad_key is not None:
                 print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
                       "after its save", file=sys.stderr, flush=True)
+                self._record_failure(job, ChecksumMismatchError(
+                    f"leaf {held.bad_key!r} changed in memory after its save; not persisted", path=job.path,
+                    key=held.bad_key))
                 # A collective step: the other ranks' keepers then abort on the collective timeout.
                 # (Deciding "abort" here raced with the sweep of the dead run's abort decisions, which
                 # could remove it before a slower rank's keeper had started and seen it.)
                 return
         try:
+            faults.hit("keeper_persist")
             storage = open_storage(job.root)
             if held.job.step is not None and held.job.step in committed_steps(storage):
                 held.persisted = True
@@ -562,13 +584,57 @@ class Keeper:
             run_save(job, held.views, lambda: None,
                      step=SoloStep(job, storage) if job.collective is None else None)
             held.persisted = True
-        except BaseException as exc:  # nobody to report to but stderr
+        except BaseException as exc:  # told to the next trainer (report_failed), or left in a marker
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            print(f"zerostall keeper: persisting {job.path} after its trainer died failed: {exc}",
+            print(f"zerostall keeper: persisting {job.path}, held only in memory, failed: {exc}",
                   file=sys.stderr, flush=True)
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
+            self._record_failure(job, exc)
+
+    # -- failed persists: told to the next trainer, or left in a marker ---------------------------
+
+    def _record_failure(self, job: SaveJob, exc: BaseException) -> None:
+        with self._cond:
+            self._failed.append(KeeperFailure(step=job.step, path=job.path, error=to_wire(exc, path=job.path),
+                                              rank=self.spec.rank, time=time.time()))
+
+    def report_failed(self, conn: Connection) -> None:
+        """Tell the trainer on ``conn`` of every failed persist not told yet (on the job loop's
+        thread, the only one that writes to a trainer). A failure whose message could not be
+        sent stays for the next trainer, or the marker at exit."""
+        while True:
+            with self._cond:
+                if not self._failed:
+                    return
+                f = self._failed[0]
+            try:
+                conn.send_bytes(encode(KeeperFailed(step=f.step, path=f.path, error=f.error, rank=f.rank)))
+            except OSError:
+                return
+            with self._cond:
+                self._failed.remove(f)
+
+    def _leave_marker(self) -> None:
+        """At exit: a failed persist nobody was told of goes to a marker the next trainer (or
+        ``zerostall list``) reports (:mod:`zerostall.persist.keeperfail`)."""
+        with self._cond:
+            failed, self._failed = self._failed, []
+        if not failed:
+            return
+        try:
+            storage: Storage | None = open_storage(self.spec.root)
+        except Exception:  # noqa: BLE001 - the marker goes to this host instead
+            storage = None
+        try:
+            where = write_marker(storage, self.spec.root, self.spec.rank, failed)
+        except OSError as exc:
+            print(f"zerostall keeper: could not record the failed persist of {failed[0].path} anywhere: {exc}",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"zerostall keeper: the failed persist of {failed[0].path} is recorded in {where}", file=sys.stderr,
+              flush=True)
 
     # -- after a crash: the check of the held step --------------------------------------------
 
@@ -700,6 +766,7 @@ class Keeper:
         self._stop.set()
         for t in self._scanners:  # never exit in the middle of a decision's put
             t.join()
+        self._leave_marker()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None

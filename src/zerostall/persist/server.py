@@ -69,6 +69,8 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
     _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid()))
+    if keeper is not None:  # an adopting trainer hears first of what its predecessor's step lacks
+        keeper.report_failed(conn)
     # Read on a thread of its own: a trainer sending while a job runs must never block (see intake).
     intake = Intake(conn)
     try:
@@ -101,11 +103,15 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
                     keeper.on_unmap(msg.buffer)
             elif isinstance(msg, SaveJob):
                 _run(conn, msg, views, keeper)
+                if keeper is not None:  # a persist after a crash may have failed meanwhile
+                    keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ImageQuery):
                 keeper.send_image(conn, lambda m: _send(conn, m))
+                keeper.report_failed(conn)
             elif isinstance(msg, Close):
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
                     keeper.persist_held(closing=True)
+                    keeper.report_failed(conn)
                 return True
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")
