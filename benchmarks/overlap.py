@@ -23,7 +23,10 @@ per round, so they are paired against the same machine; per save:
 * ``iter_ratio_in_flight``: mean iteration time while the copy is in flight over the baseline's
   (1.0: the background copy does not slow training);
 * ``lost_s``: training work lost from the call until the save is durable (``window -
-  iterations x baseline iteration``), which also counts the writer's CPU.
+  iterations x baseline iteration``), which also counts the writer's CPU;
+* ``staging_lost_s``: the part lost to staging alone, up to the end of the iteration in which
+  the copy finished (blocking: the call). The persist after it is the same for every system, so
+  this compares them without the writer's and the VM host's noise.
 
 The machine's other users make single numbers noisy; run ``--saves`` of at least 5 and compare
 systems within one run: with ``blocking`` among the systems, each other system's ``lost_s``
@@ -106,6 +109,10 @@ def one_save(name: str, i: int, ckpt: Any, trainer: Trainer, state: dict[str, An
     in_flight: list[float] = []
     guard_s = 0.0
     iters = 0
+    # training lost to staging alone: up to the end of the iteration in which the copy finished
+    # (blocking: the call). The persist that follows is the same for every system, so this part
+    # compares the systems without the writer's (and the host's) noise.
+    staged_lost = call_s if r.staged() else None
     while not r.done():
         was_staged = r.staged()
         it, st = _iteration(trainer, big)
@@ -113,6 +120,8 @@ def one_save(name: str, i: int, ckpt: Any, trainer: Trainer, state: dict[str, An
         if not was_staged:
             in_flight.append(it)
             guard_s += max(0.0, st - step0)
+            if staged_lost is None and r.staged():
+                staged_lost = (time.perf_counter() - start) - iters * t0
     durable = time.perf_counter()
     while time.perf_counter() - durable < POST_S:
         _iteration(trainer, big)
@@ -126,12 +135,13 @@ def one_save(name: str, i: int, ckpt: Any, trainer: Trainer, state: dict[str, An
         "iters_in_flight": len(in_flight),
         "iter_ratio_in_flight": (statistics.fmean(in_flight) / t0) if in_flight else None,
         "lost_s": window - iters * t0,
+        "staging_lost_s": staged_lost,
     }
     measure.log(f"{name} save {i}: blocked {row['blocked_s'] * 1e3:.1f} ms (call {call_s * 1e3:.1f} + "
                 f"guard {guard_s * 1e3:.1f}) = {row['blocked_over_memcpy']:.2f}x memcpy "
                 f"({memcpy_s * 1e3:.0f} ms); staged after {row['staged_s'] or 0:.3f} s; iterations in "
                 f"flight {len(in_flight)} at {row['iter_ratio_in_flight'] or float('nan'):.2f}x; "
-                f"lost {row['lost_s']:.3f} s")
+                f"lost {row['lost_s']:.3f} s (to staging {staged_lost if staged_lost is not None else float('nan'):.3f} s)")
     return row
 
 
@@ -163,17 +173,20 @@ def run_systems(names: list[str], trainer: Trainer, state: dict[str, Any], big: 
     for name in names:
         rs = rows[name]
         med = {k: statistics.median(r[k] for r in rs if r[k] is not None)
-               for k in ("blocked_s", "memcpy_s", "blocked_over_memcpy", "lost_s", "staged_s", "iter_ratio_in_flight")
+               for k in ("blocked_s", "memcpy_s", "blocked_over_memcpy", "lost_s", "staging_lost_s", "staged_s",
+                         "iter_ratio_in_flight")
                if any(r[k] is not None for r in rs)}
         out.append({"system": name, "saves": rs, "median": med})
     if "blocking" in rows:
         for name in names:
             if name == "blocking":
                 continue
-            diffs = [a["lost_s"] - b["lost_s"] for a, b in zip(rows[name], rows["blocking"])]
-            out[names.index(name)]["lost_minus_blocking"] = {
-                "per_round": diffs, "median": statistics.median(diffs),
-                "min": min(diffs), "max": max(diffs)}
+            for key in ("lost_s", "staging_lost_s"):
+                diffs = [a[key] - b[key] for a, b in zip(rows[name], rows["blocking"])
+                         if a[key] is not None and b[key] is not None]
+                if diffs:
+                    out[names.index(name)][f"{key}_minus_blocking"] = {
+                        "per_round": diffs, "median": statistics.median(diffs), "min": min(diffs), "max": max(diffs)}
     return out
 
 
@@ -197,11 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     for res in results:
         med = res["median"]
         line = (f"{res['system']:>15}: blocked {med['blocked_s'] * 1e3:7.1f} ms = {med['blocked_over_memcpy']:.2f}x "
-                f"memcpy, lost {med['lost_s']:.3f} s per save, iteration in flight "
-                f"{med.get('iter_ratio_in_flight', float('nan')):.2f}x (medians)")
-        if "lost_minus_blocking" in res:
-            d = res["lost_minus_blocking"]
-            line += f"; lost minus blocking's, paired: median {d['median']:+.3f} s ({d['min']:+.3f} .. {d['max']:+.3f})"
+                f"memcpy, lost {med['lost_s']:.3f} s per save (to staging {med.get('staging_lost_s', float('nan')):.3f} s), "
+                f"iteration in flight {med.get('iter_ratio_in_flight', float('nan')):.2f}x (medians)")
+        for key, what in (("lost_s", "lost"), ("staging_lost_s", "lost to staging")):
+            d = res.get(f"{key}_minus_blocking")
+            if d:
+                line += f"; {what} minus blocking's, paired: median {d['median']:+.3f} s ({d['min']:+.3f} .. {d['max']:+.3f})"
         measure.log(line)
     measure.emit({"size": size, "results": results})
 
