@@ -570,18 +570,12 @@ class Checkpointer:
                 memory held (storage full, say); the keeper has exited, so that step is lost.
                 It is also in :attr:`keeper_failures`.
         """
-        told = len(self._engine.writer.keeper_failures)
+        told = len(self._engine.writer.close_failures)
         self._engine.close()
         self._engine.raise_failures()
-        late = self._engine.writer.keeper_failures[told:]
-        if late:
-            # Reported while closing: the keeper exits, so what only its memory held is gone. Raised
-            # when storage has nothing as new (a dead run's step that this run has saved past since,
-            # as after a restart beside the keepers' aborted persist, stays a warning).
-            newest = max(committed_steps(self._storage), default=None)
-            lost = [e for e in late if e.step is not None and (newest is None or e.step > newest)]
-            if lost:
-                raise lost[-1]
+        lost = self._engine.writer.close_failures[told:]
+        if lost:  # the persist this close asked for failed: the keeper exits, the step with it
+            raise lost[-1]
 
     @property
     def keep_last(self) -> int | None:
