@@ -125,6 +125,9 @@ class Checkpointer:
     :class:`~zerostall.errors.BackgroundSaveError` naming the step and the cause (once per
     failure; a ``with`` block that is already raising keeps its own exception and the failure
     is logged). ``on_error`` receives them instead. See docs/guarantees.md.
+    With a memory tier, a failed persist of the keeper (of a step only memory held, after a
+    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`close`
+    raises the failure of the persist it asked for itself.
 
     Example::
 
