@@ -120,6 +120,8 @@ def run(gib: float, repeats: int, root: str | None) -> None:
         print(f"    stall: memory-only save {statistics.median(stalls['memory']) * 1e3:.1f} ms, persisted save "
               f"{statistics.median(stalls['persisted']) * 1e3:.1f} ms (medians); host memory for staging "
               f"{slots / (1 << 30):.2f} GiB = (max_in_flight + 1) x the state")
+        print("    (here each kind stages into its own slot and memory-only saves follow persisted ones: "
+              "benchmarks/memtier_stall_ab.py --interval 3 separates kind from slot)")
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -41,6 +41,15 @@ def _quartiles(xs: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _steal_s() -> float:
+    """CPU time the hypervisor took from this VM's vCPUs so far (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8]) / CLK
+
+
 def _minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -61,12 +70,13 @@ def run(gib: float, saves: int, interval: int, root: str | None) -> dict[str, An
                 ck.save_pytree(s, state)
             for i in range(saves):
                 step = 3 + i
-                f0, c0 = _minflt(), time.thread_time()
+                f0, c0, s0 = _minflt(), time.thread_time(), _steal_s()
                 r = ck.save_pytree_async(step, state)
-                cpu, flt = time.thread_time() - c0, _minflt() - f0
+                cpu, flt, steal = time.thread_time() - c0, _minflt() - f0, _steal_s() - s0
                 st = r.result()
                 rows.append({"step": step, "kind": "persisted" if "storage" in st.tiers else "memory-only",
-                             "slot": step % 2, "stall_s": st.stall_s, "cpu_s": cpu, "minflt": flt})
+                             "slot": step % 2, "stall_s": st.stall_s, "cpu_s": cpu, "minflt": flt,
+                             "steal_s": steal, "after": rows[-1]["kind"] if rows else "warm-up"})
     finally:
         shutil.rmtree(d, ignore_errors=True)
     la = os.getloadavg()[0]
@@ -78,7 +88,12 @@ def run(gib: float, saves: int, interval: int, root: str | None) -> dict[str, An
         st = [r["stall_s"] * 1e3 for r in rs]
         print(f"  {kind:11}  stall median {statistics.median(st):6.1f} ms (min {min(st):.1f}, max {max(st):.1f}, "
               f"n={len(rs)})  training-thread CPU {statistics.median(r['cpu_s'] for r in rs) * 1e3:.1f} ms  "
-              f"minor faults {statistics.median(r['minflt'] for r in rs):.0f}")
+              f"minor faults {statistics.median(r['minflt'] for r in rs):.0f}  "
+              f"steal {statistics.median(r['steal_s'] for r in rs) * 1e3:.0f} ms")
+        for after in ("memory-only", "persisted"):
+            st = [r["stall_s"] * 1e3 for r in rs if r["after"] == after]
+            if st:
+                print(f"    right after a {after:11} save: stall median {statistics.median(st):6.1f} ms (n={len(st)})")
     pairs = [(a, b) for a, b in zip(rows, rows[1:], strict=False)
              if a["kind"] == "memory-only" and b["kind"] == "persisted"]
     diffs = [(a["stall_s"] - b["stall_s"]) * 1e3 for a, b in pairs]

@@ -125,6 +125,9 @@ class Checkpointer:
     :class:`~zerostall.errors.BackgroundSaveError` naming the step and the cause (once per
     failure; a ``with`` block that is already raising keeps its own exception and the failure
     is logged). ``on_error`` receives them instead. See docs/guarantees.md.
+    With a memory tier, a failed persist of the keeper (of a step only memory held, after a
+    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`close`
+    raises the failure of the persist it asked for itself.
 
     Example::
 
@@ -570,11 +573,11 @@ class Checkpointer:
                 memory held (storage full, say); the keeper has exited, so that step is lost.
                 It is also in :attr:`keeper_failures`.
         """
-        told = len(self._engine.writer.keeper_failures)
+        told = len(self._engine.writer.close_failures)
         self._engine.close()
         self._engine.raise_failures()
-        lost = self._engine.writer.keeper_failures[told:]
-        if lost:  # reported while closing: the keeper exits with it, so no restart can resume it
+        lost = self._engine.writer.close_failures[told:]
+        if lost:  # the persist this close asked for failed: the keeper exits, the step with it
             raise lost[-1]
 
     @property

@@ -242,6 +242,8 @@ class KeeperFailed:
     error: WireError
     #: the rank of the keeper (its directory and rank name it)
     rank: int = 0
+    #: the persist the trainer's clean close asked for failed (the keeper exits with the step)
+    closing: bool = False
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery

@@ -93,6 +93,8 @@ def main() -> None:
     if mode == "resume":
         with ck:
             res = _resume(ck, rank, last)
+        # what the keeper's persist of the dead run's step reported (by close() at the latest)
+        res["keeper_failed"] = [[e.step, type(e.cause).__name__] for e in ck.keeper_failures]
         with open(os.path.join(d, f"resume-{rank}.json"), "w") as f:
             json.dump(res, f)
         dist.destroy_process_group()

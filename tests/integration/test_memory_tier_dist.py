@@ -224,6 +224,8 @@ def test_a_restart_beside_keepers_holding_different_steps_resumes_from_storage(t
     res = [json.loads((d / f"resume-{r}.json").read_text()) for r in range(WORLD)]
     assert [(r["adopted"], r["held"], r["start"], r["equal"]) for r in res] == [
         (True, LAST, 10, True), (True, LAST - 1, 10, True)]
+    # Each restarted rank heard that its keeper's persist of the dead run's step was aborted.
+    assert [r["keeper_failed"] for r in res] == [[[LAST, "WriterError"]], [[LAST - 1, "WriterError"]]]
     # The new run saved 11 and 12 again (memory only) and close() persisted 12 through the same keepers;
     # neither keeper committed its own 11 or 12 of the dead run.
     _keepers_gone(d, keepers)

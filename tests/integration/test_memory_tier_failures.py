@@ -24,6 +24,7 @@ from zerostall.cli import main as cli_main
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError, to_wire
 from zerostall.persist.faults import ENV as FAULTS_ENV
+from zerostall.persist.faults import MARK_ENV
 from zerostall.persist.keeperfail import (
     KeeperFailure,
     local_marker,
@@ -137,3 +138,30 @@ def test_a_failed_persist_at_close_is_raised_by_close(tmp_path: Path, monkeypatc
     _check(got.value, d, 6)
     assert ck.keeper_failures == [got.value]
     assert _storage_steps(d) == [5] and not (d / marker_key(0)).exists()
+
+
+def test_a_persist_failing_after_the_adoption_reaches_the_trainer_after_its_next_save(tmp_path: Path) -> None:
+    d, err, go, marks = tmp_path / "run", tmp_path / "keeper.err", tmp_path / "go", tmp_path / "marks"
+    marks.mkdir()
+    # The keeper's check after the crash (which its persist waits for) is held until ``go`` exists.
+    env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_check": f"wait:{go}", "keeper_persist": "raise:ENOSPC"}),
+                              MARK_ENV: str(marks)})
+    with open(err, "w") as e:
+        p = subprocess.run([sys.executable, TRAINER, str(d), "1", "2", "5", "60", "kill"], stdout=subprocess.PIPE,
+                           stderr=e, text=True, env=env, timeout=DEADLINE_S)
+    assert p.returncode == -signal.SIGKILL
+    ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60))
+    assert ck._engine.writer.adopted and ck.keeper_failures == []  # nothing has failed yet
+    go.touch()
+    _wait(lambda: "failed" in err.read_text(), "the keeper's persist to fail")
+    ck.save_pytree(3, state(3))  # memory only: the keeper tells us after this job
+    _wait(lambda: ck.keeper_failures, "the failure to reach the trainer")
+    (failure,) = ck.keeper_failures
+    _check(failure, d, 2)
+    _assert_state(ck.load_pytree(), state(3))
+    # The keeper still cannot write: close()'s own persist of step 3 fails too, and close() raises it
+    # (the keeper exits with the step), while step 2's crash-time failure stayed a warning.
+    with pytest.raises(KeeperPersistError) as got:
+        ck.close()
+    _check(got.value, d, 3)
+    assert [e.step for e in ck.keeper_failures] == [2, 3]

@@ -122,6 +122,8 @@ class WriterClient:
         #: the keeper's failed persists of memory-only steps it reported (oldest first); see
         #: :attr:`zerostall.Checkpointer.keeper_failures`
         self.keeper_failures: list[KeeperPersistError] = []
+        #: those of them that the persist at this trainer's own clean close reported (close() raises them)
+        self.close_failures: list[KeeperPersistError] = []
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -343,8 +345,10 @@ class WriterClient:
                 if hold is not None:
                     hold()
             elif isinstance(msg, KeeperFailed):
-                self.note_keeper_failure(KeeperFailure(step=msg.step, path=msg.path, error=msg.error, rank=msg.rank,
-                                                       time=0.0))
+                err = self.note_keeper_failure(KeeperFailure(step=msg.step, path=msg.path, error=msg.error,
+                                                             rank=msg.rank, time=0.0))
+                if msg.closing:
+                    self.close_failures.append(err)
             elif isinstance(msg, Image):
                 fds = [recv_handle(conn) for _ in msg.files]
                 self._image_reply((msg, fds))

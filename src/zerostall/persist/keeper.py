@@ -539,11 +539,11 @@ class Keeper:
         if held is None:
             return
         try:
-            self._persist(held)
+            self._persist(held, closing=closing)
         finally:
             self._unuse_held(held)
 
-    def _persist(self, held: _Held) -> None:
+    def _persist(self, held: _Held, closing: bool = False) -> None:
         with self._cond:  # two persists after crashes may hold the same step: one tries it
             # A solo step whose persist failed is tried again at a clean close (its attempt names
             # are its own); a collective attempt's names are used up, and a step whose bytes
@@ -554,12 +554,12 @@ class Keeper:
             held.persisting = True
             held.attempted = True
         try:
-            self._persist_once(held)
+            self._persist_once(held, closing)
         finally:
             with self._cond:
                 held.persisting = False
 
-    def _persist_once(self, held: _Held) -> None:
+    def _persist_once(self, held: _Held, closing: bool) -> None:
         job = dataclasses.replace(held.job, persist=True)
         if held.checked is not None:
             # The persist checksums the bytes afresh: a leaf the check after the crash found
@@ -570,7 +570,7 @@ class Keeper:
                       "after its save", file=sys.stderr, flush=True)
                 self._record_failure(job, ChecksumMismatchError(
                     f"leaf {held.bad_key!r} changed in memory after its save; not persisted", path=job.path,
-                    key=held.bad_key))
+                    key=held.bad_key), closing)
                 # A collective step: the other ranks' keepers then abort on the collective timeout.
                 # (Deciding "abort" here raced with the sweep of the dead run's abort decisions, which
                 # could remove it before a slower rank's keeper had started and seen it.)
@@ -591,14 +591,14 @@ class Keeper:
                   file=sys.stderr, flush=True)
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
-            self._record_failure(job, exc)
+            self._record_failure(job, exc, closing)
 
     # -- failed persists: told to the next trainer, or left in a marker ---------------------------
 
-    def _record_failure(self, job: SaveJob, exc: BaseException) -> None:
+    def _record_failure(self, job: SaveJob, exc: BaseException, closing: bool = False) -> None:
         with self._cond:
             self._failed.append(KeeperFailure(step=job.step, path=job.path, error=to_wire(exc, path=job.path),
-                                              rank=self.spec.rank, time=time.time()))
+                                              rank=self.spec.rank, time=time.time(), closing=closing))
 
     def report_failed(self, conn: Connection) -> None:
         """Tell the trainer on ``conn`` of every failed persist not told yet (on the job loop's
@@ -610,7 +610,8 @@ class Keeper:
                     return
                 f = self._failed[0]
             try:
-                conn.send_bytes(encode(KeeperFailed(step=f.step, path=f.path, error=f.error, rank=f.rank)))
+                conn.send_bytes(encode(KeeperFailed(step=f.step, path=f.path, error=f.error, rank=f.rank,
+                                                    closing=f.closing)))
             except OSError:
                 return
             with self._cond:

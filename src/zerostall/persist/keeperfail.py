@@ -45,6 +45,8 @@ class KeeperFailure:
     error: WireError
     rank: int
     time: float
+    #: it was the persist at the trainer's clean close (``close()`` raises it)
+    closing: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "path": self.path, "error": self.error.to_json(), "rank": self.rank,
