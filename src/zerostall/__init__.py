@@ -27,6 +27,7 @@ from zerostall.errors import (
     CorruptCheckpointError,
     DonatedArrayError,
     InvalidArgumentError,
+    KeeperPersistError,
     MetadataError,
     MetadataTypeError,
     MismatchError,
@@ -61,6 +62,7 @@ __all__ = [
     "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
+    "KeeperPersistError",
 ]
 
 import importlib as _importlib
