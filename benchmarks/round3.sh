@@ -8,6 +8,8 @@ run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /
 # issue 13: restart restore from memory, the live trainer's keeper
 run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
 run memtier $PY benchmarks/memory_tier.py --gib 1 4 --repeats 3 --dir /tmp
+run memtier_stall $PY benchmarks/memtier_stall_ab.py --gib 1 4 --saves 24 8 --interval 3 --dir /tmp
+run dip_cost $PY benchmarks/dip_cost.py --gib 1 --saves 6 --dir /tmp
 # issue 16.2: restores, warm and cold, three sizes
 for s in 256M 1G; do run restore_$s $PY -m benchmarks.restore_ab --size $s --repeats 5 --dir /tmp --cold; done
 run restore_4G $PY -m benchmarks.restore_ab --size 4G --repeats 3 --dir /tmp --cold
