@@ -1,0 +1,107 @@
+"""What a newcomer tripped over in round 3 (memory tier, failure reporting): docs/newcomer-run.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerostall
+from zerostall import MemoryTier, SaveOptions, WriterKind
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError, ZerostallError
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "torchrun_ddp.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _example(d: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The DDP example as one rank of a world of one (what torchrun would set), real gloo."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    return subprocess.run([sys.executable, str(EXAMPLE), "--dir", str(d), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_ddp_example_run_again_at_its_last_step_says_so_instead_of_crashing(tmp_path: Path) -> None:
+    # README's memory-tier command reused the plain run's default directory, which already held
+    # step --steps: the example resumed there, trained nothing, and died on an unbound `loss`.
+    first = _example(tmp_path, "--steps", "4", "--save-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _example(tmp_path, "--steps", "4", "--save-every", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed at step 4 from storage" in again.stdout
+    assert "already at step 4, nothing to train" in again.stdout, again.stdout
+
+
+# -- MemoryTier: a value of the wrong type is a TypeError too (ArgumentTypeError) ------------------
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("persist_interval_steps", "10"), ("persist_interval_steps", 2.0), ("persist_interval_steps", True),
+    ("persist_interval_s", "5"), ("persist_interval_s", True),
+    ("linger_s", "600"), ("linger_s", None), ("linger_s", True),
+])
+def test_memory_tier_refuses_a_wrong_type_as_a_type_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ArgumentTypeError, match=field) as info:
+        MemoryTier(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ZerostallError)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("persist_interval_steps", 0), ("persist_interval_steps", -3), ("persist_interval_s", 0),
+    ("persist_interval_s", float("nan")), ("linger_s", -1.0), ("linger_s", float("nan")),
+])
+def test_memory_tier_out_of_range_stays_a_value_error(field: str, value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=field) as info:
+        MemoryTier(**{field: value})  # type: ignore[arg-type]
+    assert not isinstance(info.value, TypeError)
+
+
+def test_memory_tier_linger_zero_is_allowed() -> None:
+    assert MemoryTier(linger_s=0).linger_s == 0  # exit right after persisting: no adoption
+
+
+# -- Response.wait_staged / result: a bad timeout is refused, a timeout says what timed out ---------
+
+@pytest.fixture
+def response(tmp_path: Path) -> zerostall.Response:
+    return zerostall.save_pytree_async(tmp_path / "a", {"w": torch.ones(3)},
+                                       options=SaveOptions(writer=WriterKind.THREAD))
+
+
+@pytest.mark.parametrize("timeout", ["5", True, float("nan"), float("inf")])
+def test_wait_staged_refuses_a_timeout_that_is_not_a_finite_number(response: zerostall.Response,
+                                                                    timeout: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        response.wait_staged(timeout=timeout)  # type: ignore[arg-type]
+    response.result()
+
+
+def test_wait_staged_refuses_a_negative_timeout(response: zerostall.Response) -> None:
+    # It used to raise TimeoutError "staging did not finish within -1 s" while the copy went on.
+    with pytest.raises(InvalidArgumentError, match="timeout must be >= 0"):
+        response.wait_staged(timeout=-1)
+    response.wait_staged(timeout=60.0)  # a valid one still works
+    response.result()
+
+
+def test_result_timeout_names_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # concurrent.futures' TimeoutError has no message: the user saw a bare "TimeoutError".
+    go = tmp_path / "go"
+    monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"commit": f"wait:{go}"}))
+    r = zerostall.save_pytree_async(tmp_path / "held", {"w": torch.ones(3)},
+                                    options=SaveOptions(writer=WriterKind.THREAD))
+    with pytest.raises(TimeoutError, match=r"held.*not committed within 0\.1 s \(the save goes on\)"):
+        r.result(timeout=0.1)
+    go.touch()
+    assert r.result().nbytes > 0
