@@ -105,3 +105,49 @@ def test_result_timeout_names_the_checkpoint(tmp_path: Path, monkeypatch: pytest
         r.result(timeout=0.1)
     go.touch()
     assert r.result().nbytes > 0
+
+
+# -- zerostall list with a keeper-failed marker: where it is and what clears it --------------------
+
+def _failure(d: Path, step: int, rank: int) -> object:
+    from zerostall.commit import step_name
+    from zerostall.errors import StorageError, to_wire
+    from zerostall.persist.keeperfail import KeeperFailure
+
+    return KeeperFailure(step=step, path=f"{d}/{step_name(step)}", rank=rank, time=1.0,
+                         error=to_wire(StorageError("No space left on device", errno=28, path=str(d))))
+
+
+def test_list_says_where_a_keeper_failure_is_recorded_and_what_clears_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zerostall.cli import main as cli_main
+    from zerostall.persist.keeperfail import marker_key, write_marker
+    from zerostall.storage import open_storage
+
+    d = tmp_path / "run"
+    d.mkdir()
+    write_marker(open_storage(str(d)), str(d), 0, [_failure(d, 7, 0)])  # type: ignore[list-item]
+    assert cli_main(["list", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "KEEPER PERSIST FAILED: step 7 (rank 0)" in out
+    assert f"recorded in {d}/{marker_key(0)}" in out and "delete it once read" in out
+    assert cli_main(["list", str(d), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["keeper_failed"]
+    assert row["marker"] == f"{d}/{marker_key(0)}" and row["step"] == 7
+
+
+def test_list_names_this_hosts_fallback_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from zerostall.cli import main as cli_main
+    from zerostall.persist.keeperfail import local_marker, marker_key, write_marker
+    from zerostall.storage import open_storage
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / marker_key(1)).mkdir()  # storage cannot take the marker (a directory in the way, even for root)
+    where = write_marker(open_storage(str(d)), str(d), 1, [_failure(d, 9, 1)])  # type: ignore[list-item]
+    (d / marker_key(1)).rmdir()
+    assert where == local_marker(str(d), 1)
+    assert cli_main(["list", str(d)]) == 0
+    assert f"recorded in {where}" in capsys.readouterr().out
