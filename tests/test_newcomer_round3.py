@@ -151,3 +151,29 @@ def test_list_names_this_hosts_fallback_marker(tmp_path: Path, monkeypatch: pyte
     assert where == local_marker(str(d), 1)
     assert cli_main(["list", str(d)]) == 0
     assert f"recorded in {where}" in capsys.readouterr().out
+
+
+# -- a load from the memory tier names the step's path, not the keeper's internal zsimage:// URL ----
+
+_KILLED_TRAINER = """
+import os, signal, sys, torch, zerostall
+ck = zerostall.Checkpointer(sys.argv[1], memory_tier=zerostall.MemoryTier(persist_interval_steps=5, linger_s=60))
+for s in (1, 2):
+    ck.save_pytree_async(s, {"w": torch.full((4,), float(s))}).result()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_mismatch_loading_from_memory_names_the_step_path(tmp_path: Path) -> None:
+    from zerostall.errors import MismatchError
+
+    d = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", _KILLED_TRAINER, str(d)], timeout=120)
+    assert p.returncode == -9
+    with zerostall.Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=5)) as ck:
+        assert ck.memory_step() == 2  # adopted: step 2 is read from memory
+        with pytest.raises(MismatchError) as info:
+            ck.load_pytree(2, template={"w": torch.zeros(5)})
+        assert info.value.path == f"{d}/step_00000002" and info.value.key == "pytree/w"
+        assert "memory tier" in str(info.value) and "zsimage" not in str(info.value)
+        assert ck.load_pytree(2, template={"w": torch.zeros(4)})["w"].tolist() == [2.0] * 4

@@ -479,7 +479,11 @@ class Checkpointer:
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
         with open_image(img.name, img.manifest.encode(), files) as image:
-            return load_items(image.url, img.name, items, opts)
+            try:
+                return load_items(image.url, img.name, items, opts)
+            except ZerostallError as exc:
+                _name_the_memory_step(exc, image.url, self._step_path(step))
+                raise
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.
@@ -886,6 +890,13 @@ class _FixedCosts(CadenceEstimator):
 
 
 # -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+
+
+def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -> None:
+    """Name the step as the user knows it, not by the internal ``zsimage://`` URL of the keeper's buffers."""
+    if exc.path is not None and exc.path.startswith(image_url):
+        exc.path = step_path
+        exc.message = f"{exc.message} [read from this host's memory tier]"
 
 
 def _check_load_step(step: object, directory: str, method: str, what: str) -> None:
