@@ -177,3 +177,36 @@ def test_a_mismatch_loading_from_memory_names_the_step_path(tmp_path: Path) -> N
         assert info.value.path == f"{d}/step_00000002" and info.value.key == "pytree/w"
         assert "memory tier" in str(info.value) and "zsimage" not in str(info.value)
         assert ck.load_pytree(2, template={"w": torch.zeros(4)})["w"].tolist() == [2.0] * 4
+
+
+_LIVE_TRAINER = """
+import sys, torch, zerostall
+with zerostall.Checkpointer(sys.argv[1], memory_tier=zerostall.MemoryTier(persist_interval_steps=5)) as ck:
+    for s in (1, 2):
+        ck.save_pytree_async(s, {"w": torch.full((4,), float(s))}).result()
+    print("HELD", ck.memory_step(), flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_loading_a_step_a_live_trainers_keeper_holds_says_why_it_is_not_on_storage(tmp_path: Path) -> None:
+    from zerostall.errors import CheckpointNotFoundError
+
+    d = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-c", _LIVE_TRAINER, str(d)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().split() == ["HELD", "2"]
+        ck = zerostall.Checkpointer(d, read_only=True)
+        with pytest.raises(CheckpointNotFoundError, match="step 2 is held only in the memory of this host's "
+                                                          "keeper of rank 0") as info:
+            ck.load_pytree(2)
+        assert info.value.path == f"{d}/step_00000002"
+        with pytest.raises(CheckpointNotFoundError) as other:
+            ck.load_pytree(3)  # held nowhere: no such hint
+        assert "held only in the memory" not in str(other.value)
+    finally:
+        assert p.stdin is not None
+        p.communicate("\n", timeout=120)
+    assert p.returncode == 0
+    assert zerostall.load_pytree(d / "step_00000002")["w"].tolist() == [2.0] * 4  # persisted at close()

@@ -43,7 +43,7 @@ from zerostall.errors import (
 from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
-from zerostall.persist.keeper import KeeperSpec
+from zerostall.persist.keeper import KeeperSpec, held_steps
 from zerostall.persist.keeperfail import take_markers
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
@@ -430,7 +430,7 @@ class Checkpointer:
             except CheckpointNotFoundError as exc:
                 if step is None:
                     raise
-                raise _hint_steps(exc, self.steps()) from exc
+                raise _hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
         self.last_loaded_step = resolved
         return out
 
@@ -897,6 +897,22 @@ def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -
     if exc.path is not None and exc.path.startswith(image_url):
         exc.path = step_path
         exc.message = f"{exc.message} [read from this host's memory tier]"
+
+
+def _hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:
+    """``zerostall list`` shows a step "in memory only" that a keeper on this host holds for a
+    trainer still running (or one this Checkpointer did not adopt): say why it does not load."""
+    try:
+        ranks = [rank for rank, img in held_steps(directory) if img.step == step]
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if not ranks:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; step {step} is held only in the memory of this host's keeper of rank "
+        f"{', '.join(map(str, ranks))}, which belongs to a trainer still running (or one this Checkpointer "
+        "did not adopt): it reaches storage at that trainer's next persisted save or its close()",
+        path=exc.path, key=exc.key, rank=exc.rank)
 
 
 def _check_load_step(step: object, directory: str, method: str, what: str) -> None:
