@@ -205,6 +205,9 @@ def test_loading_a_step_a_live_trainers_keeper_holds_says_why_it_is_not_on_stora
         with pytest.raises(CheckpointNotFoundError) as other:
             ck.load_pytree(3)  # held nowhere: no such hint
         assert "held only in the memory" not in str(other.value)
+        with pytest.raises(CheckpointNotFoundError, match="step 2 is held only in the memory"):
+            zerostall.load_pytree(d / "step_00000002")  # the free function too
+        ck.close()
     finally:
         assert p.stdin is not None
         p.communicate("\n", timeout=120)

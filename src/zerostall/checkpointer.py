@@ -23,7 +23,7 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE, check_writer_reaches, load_newest_valid
+from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
@@ -43,7 +43,7 @@ from zerostall.errors import (
 from zerostall.manifest import parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
-from zerostall.persist.keeper import KeeperSpec, held_steps
+from zerostall.persist.keeper import KeeperSpec
 from zerostall.persist.keeperfail import take_markers
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
@@ -430,7 +430,7 @@ class Checkpointer:
             except CheckpointNotFoundError as exc:
                 if step is None:
                     raise
-                raise _hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
+                raise hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
         self.last_loaded_step = resolved
         return out
 
@@ -897,22 +897,6 @@ def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -
     if exc.path is not None and exc.path.startswith(image_url):
         exc.path = step_path
         exc.message = f"{exc.message} [read from this host's memory tier]"
-
-
-def _hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:
-    """``zerostall list`` shows a step "in memory only" that a keeper on this host holds for a
-    trainer still running (or one this Checkpointer did not adopt): say why it does not load."""
-    try:
-        ranks = [rank for rank, img in held_steps(directory) if img.step == step]
-    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
-        return exc
-    if not ranks:
-        return exc
-    return CheckpointNotFoundError(
-        f"{exc.message}; step {step} is held only in the memory of this host's keeper of rank "
-        f"{', '.join(map(str, ranks))}, which belongs to a trainer still running (or one this Checkpointer "
-        "did not adopt): it reaches storage at that trainer's next persisted save or its close()",
-        path=exc.path, key=exc.key, rank=exc.rank)
 
 
 def _check_load_step(step: object, directory: str, method: str, what: str) -> None:
