@@ -213,3 +213,10 @@ def test_loading_a_step_a_live_trainers_keeper_holds_says_why_it_is_not_on_stora
         p.communicate("\n", timeout=120)
     assert p.returncode == 0
     assert zerostall.load_pytree(d / "step_00000002")["w"].tolist() == [2.0] * 4  # persisted at close()
+
+
+def test_memory_tier_with_a_thread_writer_names_the_directory(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="the memory tier needs the process writer") as info:
+        zerostall.Checkpointer(tmp_path / "run", memory_tier=MemoryTier(),
+                               save_options=SaveOptions(writer=WriterKind.THREAD))
+    assert info.value.path == str(tmp_path / "run")

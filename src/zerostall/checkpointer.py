@@ -192,7 +192,7 @@ class Checkpointer:
                 raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
             if so.writer is not WriterKind.PROCESS:
                 raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
-                                 "the memory must outlive the trainer")
+                                 "the memory must outlive the trainer", path=self.directory, argument="memory_tier")
             keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
         self._last_persist = time.monotonic()
         self._save_dist = so.distributed
