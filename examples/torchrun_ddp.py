@@ -11,6 +11,10 @@ on the first attempt only, so that torchrun restarts the group and it resumes fr
 
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it torch 2.13's restarted gloo workers often fail
 in ``init_process_group`` with "Connection refused", zerostall or not; docs/distributed.md.)
+The first attempt ends with rank 0's traceback from ``dist.barrier()`` ("Connection reset by
+peer") and torchrun's "failed (exitcode: -9) local_rank: 1": that is the injected failure. Give
+the memory-tier run its own ``--dir``: a directory that already holds step ``--steps`` resumes
+there and has nothing left to train.
 
 Meanwhile the ranks' keepers persist step 25 to ``--dir`` together, in the background, so that a
 restart on other nodes would find it too (with ``--max-restarts 0`` that is all that happens).
@@ -89,6 +93,7 @@ def main() -> int:
             # would be two writes, and two ranks' lines could interleave on the shared pipe.
             sys.stdout.write(f"rank {rank}: resumed at step {start} from {where}, data position {mine.position}\n")
             sys.stdout.flush()
+        loss = None  # stays None when the run already reached --steps (run it with a larger --steps)
         for step in range(start + 1, a.steps + 1):
             x, y = mine.batch()
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -109,8 +114,12 @@ def main() -> int:
             # These toy steps take microseconds, so a save can find the previous one still holding
             # the staging buffer (max_in_flight=1) and wait for it; with real steps it does not.
             stalls = ", ".join(f"{s.stall_s * 1e3:.0f}" for s in ckpt.stats())
-            print(f"steps on disk: {on_disk}; last loss {loss.item():.4f}; "
-                  f"rank 0's save stalls (ms): {stalls}", flush=True)
+            if loss is None:
+                print(f"steps on disk: {on_disk}; already at step {start}, nothing to train "
+                      f"(pass --steps above {start}, or another --dir)", flush=True)
+            else:
+                print(f"steps on disk: {on_disk}; last loss {loss.item():.4f}; "
+                      f"rank 0's save stalls (ms): {stalls}", flush=True)
     dist.destroy_process_group()
     return 0
 

@@ -36,6 +36,7 @@ from zerostall.errors import (
     NoValidCheckpointError,
 )
 from zerostall.options import LoadOptions, SaveOptions, WriterKind
+from zerostall.persist.keeper import held_steps
 from zerostall.response import Response
 from zerostall.restore import ReadPlanner, Thunk, read_manifest, register_node_reader
 from zerostall.storage import open_storage, split_url
@@ -204,7 +205,30 @@ def load_checkpointables(
         root, names = _fallback_candidates(where, options)
         return load_newest_valid(root, names, items, options)[1]
     parent, name = split_url(where)
-    return load(parent, name, items, options)
+    try:
+        return load(parent, name, items, options)
+    except CheckpointNotFoundError as exc:
+        step = parse_step(name)
+        hinted = exc if step is None else hint_held_in_memory(exc, parent, step)
+        if hinted is exc:
+            raise
+        raise hinted from exc
+
+
+def hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:
+    """``zerostall list`` shows a step "in memory only" that a keeper on this host holds for a
+    trainer still running (or a crashed one's, not adopted yet): say why it does not load."""
+    try:
+        ranks = [rank for rank, img in held_steps(directory) if img.step == step]
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if not ranks:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; step {step} is held only in the memory of this host's keeper of rank "
+        f"{', '.join(map(str, ranks))}, which belongs to a trainer still running (or to a crashed one, "
+        "until a Checkpointer with a memory tier adopts it): it reaches storage at that trainer's next persisted save or its close()",
+        path=exc.path, key=exc.key, rank=exc.rank)
 
 
 def load_pytree(

@@ -23,7 +23,7 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE, check_writer_reaches, load_newest_valid
+from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
@@ -192,7 +192,7 @@ class Checkpointer:
                 raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
             if so.writer is not WriterKind.PROCESS:
                 raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
-                                 "the memory must outlive the trainer")
+                                 "the memory must outlive the trainer", path=self.directory, argument="memory_tier")
             keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
         self._last_persist = time.monotonic()
         self._save_dist = so.distributed
@@ -430,7 +430,7 @@ class Checkpointer:
             except CheckpointNotFoundError as exc:
                 if step is None:
                     raise
-                raise _hint_steps(exc, self.steps()) from exc
+                raise hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
         self.last_loaded_step = resolved
         return out
 
@@ -479,7 +479,11 @@ class Checkpointer:
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
         with open_image(img.name, img.manifest.encode(), files) as image:
-            return load_items(image.url, img.name, items, opts)
+            try:
+                return load_items(image.url, img.name, items, opts)
+            except ZerostallError as exc:
+                _name_the_memory_step(exc, image.url, self._step_path(step))
+                raise
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.
@@ -886,6 +890,13 @@ class _FixedCosts(CadenceEstimator):
 
 
 # -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+
+
+def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -> None:
+    """Name the step as the user knows it, not by the internal ``zsimage://`` URL of the keeper's buffers."""
+    if exc.path is not None and exc.path.startswith(image_url):
+        exc.path = step_path
+        exc.message = f"{exc.message} [read from this host's memory tier]"
 
 
 def _check_load_step(step: object, directory: str, method: str, what: str) -> None:

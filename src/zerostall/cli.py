@@ -50,7 +50,7 @@ from zerostall.interop import _export_format, export_checkpoint, import_checkpoi
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
-from zerostall.persist.keeperfail import as_error, read_markers
+from zerostall.persist.keeperfail import as_error, local_marker, marker_key, read_markers
 from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage, split_url
@@ -110,12 +110,23 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
                    if img.step is not None and img.step not in steps]
     # Failed persists of keepers that no trainer adopted (reported, and removed, by the next
     # Checkpointer of that directory and rank: docs/guarantees.md, "When the keeper's persist fails").
-    keeper_failed = [{"step": f.step, "rank": f.rank, "path": f.path, "error": str(as_error(f).cause)}
+    keeper_failed = [{"step": f.step, "rank": f.rank, "path": f.path, "error": str(as_error(f).cause),
+                      "marker": _marker_file(storage, f.rank)}
                      for f in read_markers(storage, storage.url)]
     return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
             "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
             "memory_only": memory_only, "is_checkpoint": storage.exists(MANIFEST_NAME),
             "keeper_failed": keeper_failed}
+
+
+def _marker_file(storage: Storage, rank: int) -> str:
+    """Where a keeper failure of ``rank`` is recorded: beside the checkpoints, else this host's fallback."""
+    try:
+        if storage.exists(marker_key(rank)):
+            return f"{storage.url.rstrip('/')}/{marker_key(rank)}"
+    except OSError:
+        pass
+    return local_marker(storage.url, rank)
 
 
 def _hint_run_directory(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
@@ -250,6 +261,10 @@ def _print_list(r: dict[str, Any]) -> None:
         _out(f"{row['name']:<24} in memory only (the memory tier's keeper of rank {row['rank']} on this host)")
     for row in r.get("keeper_failed", ()):
         _out(f"KEEPER PERSIST FAILED: step {row['step']} (rank {row['rank']}) never reached storage: {row['error']}")
+    for marker in sorted({row["marker"] for row in r.get("keeper_failed", ()) if row.get("marker")}):
+        # A newcomer who has read the failure wants it gone: say what clears it.
+        _out(f"(recorded in {marker}: the next Checkpointer with a memory tier for this directory and rank "
+             "reports it and removes the file; or delete it once read. Storage itself is consistent)")
     if r["unfinished"]:
         _out(f"({len(r['unfinished'])} unfinished or deleted attempt(s), never loaded: "
               f"{', '.join(r['unfinished'])})")

@@ -230,6 +230,20 @@ class LoadOptions:
             raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
 
 
+def _check_memory_tier_types(tier: MemoryTier) -> None:
+    """A value of the wrong type is a ``TypeError`` too (``ArgumentTypeError``), a bool is not a number."""
+    for name, number in (("persist_interval_steps", False), ("persist_interval_s", True), ("linger_s", True)):
+        value = getattr(tier, name)
+        if value is None and name == "persist_interval_s":
+            continue
+        ok = isinstance(value, (int, float)) if number else isinstance(value, int)
+        if isinstance(value, bool) or not ok:
+            want = "a number of seconds" if number else "a positive int"
+            raise ArgumentTypeError(f"MemoryTier {name} must be {want}"
+                                    f"{' or None' if name == 'persist_interval_s' else ''}, got {value!r}",
+                                    argument=name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryTier:
     """Checkpoint every save into this host's memory; persist only some saves to storage.
@@ -253,6 +267,7 @@ class MemoryTier:
 
     Raises:
         InvalidArgumentError: a field is out of range (a ``ValueError``).
+        ArgumentTypeError: a field has the wrong type, a bool included (also a ``TypeError``).
 
     Example::
 
@@ -265,6 +280,7 @@ class MemoryTier:
     linger_s: float = 600.0
 
     def __post_init__(self) -> None:
+        _check_memory_tier_types(self)
         if type(self.persist_interval_steps) is not int or self.persist_interval_steps < 1:
             raise InvalidArgumentError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
         if self.persist_interval_s is not None and not (

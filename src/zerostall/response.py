@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerostall.messages import WriterStats
-from zerostall.validate import check_number
+from zerostall.validate import check_number, check_timeout
 
 __all__ = ["Response", "SaveStats"]
 
@@ -126,9 +126,11 @@ class Response:
             check_number("timeout", timeout)
         try:
             self._future.result(timeout)
-        except BaseException:
+        except BaseException as exc:
             if self._future.done():  # the save's own error, not the timeout
                 self._received = True
+            elif isinstance(exc, futures.TimeoutError):  # it has no message: say what timed out
+                raise TimeoutError(f"{self._path}: not committed within {timeout} s (the save goes on)") from None
             raise
         return self.stats
 
@@ -155,7 +157,9 @@ class Response:
 
         Raises:
             TimeoutError: the copy did not finish within ``timeout`` seconds (it goes on).
+            InvalidArgumentError: ``timeout`` is not None or a finite number >= 0.
         """
+        timeout = check_timeout("timeout", timeout, path=self._path)
         if self._help_stage is not None and timeout is None and not self._staged.is_set():
             self._help_stage()  # this thread copies too, rather than wait on a background thread alone
         if not self._staged.wait(timeout):

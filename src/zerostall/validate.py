@@ -63,6 +63,16 @@ def check_number(name: str, value: object, *, positive: bool = False, path: str 
     return float(value)
 
 
+def check_timeout(name: str, value: object, *, path: str | None = None) -> float | None:
+    """A wait's limit: None (no limit) or a finite number of seconds >= 0 (0 polls)."""
+    if value is None:
+        return None
+    seconds = check_number(name, value, path=path)
+    if seconds < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0 seconds or None, got {value!r}", argument=name, path=path)
+    return seconds
+
+
 def check_bool(name: str, value: object, *, path: str | None = None) -> bool:
     """A real bool: ``1`` or ``"yes"`` is refused rather than guessed."""
     if not isinstance(value, bool):
