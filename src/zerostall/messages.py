@@ -34,11 +34,11 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
-    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed",
+    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 3  # 3: KeeperFailed
+PROTOCOL = 4  # 3: KeeperFailed; 4: KeeperBusy
 
 
 class ProtocolMismatchError(WriterError):
@@ -246,13 +246,22 @@ class KeeperFailed:
     closing: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeeperBusy:
+    """The keeper's answer to :class:`Adopt` while the trainer it serves is alive: that trainer's
+    pid. The asking Checkpointer then refuses to start (two memory tiers of one directory and rank
+    on one host would hold steps that no restart could find)."""
+
+    pid: int
+
+
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery
-           | Image | KeeperFailed)
+           | Image | KeeperFailed | KeeperBusy)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
-    "keeper-failed": KeeperFailed,
+    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

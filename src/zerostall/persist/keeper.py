@@ -47,7 +47,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps
-from zerostall.errors import ChecksumMismatchError, ZerostallError, to_wire
+from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, ZerostallError, to_wire
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -55,6 +55,7 @@ from zerostall.messages import (
     Image,
     ImageFile,
     ImageQuery,
+    KeeperBusy,
     KeeperFailed,
     LeafRow,
     Message,
@@ -142,8 +143,12 @@ def _connect(address: bytes) -> socket.socket | None:
 def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connection, Hello] | None:
     """Claim the lingering keeper of ``spec``: the connection (its writer from now on) and its Hello.
 
-    None when there is no keeper, it belongs to another user, it serves a live trainer, or it
-    speaks another protocol; the caller then starts a writer of its own.
+    None when there is no keeper, it belongs to another user, or it speaks another protocol;
+    the caller then starts a writer of its own.
+
+    Raises:
+        InvalidArgumentError: the keeper serves a live trainer (this process or another): two
+            memory tiers of one directory and rank on one host would lose steps silently.
     """
     sock = _connect(spec.address)
     if sock is None:
@@ -158,6 +163,13 @@ def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connect
     except (EOFError, OSError, ZerostallError):
         conn.close()
         return None
+    if isinstance(msg, KeeperBusy):
+        conn.close()
+        raise InvalidArgumentError(
+            f"{spec.root}: the memory tier of this directory and rank {spec.rank} is already held on this host "
+            f"by a live trainer (pid {msg.pid}{', this process' if msg.pid == os.getpid() else ''}); a second "
+            "Checkpointer with a memory tier of the same directory and rank would keep steps no restart could "
+            "find. Close the first one, or give this one another directory", path=spec.root)
     if not isinstance(msg, Hello):
         conn.close()
         return None
@@ -398,7 +410,10 @@ class Keeper:
             return
         with self._cond:
             if self._trainer_pid is not None and _pid_running(self._trainer_pid):
-                conn.close()  # our trainer lives: the caller starts a writer of its own
+                try:  # our trainer lives: a second memory tier of this directory and rank is refused
+                    conn.send_bytes(encode(KeeperBusy(pid=self._trainer_pid)))
+                finally:
+                    conn.close()
                 return
             if self._waiting is not None:
                 self._waiting.close()
