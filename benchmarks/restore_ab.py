@@ -33,6 +33,7 @@ import torch
 import zerostall
 from benchmarks import floors, measure
 from benchmarks.state import build_state, flat_dict, iter_tensors, nbytes, parse_size, template_like
+from zerostall.storage.release import wait_unmapped
 
 
 def _cpu() -> float:
@@ -95,10 +96,12 @@ def main() -> None:
                 times[k].append(time.perf_counter() - t0)
                 cpu[k].append(_cpu() - c0)
             for k, f in cold_modes.items():
+                wait_unmapped()  # a page a load still maps survives POSIX_FADV_DONTNEED: the read would be warm
                 measure.drop_cache(data)
                 t0 = time.perf_counter()
                 f()
                 times[f"cold_{k}"].append(time.perf_counter() - t0)
+                wait_unmapped()
                 measure.drop_cache(data)
                 times[f"cold_raw_after_{k}"].append(measure.raw_read(data, buf))
             print(f"repeat {r}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()), flush=True)
