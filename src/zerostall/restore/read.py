@@ -368,6 +368,7 @@ class _Reader:
             return
         n = workers(self.opts.io_threads)
         warm, pieces = self.pieces(reqs, n)
+        n = n if warm else max(n, self.opts.io_threads)  # cold: the threads mostly wait for the disk
         parts = [p for got in run_all(lambda piece: self.verify_piece(reqs, piece, warm), pieces, n)
                  for p in got]
         for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
@@ -444,6 +445,7 @@ class _Reader:
             return
         n = workers(self.opts.io_threads)
         warm, pieces = self.pieces(reqs, n)
+        n = n if warm else max(n, self.opts.io_threads)  # cold: the threads mostly wait for the disk
         parts = [p for got in run_all(lambda piece: self.stream_piece(reqs, piece, warm), pieces, n) for p in got]
         for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
             if self.opts.verify and q.verify:
