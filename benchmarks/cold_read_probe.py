@@ -152,6 +152,8 @@ def main() -> None:
             "fill_2x32M_shared_fd": fill(2, 32 << 20, fresh_fd=False),
             "fill_4x32M": fill(4, 32 << 20),
             "fill_4x32M_willneed_piece": fill(4, 32 << 20, willneed_piece=True),
+            "fill_4x32M_crc": fill(4, 32 << 20, crc=True),
+            "fill_4x32M_crc_copy": fill(4, 32 << 20, crc=True, copy=True),
             "fill_4x16M": fill(4, 16 << 20),
             "fill_4x16M_willneed_piece": fill(4, 16 << 20, willneed_piece=True),
             "fill_2x32M_shared_willneed": fill(2, 32 << 20, fresh_fd=False, willneed=True),
