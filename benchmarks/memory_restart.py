@@ -123,22 +123,23 @@ def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0) -> None:
 
 
 def _ab(ck: object, tmpl: object, memcpy: object, repeats: int) -> dict[str, list[float]]:
-    """Paired, in turn: the keeper-verified load as it was before r3restore (group by group on a
-    fresh 4-thread pool) and as it is (by byte ranges on the pooled threads); each right after its
-    own memcpy, with this process's CPU seconds per load."""
+    """Paired, in turn: the keeper-verified load (``verify=False``) group by group on a fresh
+    4-thread pool, as it is, and by byte ranges on the pooled threads (restore.read's one-pass
+    path, which r3restore tried for it and did not keep); each right after its own memcpy, with
+    this process's CPU seconds per load."""
     from zerostall.restore import read as restore_read
 
-    mappable = restore_read._Reader.mappable
+    by_groups = restore_read._Reader.copy_by_groups
 
-    def before() -> None:
-        restore_read._Reader.mappable = lambda self, held: []  # type: ignore[method-assign,assignment]
+    def by_ranges() -> None:
+        restore_read._Reader.copy_by_groups = lambda self, reqs: False  # type: ignore[method-assign]
         try:
             ck.load_pytree(1, template=tmpl)  # type: ignore[attr-defined]
         finally:
-            restore_read._Reader.mappable = mappable  # type: ignore[method-assign]
+            restore_read._Reader.copy_by_groups = by_groups  # type: ignore[method-assign]
 
-    variants = {"group by group (before r3restore)": before,
-                "by byte ranges on the pooled threads (now)": lambda: ck.load_pytree(1, template=tmpl)}  # type: ignore[attr-defined]
+    variants = {"group by group on a 4-thread pool (the default)": lambda: ck.load_pytree(1, template=tmpl),  # type: ignore[attr-defined]
+                "by byte ranges on the pooled threads (tried, not kept)": by_ranges}
     import resource
 
     def cpu() -> float:
