@@ -357,8 +357,8 @@ class _Reader:
         """Whether a one-pass load of ``reqs`` is better left to the group-by-group reads: nothing
         to check and nothing to read from disk, only one copy, which those make with less CPU
         (``preadv`` from the page cache: 0.16-0.17 s per GiB against 0.20 s through a fresh
-        mapping; a memory-tier image: 1.13-1.15x against 1.31-1.32x a memcpy at 4 GiB on a busy
-        machine; docs/performance.md, "Restore, third round")."""
+        mapping; a memory-tier image: 1.12-1.27x against 1.15-1.31x a memcpy at 4 GiB, three runs
+        on a busy machine; docs/performance.md, "Restore, third round")."""
         return not any(self.opts.verify and q.verify for q in reqs) and self.resident(reqs)
 
     def resident(self, reqs: list[ReadRequest]) -> bool:
