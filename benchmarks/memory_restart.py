@@ -46,7 +46,7 @@ def _save_and_die(d: str, gib: float) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _restore(d: str, gib: float, repeats: int) -> None:
+def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0) -> None:
     t_start = time.perf_counter()
     import numpy as np
     import torch
@@ -102,6 +102,7 @@ def _restore(d: str, gib: float, repeats: int) -> None:
         t0 = time.perf_counter()
         load_verifying()
         loads_v.append(time.perf_counter() - t0)
+    ab = _ab(ck, tmpl, memcpy, ab_repeats) if ab_repeats else None
     ck.close()
     ratios = [b / a for a, b in zip(memcpys, loads, strict=True)]
     ratios_v = [b / a for a, b in zip(memcpys_v, loads_v, strict=True)]
@@ -116,6 +117,49 @@ def _restore(d: str, gib: float, repeats: int) -> None:
     print(f"    the same image checksummed by the trainer's load instead (before r2preverify): load "
           f"{', '.join(f'{t:.3f}' for t in loads_v)} s; load/memcpy median {statistics.median(ratios_v):.2f}x "
           f"({', '.join(f'{r:.2f}' for r in ratios_v)})", flush=True)
+    for name, got in (ab or {}).items():
+        print(f"    A/B {name}: load/memcpy median {statistics.median(got):.2f}x ({', '.join(f'{r:.2f}' for r in got)})",
+              flush=True)
+
+
+def _ab(ck: object, tmpl: object, memcpy: object, repeats: int) -> dict[str, list[float]]:
+    """Paired, in turn: the keeper-verified load (``verify=False``) group by group on a fresh
+    4-thread pool, as it is, and by byte ranges on the pooled threads (restore.read's one-pass
+    path, which r3restore tried for it and did not keep); each right after its own memcpy, with
+    this process's CPU seconds per load."""
+    from zerostall.restore import read as restore_read
+
+    by_groups = restore_read._Reader.copy_by_groups
+
+    def by_ranges() -> None:
+        restore_read._Reader.copy_by_groups = lambda self, reqs: False  # type: ignore[method-assign]
+        try:
+            ck.load_pytree(1, template=tmpl)  # type: ignore[attr-defined]
+        finally:
+            restore_read._Reader.copy_by_groups = by_groups  # type: ignore[method-assign]
+
+    variants = {"group by group on a 4-thread pool (the default)": lambda: ck.load_pytree(1, template=tmpl),  # type: ignore[attr-defined]
+                "by byte ranges on the pooled threads (tried, not kept)": by_ranges}
+    import resource
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    out: dict[str, list[float]] = {k: [] for k in variants}
+    cpus: dict[str, list[float]] = {k: [] for k in variants}
+    copy_cpu: list[float] = []
+    for _ in range(repeats):
+        for k, fn in variants.items():
+            c0 = cpu()
+            t_copy = memcpy()  # type: ignore[operator]  # the faster of two copies: its CPU is that of both
+            copy_cpu.append(cpu() - c0)
+            c0, t0 = cpu(), time.perf_counter()
+            fn()
+            out[k].append((time.perf_counter() - t0) / t_copy)
+            cpus[k].append(cpu() - c0)
+    return {f"{k} [CPU {statistics.median(cpus[k]):.3f} s; both memcpys {statistics.median(copy_cpu):.3f} s]": v
+            for k, v in out.items()}
 
 
 def main() -> None:
@@ -123,6 +167,8 @@ def main() -> None:
     ap.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also N paired rounds of the load paths compared in docs/performance.md (r3restore)")
     ap.add_argument("--child", choices=("save", "restore"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--at", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,7 +176,7 @@ def main() -> None:
         _save_and_die(args.at, args.gib[0])
         return
     if args.child == "restore":
-        _restore(args.at, args.gib[0], args.repeats)
+        _restore(args.at, args.gib[0], args.repeats, args.ab)
         return
     for gib in args.gib:
         d = tempfile.mkdtemp(dir=args.dir)
@@ -139,7 +185,8 @@ def main() -> None:
             saver = subprocess.run([*me, "--child", "save"], capture_output=True, text=True, check=False)
             if saver.returncode != -signal.SIGKILL or "SAVED" not in saver.stdout:
                 raise SystemExit(f"the saving child failed ({saver.returncode}): {saver.stderr[-2000:]}")
-            subprocess.run([*me, "--child", "restore", "--repeats", str(args.repeats)], check=True)
+            subprocess.run([*me, "--child", "restore", "--repeats", str(args.repeats), "--ab", str(args.ab)],
+                           check=True)
         finally:
             shutil.rmtree(d, ignore_errors=True)
 

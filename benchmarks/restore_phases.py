@@ -1,5 +1,5 @@
 """Where a verified in-place restore spends its time, phase by phase, from the memory tier and
-from a local file (warm or cold).
+from a local file (warm or cold), and how it compares with a raw read of the same file.
 
     PYTHONPATH=src:. python benchmarks/restore_phases.py [--gib 1] [--loads 4] [--dir /tmp]
 
@@ -9,13 +9,19 @@ residency questions, closing the image -- by wrapping those methods with ``time.
 "other" is the rest (manifest, planning, assembling). Fills and residency questions run inside
 the pass's threads and are summed over them, so on a cold load "other" goes negative. Also printed: this process's CPU seconds
 and minor page faults per load, and a paired memcpy of the same tensors right before each load
-(the faster of torch ``copy_`` and ``numpy.copyto``). A diagnosis tool, not a verdict: compare
-phases within one run.
+(the faster of torch ``copy_`` and ``numpy.copyto``). Each local load is also paired with the
+read floor (this merges the former ``restore_probe.py``): a sequential read of the data file, 32 MiB
+``preadv`` calls into a touched buffer, right after the load and in the same state (warm, or
+cold again after ``POSIX_FADV_DONTNEED``); ``floor/load`` above 1 means faster than the floor.
+Local loads run with the default options, then warm with ``verify=False``. A diagnosis tool,
+not a verdict: compare phases within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import resource
 import shutil
 import tempfile
@@ -33,6 +39,7 @@ from zerostall import Checkpointer, MemoryTier
 from zerostall.restore import read as restore_read
 from zerostall.storage import image as storage_image
 from zerostall.storage import local as storage_local
+from zerostall.storage.release import wait_unmapped
 
 PHASES: dict[str, float] = {}
 
@@ -55,11 +62,28 @@ def _usage() -> tuple[float, int]:
     return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
+def _raw_read(path: Path, buf: memoryview) -> float:
+    """Seconds to read ``path`` sequentially into ``buf`` (32 MiB ``preadv`` calls): the floor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        off = 0
+        while off < len(buf):
+            got = os.preadv(fd, [buf[off:off + (32 << 20)]], off)
+            if not got:
+                break
+            off += got
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
 def _report(what: str, load: Callable[[], Any], memcpy: Callable[[], float], loads: int,
-            before: Callable[[], None] | None = None) -> None:
+            before: Callable[[], None] | None = None, floor: Callable[[], float] | None = None) -> None:
     for _ in range(loads):
         t_copy = memcpy()
         if before is not None:
+            wait_unmapped()
             before()
         PHASES.clear()
         c0, f0 = _usage()
@@ -68,8 +92,15 @@ def _report(what: str, load: Callable[[], Any], memcpy: Callable[[], float], loa
         t = time.perf_counter() - t0
         c1, f1 = _usage()
         parts = " ".join(f"{k} {v:.3f}" for k, v in PHASES.items())
+        floor_s = ""
+        if floor is not None:
+            if before is not None:
+                wait_unmapped()  # a page the load still maps would survive the cache drop
+                before()
+            t_floor = floor()
+            floor_s = f"; read floor {t_floor:.3f} s (floor/load {t_floor / t:.2f}x)"
         print(f"{what}: load {t:.3f} s = {t / t_copy:.2f}x memcpy ({t_copy:.3f}); CPU {c1 - c0:.3f} s; "
-              f"{f1 - f0} minor faults; {parts}; other {t - sum(PHASES.values()):.3f}", flush=True)
+              f"{f1 - f0} minor faults; {parts}; other {t - sum(PHASES.values()):.3f}{floor_s}", flush=True)
 
 
 def main() -> None:
@@ -81,6 +112,7 @@ def main() -> None:
     torch.set_num_threads(2)
     _timed(restore_read._Reader, "verify_spans", "verify")
     _timed(restore_read._Reader, "copy_spans", "copy")
+    _timed(restore_read._Reader, "stream_spans", "stream")
     _timed(storage_image.ImageStorage, "close", "close_image")
     _timed(storage_local.LocalStorage, "fill_cache", "fill")
     _timed(storage_local.MappedFile, "cached", "residency")
@@ -110,10 +142,20 @@ def main() -> None:
         finally:
             ck.close()
         step2 = d / "run" / "step_00000002"
+        data = next((step2 / "data").iterdir())
+        mem = mmap.mmap(-1, (os.path.getsize(data) + 4095) // 4096 * 4096)
+        buf = memoryview(mem)[:os.path.getsize(data)]
+        buf[:] = b"\1" * len(buf)  # touched, not timed
+
+        def floor() -> float:
+            return _raw_read(data, buf)
+        noverify = zerostall.LoadOptions(verify=False)
         _report("local warm", lambda: zerostall.load_pytree(step2, tmpl), memcpy, args.loads,
-                lambda: measure.warm_cache(step2))
+                lambda: measure.warm_cache(step2), floor)
+        _report("local warm verify=False", lambda: zerostall.load_pytree(step2, tmpl, options=noverify), memcpy,
+                args.loads, lambda: measure.warm_cache(step2), floor)
         _report("local cold", lambda: zerostall.load_pytree(step2, tmpl), memcpy, args.loads,
-                lambda: measure.drop_cache(step2))
+                lambda: measure.drop_cache(step2), floor)
         assert all(torch.equal(tmpl[k], state[k]) for k in state)
     finally:
         shutil.rmtree(d, ignore_errors=True)

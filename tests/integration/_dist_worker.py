@@ -142,9 +142,16 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
     def counting_vec(self, key, offset, bufs, **kw):  # type: ignore[no-untyped-def]
         sizes.append(sum(len(b) for b in bufs))
         return orig_vec(self, key, offset, bufs, **kw)
+    from zerostall.storage.local import MappedFile
+    orig_copy = MappedFile.copy_into
+
+    def counting_copy(self, offset, dest):  # type: ignore[no-untyped-def]  # out of the page cache's pages
+        sizes.append(len(dest))
+        return orig_copy(self, offset, dest)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]
+    MappedFile.copy_into = counting_copy  # type: ignore[method-assign]
     try:
         t3 = {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)])}
         zerostall.load_pytree(src, t3)
@@ -152,6 +159,7 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
         LocalStorage.read_into = orig  # type: ignore[method-assign]
         LocalStorage.read_sequential = orig_seq  # type: ignore[method-assign]
         LocalStorage.read_vectored = orig_vec  # type: ignore[method-assign]
+        MappedFile.copy_into = orig_copy  # type: ignore[method-assign]
     assert torch.equal(t3["rows"].full_tensor(), full["rows"])
     return {"bytes_read": sum(sizes)}
 

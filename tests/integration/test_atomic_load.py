@@ -252,3 +252,24 @@ def test_a_corrupt_byte_in_a_leaf_split_between_threads(ckpt: Path, monkeypatch:
     with pytest.raises(ChecksumMismatchError) as info:
         zerostall.load_pytree(ckpt, tmpl)
     assert info.value.key == "pytree/big" and untouched(tmpl)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+@pytest.mark.parametrize("where", [0.3, 0.999])
+def test_a_streaming_load_checks_a_leaf_cut_between_threads(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            where: float, warm: bool) -> None:
+    """atomic=False reads, checksums and copies by byte ranges in one pass (restore.read.stream_spans):
+    the parts of a leaf cut between threads and pieces join to its checksum, and a flipped byte in
+    any part is reported for that leaf."""
+    monkeypatch.setattr(restore_read, "workers", lambda io_threads: 3)
+    monkeypatch.setattr(restore_read, "_FILL_CHUNK", 4 * MiB)
+    stream = zerostall.LoadOptions(atomic=False)
+    tmpl = sentinel()
+    cache(ckpt, warm)
+    zerostall.load_pytree(ckpt, tmpl, options=stream)
+    assert torch.equal(tmpl["big"], state()["big"]) and np.array_equal(tmpl["np"], state()["np"])
+    flip(ckpt, "pytree/big", where)
+    cache(ckpt, warm)
+    with pytest.raises(ChecksumMismatchError) as info:
+        zerostall.load_pytree(ckpt, sentinel(), options=stream)
+    assert info.value.key == "pytree/big"

@@ -64,6 +64,8 @@ def _executor(n: int) -> ThreadPoolExecutor:
     with _pool_lock:
         pid = os.getpid()  # a forked child has none of its parent's threads: a pool of its own
         if _pool is None or _pool[0] != pid or _pool[1] < n:
+            if _pool is not None and _pool[0] == pid:
+                _pool[2].shutdown(wait=False)  # outgrown (a cold pass asks for more threads): its idle threads exit
             _pool = (pid, n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="zerostall-pass"))
         return _pool[2]
 

@@ -13,10 +13,10 @@ import os
 import queue
 import threading
 
-__all__ = ["unmap_later"]
+__all__ = ["unmap_later", "wait_unmapped"]
 
 _LATER_MIN = 64 << 20  # below this the unmap costs less than handing it over
-_queue: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+_queue: queue.SimpleQueue[mmap.mmap | threading.Event] = queue.SimpleQueue()
 _started: int | None = None  # pid that started the thread (a forked child starts its own)
 _lock = threading.Lock()
 
@@ -30,7 +30,11 @@ def _close(m: mmap.mmap) -> None:
 
 def _drain() -> None:
     while True:
-        _close(_queue.get())
+        m = _queue.get()
+        if isinstance(m, threading.Event):
+            m.set()
+        else:
+            _close(m)
 
 
 def unmap_later(m: mmap.mmap) -> None:
@@ -44,3 +48,18 @@ def unmap_later(m: mmap.mmap) -> None:
             threading.Thread(target=_drain, name="zerostall-unmap", daemon=True).start()
             _started = os.getpid()
     _queue.put(m)
+
+
+def wait_unmapped(timeout: float | None = None) -> bool:
+    """Wait until every mapping handed to :func:`unmap_later` so far is unmapped; False on timeout.
+
+    For measurements: ``POSIX_FADV_DONTNEED`` leaves a page in the page cache while any process
+    still maps it, so a benchmark that drops a file's pages right after a load must wait for
+    the load's mappings to go first.
+    """
+    with _lock:
+        if _started != os.getpid():
+            return True  # no thread in this process: nothing was handed over
+    done = threading.Event()
+    _queue.put(done)
+    return done.wait(timeout)
