@@ -1,7 +1,7 @@
 """Overlapped staging on CPU: what a save costs a trainer whose optimizer owns the checkpointed state.
 
     python -m benchmarks.overlap [--size 1G] [--saves 5] [--dir /tmp/zsov]
-                                 [--systems overlap,overlap_normal,blocking]
+                                 [--systems overlap,overlap_idle,blocking]
 
 The trainer is the small transformer of ``benchmarks.dip`` (its own forward, backward and AdamW
 step each iteration). The checkpointed state is the synthetic state of ``--size``
@@ -10,8 +10,8 @@ parameters of a second AdamW whose ``state`` holds the moments, and that optimiz
 ``step()`` runs every iteration (it has no gradients, so the step changes nothing and costs
 microseconds, but zerostall's guard runs in it exactly as in a real step).
 
-Systems (``overlap``: the default, whose copier policy is ``auto``, i.e. ``SCHED_IDLE`` when
-torch's threads fill every CPU; ``overlap_idle`` / ``overlap_normal``: that policy forced;
+Systems (``overlap``: the default, ``stage.overlap.COPIER_POLICY`` as shipped (``normal``);
+``overlap_idle`` / ``overlap_normal`` / ``overlap_auto``: that copier policy forced;
 ``blocking``: ``SaveOptions(staging="blocking")``) take turns in one Checkpointer, one save each
 per round, so they are paired against the same machine; per save:
 
@@ -53,7 +53,7 @@ from benchmarks import measure  # noqa: E402
 from benchmarks.dip import Trainer  # noqa: E402
 from benchmarks.state import build_state, format_size, parse_size  # noqa: E402
 
-SYSTEMS = ["overlap", "overlap_normal", "blocking"]
+SYSTEMS = ["overlap", "overlap_idle", "blocking"]
 BASE_ITERS = 8
 POST_S = 0.5
 
@@ -79,6 +79,15 @@ def _iteration(trainer: Trainer, big: torch.optim.Optimizer) -> tuple[float, flo
     return e - t, e - s
 
 
+def _default_policy() -> str:
+    from zerostall.stage import overlap
+
+    return overlap.COPIER_POLICY
+
+
+_DEFAULT_POLICY = _default_policy()
+
+
 def _configure(name: str, ckpt: Any) -> None:
     """Make the next save of ``ckpt`` one of system ``name`` (interleaved in one Checkpointer)."""
     import dataclasses
@@ -86,7 +95,8 @@ def _configure(name: str, ckpt: Any) -> None:
     import zerostall
     from zerostall.stage import overlap
 
-    overlap.COPIER_POLICY = {"overlap_idle": "idle", "overlap_normal": "normal"}.get(name, "auto")  # type: ignore[assignment]
+    overlap.COPIER_POLICY = {"overlap_idle": "idle", "overlap_normal": "normal",  # type: ignore[assignment]
+                             "overlap_auto": "auto"}.get(name, _DEFAULT_POLICY)
     staging = "blocking" if name == "blocking" else "overlap"
     engine = ckpt._engine  # the benchmark switches staging per save so the systems are paired
     engine.options = dataclasses.replace(engine.options, staging=zerostall.SaveOptions(staging=staging).staging)

@@ -536,9 +536,11 @@ def test_the_idle_worker_runs_under_sched_idle(ckdir, monkeypatch):
     assert idle and all(os.sched_getscheduler(t.native_id) == os.SCHED_IDLE for t in idle)
 
 
-def test_auto_policy_follows_torchs_thread_count():
+def test_auto_policy_follows_torchs_thread_count(monkeypatch):
     from zerostall.stage import overlap
 
+    assert not overlap._idle_policy()  # the default ("normal"): the copier thread copies
+    monkeypatch.setattr(overlap, "COPIER_POLICY", "auto")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(overlap._cpus())

@@ -5,13 +5,12 @@ can run while the next forward and backward passes do. Two parts make that safe:
 
 * **The copy** (:class:`Copier`, one background thread per engine). A CPU tensor is copied with
   one ``memmove`` per 64 MiB piece: no torch kernel, so none of torch's intra-op (OpenMP)
-  threads, and the GIL is released during each piece. When torch's intra-op threads fill every
-  CPU the process may use (:data:`COPIER_POLICY` ``"auto"``), the pieces are copied by a worker
-  thread under ``SCHED_IDLE``: it runs only on a core training leaves idle, because a copy that
-  takes a core from a barrier-synchronised OpenMP loop stalls the whole team (measured: the
-  iteration in flight ran 3x slower at the trainer's priority). The guard then copies whatever
-  is left itself (see below), so a copy the idle worker could not finish costs what a blocking
-  copy would, never a wait on a starved thread. A CUDA tensor is copied on a side stream
+  threads, and the GIL is released during each piece. The copy is cut into pieces that any
+  thread may claim: the guard copies whatever the background has not started (see below), so
+  a step never waits on a thread that did not get a core. :data:`COPIER_POLICY` ``"idle"`` (or
+  ``"auto"``) copies in the background under ``SCHED_IDLE`` instead, only on a core training
+  leaves idle (a copy that takes a core from a barrier-synchronised OpenMP loop stalls the
+  whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA tensor is copied on a side stream
   that first waits for an event recorded on the caller's current stream at the call; the thread
   waits for the copy's event. Each source's storage is referenced until its copy is done, so a
   parameter whose ``.data`` is replaced, or a block the CUDA caching allocator would hand out
@@ -59,12 +58,15 @@ log = logging.getLogger("zerostall")
 #: bytes per memmove call: large enough to run at memory bandwidth, small enough that the GIL
 #: is taken back often (other Python threads are never held up for long)
 CHUNK = 64 << 20
-#: Who copies a CPU save's pieces in the background. ``"idle"``: a ``SCHED_IDLE`` worker thread,
-#: which only gets a core training leaves idle; ``"normal"``: the copier thread, at the trainer's
-#: priority (best when a core is spare: the copy is done soonest); ``"auto"`` (default):
-#: ``"idle"`` when ``torch.get_num_threads()`` (read on the training thread) covers every CPU of
-#: ``sched_getaffinity``, else ``"normal"``. benchmarks/overlap.py measures each.
-COPIER_POLICY: Literal["auto", "idle", "normal"] = "auto"
+#: Who copies a CPU save's pieces in the background. ``"normal"`` (default): the copier thread, at
+#: the trainer's priority; ``"idle"``: a ``SCHED_IDLE`` worker thread, which only gets a core
+#: training leaves idle; ``"auto"``: ``"idle"`` when ``torch.get_num_threads()`` (read on the
+#: training thread) covers every CPU of ``sched_getaffinity``, else ``"normal"``. In every case
+#: the guard copies the pieces nobody has started. ``"normal"`` is the default because two
+#: consecutive quiet-machine runs showed no gain in training lost per save for ``"idle"`` and it
+#: leaves the whole copy to the guard when the trainer uses every core (docs/performance.md,
+#: "Third round"); benchmarks/overlap.py measures each.
+COPIER_POLICY: Literal["auto", "idle", "normal"] = "normal"
 
 
 @dataclass
