@@ -28,6 +28,7 @@ from zerostall.messages import (
     Image,
     ImageFile,
     ImageQuery,
+    KeeperBusy,
     KeeperFailed,
     LeafRow,
     MapBuffer,
@@ -68,6 +69,7 @@ MESSAGES = [
                                                                       size=8192),)),
     Image(step=None, name="", manifest="", files=()),
     KeeperFailed(step=4, path="/r/step_00000004", rank=1, error=to_wire(OSError(28, "No space left on device"))),
+    KeeperBusy(pid=4242),
     dataclasses.replace(JOB, memory=True, persist=False),
     Done(job=7, stats=WriterStats(nbytes=4160, tiers=("memory",))),
 ]

@@ -10,15 +10,15 @@ can run while the next forward and backward passes do. Two parts make that safe:
   a step never waits on a thread that did not get a core. :data:`COPIER_POLICY` ``"idle"`` (or
   ``"auto"``) copies in the background under ``SCHED_IDLE`` instead, only on a core training
   leaves idle (a copy that takes a core from a barrier-synchronised OpenMP loop stalls the
-  whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA tensor is copied on a side stream
-  that first waits for an event recorded on the caller's current stream at the call; the thread
-  waits for the copy's event. Each source's storage is referenced until its copy is done, so a
-  parameter whose ``.data`` is replaced, or a block the CUDA caching allocator would hand out
-  again, still yields the bytes of the call.
+  whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA
+  tensor is copied on a side stream that first waits for an event recorded on the caller's
+  current stream at the call; the thread waits for the copy's event. Each source's storage is
+  referenced until its copy is done, so a parameter whose ``.data`` is replaced, or a block the
+  CUDA caching allocator would hand out again, still yields the bytes of the call.
 * **The guard** (:class:`Guard`, one global optimizer step pre-hook, installed while a copy is
   in flight). Before any optimizer's ``step()``: on CPU it copies the pieces nobody has started
-  and waits for those in progress; on CUDA the
-  current stream waits for the copy's event (the host does not block).
+  and waits for those in progress; on CUDA the current stream waits for the copy's event (the
+  host does not block).
 
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
 before the copy was done (an in-place change outside ``step()``) fails the save with
