@@ -570,3 +570,84 @@ def test_wait_staged_copies_on_the_waiting_thread(ckdir):
             case.model[0].weight.clamp_(-0.01, 0.01)
         r.result()
         _equal(expected, ckpt.load_pytree(0)["model"])
+
+
+def _with_threads(n: int) -> int:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
+
+
+def test_yield_policy_hands_a_thread_to_the_copy_and_takes_it_back(ckdir, monkeypatch):
+    """With ``"yield"`` and torch's threads covering every CPU, the saving thread runs one thread
+    fewer while the copy is in flight, gets it back at the next step, and the snapshot is the
+    state at the call."""
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "COPIER_POLICY", "yield")
+    monkeypatch.setattr(overlap, "_cpus", lambda: 2)  # the same on any machine: two CPUs
+    before = _with_threads(2)
+    try:
+        case = _Case("adamw_foreach")
+        case.step()
+        with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+            for step in range(3):
+                expected = _snapshot(case.state())
+                timer = _gate(ckpt)
+                r = ckpt.save_pytree_async(step, case.tree())
+                assert not r.staged() and torch.get_num_threads() == 1  # the copy has the other core
+                case.step()  # the guard copies what is left, then the thread comes back
+                assert torch.get_num_threads() == 2
+                timer.join()
+                r.result()
+                loaded = ckpt.load_pytree(step)
+                _equal(expected["model"], loaded["model"], "model")
+        assert overlap.YIELD.thread is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_yield_policy_leaves_a_spare_core_and_a_users_own_count_alone(ckdir, monkeypatch):
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "COPIER_POLICY", "yield")
+    monkeypatch.setattr(overlap, "_cpus", lambda: 4)
+    before = _with_threads(2)  # two of four CPUs: the copier has a core without taking one
+    try:
+        case = _Case("sgd")
+        case.step()
+        with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+            timer = _gate(ckpt)
+            r = ckpt.save_pytree_async(0, case.tree())
+            assert torch.get_num_threads() == 2
+            timer.join()
+            r.result()
+            monkeypatch.setattr(overlap, "_cpus", lambda: 2)
+            timer = _gate(ckpt)
+            r = ckpt.save_pytree_async(1, case.tree())
+            assert torch.get_num_threads() == 1
+            torch.set_num_threads(3)  # the user's own choice while the copy is in flight
+            timer.join()
+            r.result()
+            ckpt.wait()
+            assert torch.get_num_threads() == 3 and overlap.YIELD.thread is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_yield_is_given_back_only_on_the_thread_that_took_it(monkeypatch):
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "_cpus", lambda: 2)
+    before = _with_threads(2)
+    try:
+        overlap.YIELD.take()
+        assert torch.get_num_threads() == 1
+        other = threading.Thread(target=overlap.YIELD.give_back)
+        other.start()
+        other.join()
+        assert overlap.YIELD.thread is not None and torch.get_num_threads() == 1
+        overlap.YIELD.give_back()
+        assert overlap.YIELD.thread is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol, cast
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
-__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK", "BackgroundSource",
+__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
            "register_background_source", "deferrable_any"]
 
 log = logging.getLogger("zerostall")
@@ -61,12 +61,15 @@ CHUNK = 64 << 20
 #: Who copies a CPU save's pieces in the background. ``"normal"`` (default): the copier thread, at
 #: the trainer's priority; ``"idle"``: a ``SCHED_IDLE`` worker thread, which only gets a core
 #: training leaves idle; ``"auto"``: ``"idle"`` when ``torch.get_num_threads()`` (read on the
-#: training thread) covers every CPU of ``sched_getaffinity``, else ``"normal"``. In every case
-#: the guard copies the pieces nobody has started. ``"normal"`` is the default because two
+#: training thread) covers every CPU of ``sched_getaffinity``, else ``"normal"``; ``"yield"``: the
+#: copier thread, and while the copy is in flight the saving thread runs torch's intra-op
+#: parallel regions on one thread fewer when they would cover every CPU (the copier gets a core
+#: of its own instead of stalling a barrier-synchronised OpenMP team; see :class:`_Yield`). In
+#: every case the guard copies the pieces nobody has started. ``"normal"`` is the default because two
 #: consecutive quiet-machine runs showed no gain in training lost per save for ``"idle"`` and it
 #: leaves the whole copy to the guard when the trainer uses every core (docs/performance.md,
 #: "Third round"); benchmarks/overlap.py measures each.
-COPIER_POLICY: Literal["auto", "idle", "normal"] = "normal"
+COPIER_POLICY: Literal["auto", "idle", "normal", "yield"] = "normal"
 
 
 @dataclass
@@ -368,6 +371,8 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
     else:
         task.pieces = _Pieces(task.cpu)
         task.idle = _idle_policy()
+        if COPIER_POLICY == "yield":
+            YIELD.take()
     return task
 
 
@@ -385,6 +390,48 @@ def _idle_policy() -> bool:
     torch = sys.modules.get("torch")
     threads = int(torch.get_num_threads()) if torch is not None else 1
     return threads >= _cpus()
+
+
+class _Yield:
+    """One of torch's intra-op threads handed to the copier while a CPU copy is in flight.
+
+    A copy thread that shares a core with one member of a barrier-synchronised OpenMP team
+    stalls the whole team at every barrier (the iteration in flight ran 3.2-3.4x slower here).
+    With one thread fewer in the team, the copy has a core of its own. torch's thread count is
+    a per-thread OpenMP setting, so it is lowered and restored on the saving thread only: in the
+    save call, and back at the first step pre-hook, next save, ``wait()`` or ``close()`` on that
+    thread once no CPU copy is in flight. A count the user changed meanwhile is left as it is.
+    """
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self._before = 0
+        self._lowered = 0
+
+    def take(self) -> None:
+        """Lower this thread's torch thread count by one if it covers every CPU (training thread)."""
+        if self.thread is not None:
+            return  # an earlier copy still holds it
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        n = int(torch.get_num_threads())
+        if n < 2 or n < _cpus():
+            return  # one thread, or a core to spare: the copier does not compete with the team
+        torch.set_num_threads(n - 1)
+        self.thread, self._before, self._lowered = threading.get_ident(), n, n - 1
+
+    def give_back(self) -> None:
+        """Restore the count (only on the thread that lowered it; the caller checks no copy is in flight)."""
+        if self.thread is None or self.thread != threading.get_ident():
+            return
+        torch = sys.modules["torch"]
+        if int(torch.get_num_threads()) == self._lowered:
+            torch.set_num_threads(self._before)
+        self.thread = None
+
+
+YIELD = _Yield()
 
 
 class Guard:
@@ -429,6 +476,16 @@ class Guard:
             if self._handle is not None and not self._tasks:
                 self._handle.remove()
                 self._handle = None
+        self._settle()
+
+    def _settle(self) -> None:
+        """Give torch's thread back (see :class:`_Yield`) once no CPU copy is in flight."""
+        if YIELD.thread is None:
+            return
+        with self._lock:
+            busy = any(not t.cpu_done.is_set() for t in self._tasks)
+        if not busy:
+            YIELD.give_back()
 
     @property
     def installed(self) -> bool:
@@ -445,6 +502,7 @@ class Guard:
         for task in tasks:
             if task.concerns(optimizer):
                 task.order_step()
+        self._settle()
 
 
 GUARD = Guard()
