@@ -49,6 +49,7 @@ from typing import Any
 
 from zerostall.commit import committed_steps
 from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, ZerostallError, to_wire
+from zerostall.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -381,6 +382,17 @@ class _Held:
         self.views, self.maps, self.fds = {}, [], []
 
 
+def _manifest_crcs(held: _Held) -> list[int] | None:
+    """The CRC32C of each of ``held.job.leaves`` (in its order) from the held step's manifest;
+    None if the manifest does not give one for every leaf (then the persist checksums itself)."""
+    try:
+        crcs = {lf.key: lf.crc32c for lf in parse_manifest(held.manifest, path=f"memory:{held.job.name}").leaves}
+    except ZerostallError:
+        return None
+    out = [crcs.get(lf.key) for lf in held.job.leaves]
+    return None if len(crcs) != len(out) or any(c is None for c in out) else [c for c in out if c is not None]
+
+
 def _empty_image() -> Image:
     return Image(step=None, name="", manifest="", files=())
 
@@ -655,9 +667,10 @@ class Keeper:
 
     def _persist_once(self, held: _Held, closing: bool) -> None:
         job = dataclasses.replace(held.job, persist=True)
+        known: list[int] | None = None
         if held.checked is not None:
-            # The persist checksums the bytes afresh: a leaf the check after the crash found
-            # changed since its save would reach storage under a matching checksum.
+            # A leaf the check after the crash found changed since its save is never persisted
+            # (not even with the manifest's checksums: storage would then hold a step every load refuses).
             held.checked.wait()
             if held.bad_key is not None:
                 print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
@@ -669,6 +682,10 @@ class Keeper:
                 # (Deciding "abort" here raced with the sweep of the dead run's abort decisions, which
                 # could remove it before a slower rank's keeper had started and seen it.)
                 return
+            # Every leaf matched its manifest after the trainer died, and nothing writes to these
+            # bytes since (see _Held.image): the persist commits the manifest's CRCs instead of a
+            # second checksum pass over the same bytes.
+            known = _manifest_crcs(held) if held.verified else None
         try:
             faults.hit("keeper_persist")
             storage = open_storage(job.root)
@@ -676,7 +693,7 @@ class Keeper:
                 held.persisted = True
                 return
             run_save(job, held.views, lambda: None,
-                     step=SoloStep(job, storage) if job.collective is None else None)
+                     step=SoloStep(job, storage) if job.collective is None else None, known_crcs=known)
             held.persisted = True
         except BaseException as exc:  # told to the next trainer (report_failed), or left in a marker
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
