@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -18,10 +20,12 @@ import torch
 
 from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
 from zerostall.commit import step_name
-from zerostall.persist.keeper import keeper_address
+from zerostall.messages import KeeperBusy, decode
+from zerostall.persist.keeper import KeeperSpec, busy_error, keeper_address
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_memory_tier import _keeper_sockets
+from test_memory_tier import DEADLINE_S as TRAINER_DEADLINE_S
+from test_memory_tier import TRAINER, _keeper_sockets, _running, _wait
 
 TIER = MemoryTier(persist_interval_steps=3, linger_s=5)
 
@@ -174,3 +178,38 @@ def test_two_trainers_started_at_once_one_is_refused_never_both(tmp_path):
             p.kill()
             p.wait()
 
+
+
+def test_a_keeper_that_finds_a_lingering_keeper_on_its_name_names_it_and_leaves_it_adoptable(tmp_path):
+    """The rarer side of the race: the name's holder serves no live trainer (it lingers). The new
+    keeper names that keeper (not a trainer) to its own trainer, and its look claims nothing: the
+    lingering keeper is still adopted next, with its step."""
+    d = tmp_path / "run"
+    p = subprocess.run([sys.executable, TRAINER, str(d), "1", "2", "3", "60", "kill"], stdout=subprocess.PIPE,
+                       text=True, timeout=TRAINER_DEADLINE_S)
+    lingering = int(next(x.split()[1] for x in p.stdout.splitlines() if x.startswith("KEEPER ")))
+    # A keeper started the way WriterClient starts one, on the same directory and rank; this
+    # test is its trainer, at the socket level.
+    spec = KeeperSpec(root=str(d), rank=0, linger_s=5.0)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, "-m", "zerostall.persist.server", str(theirs.fileno()), "0", "normal",
+                             *spec.argv()], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    theirs.close()
+    conn = Connection(ours.detach())
+    try:
+        assert conn.poll(DEADLINE_S)
+        msg = decode(conn.recv_bytes())  # instead of a Hello
+        assert msg == KeeperBusy(pid=lingering, pid_is_keeper=True)
+        assert proc.wait(timeout=DEADLINE_S) == 0  # it served nothing and exited
+        err = busy_error(spec, msg)
+        assert str(d) in str(err) and f"pid {lingering}" in str(err) and "retry" in str(err)
+    finally:
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with Checkpointer(d, memory_tier=TIER) as ck:  # the retry adopts the lingering keeper
+        assert ck._engine.writer.adopted and ck._engine.writer.pid == lingering
+        assert ck.latest_step() == 2
+    _wait(lambda: not _running(lingering), "the adopted keeper to exit at close")
