@@ -218,7 +218,11 @@ class Checkpointer:
         self._committed: deque[Response] = deque(maxlen=100)
         # Wait for the writer's hello so that no save waits for the writer to boot (the first
         # save's slot is released only once the writer has written it).
-        self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+        try:
+            self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+        except BaseException:  # our keeper found the memory tier held (KeeperBusy): leave nothing behind
+            self._engine.close()
+            raise
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
 

@@ -229,6 +229,10 @@ class Image:
     #: A default, so an older keeper's Image (without it) still decodes: as not verified, the
     #: meaning it had there; so no protocol bump.
     verified: bool = False
+    #: the pid of the live trainer the keeper serves (None: none, it lingers), so that a keeper that
+    #: lost the race for the name can tell its own trainer who holds it (:class:`KeeperBusy`).
+    #: A default for the same reason as ``verified``.
+    trainer_pid: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,9 +254,15 @@ class KeeperFailed:
 class KeeperBusy:
     """The keeper's answer to :class:`Adopt` while the trainer it serves is alive: that trainer's
     pid. The asking Checkpointer then refuses to start (two memory tiers of one directory and rank
-    on one host would hold steps that no restart could find)."""
+    on one host would hold steps that no restart could find). Also sent, instead of its Hello, by a
+    new keeper whose name another keeper of the same user took first (two trainers started at once)
+    to its own trainer, which refuses the same way, and then it exits."""
 
     pid: int
+    #: ``pid`` is the holding keeper's own, not its trainer's: sent by a keeper that lost the race
+    #: for the name to its own trainer when the winner named no live trainer (it lingers, or is of
+    #: an older version). A default: no protocol bump.
+    pid_is_keeper: bool = False
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery

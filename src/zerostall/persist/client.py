@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
 from zerostall.commit import is_committed
-from zerostall.errors import KeeperPersistError, WriterError, ZerostallError, from_wire
+from zerostall.errors import InvalidArgumentError, KeeperPersistError, WriterError, ZerostallError, from_wire
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -32,6 +32,7 @@ from zerostall.messages import (
     Hello,
     Image,
     ImageQuery,
+    KeeperBusy,
     KeeperFailed,
     MapBuffer,
     Message,
@@ -44,7 +45,7 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import WriterKind
-from zerostall.persist.keeper import KeeperSpec, adopt
+from zerostall.persist.keeper import KeeperSpec, adopt, busy_error
 from zerostall.persist.keeperfail import KeeperFailure, as_error
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
@@ -124,6 +125,9 @@ class WriterClient:
         self.keeper_failures: list[KeeperPersistError] = []
         #: those of them that the persist at this trainer's own clean close reported (close() raises them)
         self.close_failures: list[KeeperPersistError] = []
+        #: our keeper found the memory tier held by another trainer's keeper (:class:`KeeperBusy`
+        #: instead of its Hello) and exited: raised by the next wait_ready(), start() or the jobs it had
+        self._busy: InvalidArgumentError | None = None
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -140,6 +144,7 @@ class WriterClient:
         self._mapped = set()
         self._held = {}
         self._adopted_pid = None
+        self._busy = None
         self._image_waiter = None
         self._image_event = threading.Event()
         self._query_lock = threading.Lock()
@@ -177,6 +182,7 @@ class WriterClient:
         if self.alive():
             return
         self._reap()
+        self._raise_busy()
         if self.kind is WriterKind.PROCESS and self.keeper is not None:
             claimed = adopt(self.keeper)
             if claimed is not None:
@@ -335,6 +341,10 @@ class WriterClient:
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
                 self._ready.set()
+            elif isinstance(msg, KeeperBusy):  # our keeper lost the name to another trainer's; it exits
+                if self.keeper is not None:
+                    self._busy = busy_error(self.keeper, msg)
+                self._ready.set()
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
@@ -445,6 +455,9 @@ class WriterClient:
             if self._incompatible is not None:
                 p.on_done(None, self._incompatible)
                 continue
+            if self._busy is not None:  # the keeper never served: nothing was saved
+                p.on_done(None, self._busy)
+                continue
             if _committed_anyway(p):
                 # It died after the rename (during retention, say): the checkpoint is complete.
                 p.on_done(WriterStats(nbytes=sum(f.length for f in p.job.files),
@@ -458,7 +471,22 @@ class WriterClient:
 
         Returns False if no writer runs, or on timeout. Jobs sent earlier are not lost: they
         queue in the socket. Waiting here keeps the writer's start-up out of later saves' stalls.
+
+        Raises:
+            InvalidArgumentError: the memory tier's keeper found its directory and rank held by
+                another live trainer's keeper on this host (it started at the same moment).
         """
-        if not self.alive():
+        if self._conn is None:
             return False
-        return self._ready.wait(timeout)
+        # Not alive() first: a keeper that said KeeperBusy exits at once, and its listener (which
+        # sets _ready when it ends) may still be reading that message.
+        ready = self._ready.wait(timeout)
+        self._raise_busy()
+        return ready and self.alive()
+
+    def _raise_busy(self) -> None:
+        """Raise our keeper's refusal once; a later start() tries again (adopt, or a new keeper)."""
+        busy, self._busy = self._busy, None
+        if busy is not None:
+            self._reap()
+            raise busy

@@ -11,22 +11,14 @@ mappings of the buffers, read only.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from zerostall.checksum import Span, checksum, join_crcs, split_even
+from zerostall.cpus import usable_cpus as cpus  # a checksum pass: one thread per CPU it may use
 from zerostall.manifest import LeafEntry, parse_manifest
 
 __all__ = ["cpus", "first_bad_leaf"]
-
-
-def cpus() -> int:
-    """The CPUs this process may run on (``sched_getaffinity``): the threads of a checksum pass."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def first_bad_leaf(manifest: bytes, views: Mapping[str, memoryview], threads: int, *, path: str) -> str | None:

@@ -178,11 +178,17 @@ class SoloStep:
 
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-             step: Step | None = None) -> WriterStats:
+             step: Step | None = None, *, known_crcs: Sequence[int] | None = None) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
     ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
     ``step.writes`` is False).
+
+    ``known_crcs`` (one per leaf of ``job.leaves``, in its order) are CRC32Cs already checked
+    against these very bytes, which nothing writes to any more: the save then makes no checksum
+    pass of its own and commits those. The memory tier's keeper passes them when it persists a
+    held step after its trainer died, once its check of that step found every leaf matching its
+    manifest (:meth:`zerostall.persist.keeper.Keeper._persist_once`).
 
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
@@ -222,9 +228,9 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
 
         # One writer thread where the storage checksums as it writes (see chunkcrc): the CRC
         # thread would run beside the writes, on a core the trainer's threads use.
-        fused = _fused_checksums(job, step, storage, views, mine)
+        fused = _fused_checksums(job, step, storage, views, mine) if known_crcs is None else None
         crc_thread = None
-        if fused is None:
+        if fused is None and known_crcs is None:
             crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
             crc_thread.start()
         t_write = time.perf_counter()
@@ -237,6 +243,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
                 files = [{"name": f.name, "size": f.length} for f in job.files]
             if fused is not None:
                 crcs = fused.finish()
+            elif known_crcs is not None:
+                crcs = [known_crcs[li] for li in mine]
         finally:
             if crc_thread is not None:
                 crc_thread.join()

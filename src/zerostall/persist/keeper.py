@@ -31,6 +31,7 @@ verified").
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import mmap
 import os
@@ -48,6 +49,7 @@ from typing import Any
 
 from zerostall.commit import committed_steps
 from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, ZerostallError, to_wire
+from zerostall.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -74,13 +76,16 @@ from zerostall.persist.keeperfail import KeeperFailure, write_marker
 from zerostall.storage import Storage, local_path, open_storage
 
 __all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
-           "held_steps", "ADDRESS_PREFIX"]
+           "held_steps", "ADDRESS_PREFIX", "busy_error"]
 
 ADDRESS_PREFIX = b"\0zerostall-keeper-"
 #: how long a new trainer waits for a keeper that accepted it to hand over (the persist after a
 #: crash runs beside the new session and does not delay it)
 ADOPT_TIMEOUT_S = 600.0
 _HELLO_TIMEOUT_S = 10.0
+#: how long a new keeper keeps trying a name whose holder does not answer (it may be between its
+#: bind and its listen, or exiting) before it gives up and tells its trainer the name is held
+_BIND_RETRY_S = 5.0
 #: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
 _SCAN_MIN_S = 0.25
 
@@ -165,15 +170,25 @@ def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connect
         return None
     if isinstance(msg, KeeperBusy):
         conn.close()
-        raise InvalidArgumentError(
-            f"{spec.root}: the memory tier of this directory and rank {spec.rank} is already held on this host "
-            f"by a live trainer (pid {msg.pid}{', this process' if msg.pid == os.getpid() else ''}); a second "
-            "Checkpointer with a memory tier of the same directory and rank would keep steps no restart could "
-            "find. Close the first one, or give this one another directory", path=spec.root)
+        raise busy_error(spec, msg)
     if not isinstance(msg, Hello):
         conn.close()
         return None
     return conn, msg
+
+
+def busy_error(spec: KeeperSpec, busy: KeeperBusy) -> InvalidArgumentError:
+    """The error a trainer raises when the memory tier of ``spec`` is held by another trainer's keeper
+    (its keeper's :class:`KeeperBusy`, or the refusal of a keeper it tried to adopt)."""
+    if busy.pid_is_keeper:
+        who = (f"by another keeper (pid {busy.pid}) that serves no live trainer now; retry to adopt it"
+               if busy.pid > 0 else "by another keeper (pid unknown)")
+    else:
+        who = f"by a live trainer (pid {busy.pid}{', this process' if busy.pid == os.getpid() else ''})"
+    return InvalidArgumentError(
+        f"{spec.root}: the memory tier of this directory and rank {spec.rank} is already held on this host "
+        f"{who}; a second Checkpointer with a memory tier of the same directory and rank would keep steps no "
+        "restart could find. Close the first one, or give this one another directory", path=spec.root)
 
 
 def query_held(root: str, rank: int) -> Image | None:
@@ -233,6 +248,44 @@ def _pid_running(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def _peer_pid(conn: Connection) -> int:
+    """The pid of the process at the other end of ``conn`` (a unix socket)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        pid, _, _ = peer_credentials(sock)
+    finally:
+        sock.close()
+    return pid
+
+
+def _holder(address: bytes) -> KeeperBusy | str | None:
+    """Who holds the keeper name ``address``: a keeper of this user (as the :class:`KeeperBusy`
+    its trainer should hear: the live trainer it serves, else the keeper itself), ``"other"``
+    (another user's process), or None (nobody accepts a connection: gone, or not listening yet).
+    A look (:class:`ImageQuery`), never a claim."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        pid, uid, _ = peer_credentials(sock)
+    except OSError:
+        sock.close()
+        return None
+    if uid != os.getuid():
+        sock.close()
+        return "other"
+    conn = Connection(sock.detach())
+    try:
+        conn.send_bytes(encode(ImageQuery()))
+        msg = decode(conn.recv_bytes()) if conn.poll(_HELLO_TIMEOUT_S) else None
+    except (EOFError, OSError, ZerostallError):
+        msg = None
+    finally:
+        conn.close()
+    if isinstance(msg, Image) and msg.trainer_pid is not None:
+        return KeeperBusy(pid=msg.trainer_pid)
+    return KeeperBusy(pid=pid, pid_is_keeper=True)
 
 
 def _silence(fd: int) -> None:
@@ -329,6 +382,17 @@ class _Held:
         self.views, self.maps, self.fds = {}, [], []
 
 
+def _manifest_crcs(held: _Held) -> list[int] | None:
+    """The CRC32C of each of ``held.job.leaves`` (in its order) from the held step's manifest;
+    None if the manifest does not give one for every leaf (then the persist checksums itself)."""
+    try:
+        crcs = {lf.key: lf.crc32c for lf in parse_manifest(held.manifest, path=f"memory:{held.job.name}").leaves}
+    except ZerostallError:
+        return None
+    out = [crcs.get(lf.key) for lf in held.job.leaves]
+    return None if len(crcs) != len(out) or any(c is None for c in out) else [c for c in out if c is not None]
+
+
 def _empty_image() -> Image:
     return Image(step=None, name="", manifest="", files=())
 
@@ -355,19 +419,48 @@ class Keeper:
         self._scanners: list[threading.Thread] = []
         #: failed persists after a crash that no trainer has been told of yet (see :meth:`take_failed`)
         self._failed: list[KeeperFailure] = []
+        #: set by :meth:`listen` when a keeper of this user holds the name: what to tell the trainer
+        self.busy: KeeperBusy | None = None
 
     # -- the listening socket -------------------------------------------------------------
 
-    def listen(self) -> bool:
-        """Bind the keeper's name; False if another keeper of this triple holds it."""
+    def listen(self, trainer: Connection | None = None) -> bool:
+        """Bind the keeper's name; False if it could not.
+
+        ``trainer`` is the first trainer's connection: it is that trainer's keeper from the
+        moment the name is bound, so a claimant arriving before the session starts is refused
+        (:class:`KeeperBusy`), never queued. When a keeper of this user holds the name (two
+        trainers of one directory and rank started at once, before either keeper existed),
+        :attr:`busy` is what to tell ``trainer`` instead of a Hello; a name taken by another
+        user (a squatter) leaves :attr:`busy` None: this keeper serves, not adoptable.
+        """
         _silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
+        if trainer is not None:
+            self._trainer_pid = _peer_pid(trainer)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(self.address)
-        except OSError:
+        deadline = time.monotonic() + _BIND_RETRY_S
+        while True:
+            try:
+                sock.bind(self.address)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    sock.close()
+                    print(f"zerostall keeper: cannot bind its name ({exc}); this one will not be adoptable "
+                          "after a crash", file=sys.stderr, flush=True)
+                    return False
+            # Who holds it? None: it went, or is not listening yet: try the name again.
+            holder = _holder(self.address)
+            if holder is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
             sock.close()
-            print("zerostall keeper: another keeper holds this directory and rank; this one will not be "
-                  "adoptable after a crash", file=sys.stderr, flush=True)
+            if holder == "other":
+                print("zerostall keeper: another user's process holds this directory and rank's name; this "
+                      "keeper will not be adoptable after a crash", file=sys.stderr, flush=True)
+                return False
+            # The trainer hears it instead of a Hello, and raises (see server.main).
+            self.busy = holder if isinstance(holder, KeeperBusy) else KeeperBusy(pid=0, pid_is_keeper=True)
             return False
         sock.listen(8)
         self._listener = sock
@@ -402,6 +495,8 @@ class Keeper:
         if isinstance(msg, ImageQuery):  # a look, not a claim
             with self._cond:
                 img = self.held.image(with_files=False) if self.held is not None else _empty_image()
+                live = self._trainer_pid is not None and _pid_running(self._trainer_pid)
+                img = dataclasses.replace(img, trainer_pid=self._trainer_pid if live else None)
             conn.send_bytes(encode(img))
             conn.close()
             return
@@ -423,11 +518,7 @@ class Keeper:
     # -- a session ------------------------------------------------------------------------
 
     def session_started(self, conn: Connection) -> None:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            pid, _, _ = peer_credentials(sock)
-        finally:
-            sock.close()
+        pid = _peer_pid(conn)
         with self._cond:
             self.session += 1
             self._trainer_pid = pid
@@ -576,9 +667,10 @@ class Keeper:
 
     def _persist_once(self, held: _Held, closing: bool) -> None:
         job = dataclasses.replace(held.job, persist=True)
+        known: list[int] | None = None
         if held.checked is not None:
-            # The persist checksums the bytes afresh: a leaf the check after the crash found
-            # changed since its save would reach storage under a matching checksum.
+            # A leaf the check after the crash found changed since its save is never persisted
+            # (not even with the manifest's checksums: storage would then hold a step every load refuses).
             held.checked.wait()
             if held.bad_key is not None:
                 print(f"zerostall keeper: not persisting {job.path}: leaf {held.bad_key!r} changed in memory "
@@ -590,6 +682,10 @@ class Keeper:
                 # (Deciding "abort" here raced with the sweep of the dead run's abort decisions, which
                 # could remove it before a slower rank's keeper had started and seen it.)
                 return
+            # Every leaf matched its manifest after the trainer died, and nothing writes to these
+            # bytes since (see _Held.image): the persist commits the manifest's CRCs instead of a
+            # second checksum pass over the same bytes.
+            known = _manifest_crcs(held) if held.verified else None
         try:
             faults.hit("keeper_persist")
             storage = open_storage(job.root)
@@ -597,7 +693,7 @@ class Keeper:
                 held.persisted = True
                 return
             run_save(job, held.views, lambda: None,
-                     step=SoloStep(job, storage) if job.collective is None else None)
+                     step=SoloStep(job, storage) if job.collective is None else None, known_crcs=known)
             held.persisted = True
         except BaseException as exc:  # told to the next trainer (report_failed), or left in a marker
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

@@ -171,8 +171,15 @@ def main(argv: list[str]) -> int:
     if len(argv) > 4:  # the memory tier's keeper: serve trainer after trainer until it may exit
         address, spec = KeeperSpec.from_argv(argv[4:])
         keeper = Keeper(address, spec)
-        keeper.listen()
-        conn: Connection | None = Connection(fd)
+        first = Connection(fd)
+        if not keeper.listen(first) and keeper.busy is not None:
+            # Another keeper of this user took the name first (two trainers started at once): a
+            # keeper no restart could find would lose this trainer's memory-only steps silently, so
+            # tell the trainer (it raises, as when it finds a live keeper) and serve nothing.
+            _send(first, keeper.busy)
+            first.close()
+            return 0
+        conn: Connection | None = first
         try:
             while conn is not None:
                 keeper.session_started(conn)

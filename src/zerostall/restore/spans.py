@@ -24,6 +24,7 @@ from typing import TypeVar
 # The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
 # sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
+from zerostall.cpus import usable_cpus
 
 __all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
 
@@ -36,11 +37,7 @@ _pool_lock = threading.Lock()
 def workers(io_threads: int) -> int:
     """Threads for a memory-bound pass: ``io_threads``, but no more than the CPUs this process may
     run on (``sched_getaffinity``): a third thread on two cores only adds switches."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(io_threads, cpus))
+    return max(1, min(io_threads, usable_cpus()))
 
 
 def split_chunks(groups: Sequence[Sequence[tuple[int, int]]], chunk: int) -> list[list[Span]]:

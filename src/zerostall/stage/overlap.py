@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
@@ -374,13 +375,6 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         if COPIER_POLICY == "yield":
             YIELD.take()
     return task
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def _idle_policy() -> bool:
