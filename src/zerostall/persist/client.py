@@ -176,6 +176,9 @@ class WriterClient:
 
         Raises:
             ProtocolMismatchError: an earlier writer spoke another protocol version.
+            InvalidArgumentError: the memory tier of this directory and rank is held on this host
+                by another live trainer (refused by the keeper we tried to adopt, or reported by
+                the keeper we started, which lost the name to that trainer's; raised once).
         """
         if self._incompatible is not None:
             raise self._incompatible
