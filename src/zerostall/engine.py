@@ -32,7 +32,7 @@ from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
-from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any
+from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
 from zerostall.stage.stager import prepare_slot
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
@@ -203,6 +203,7 @@ class Engine:
             raise exists_error(storage, name, path)
         flat = flatten(items)
         plan, rows = self._plan(flat, info.rank if info is not None else 0)
+        sync_all()  # copies in flight are judged before this thread stages again (stage.overlap)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
         split = deferrable_any(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
         defer = split[0] if split is not None else None
@@ -241,6 +242,7 @@ class Engine:
             task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done)
             if task.pieces is not None:
                 response._help_stage = task.pieces.work
+            response._sync = task.sync
             self._copier.submit(task)
         elif self._copier.in_order(lambda: self._hand_off_quietly(job, slot, on_done)):
             self._hand_off(job, slot, on_done, raised_to=response)
@@ -298,6 +300,7 @@ class Engine:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save; errors stay with their responses."""
+        sync_all()  # an overlapped save is handed to the writer once judged (stage.overlap)
         with self._lock:
             pending = list(self._inflight)
         for r in pending:

@@ -84,6 +84,10 @@ class Response:
         self._staged = threading.Event()
         #: copies the part of an overlapped copy nobody has started, on the waiting thread
         self._help_stage: Callable[[], object] | None = None
+        #: judges an overlapped copy on the calling thread once it is done (``OverlapTask.sync``:
+        #: None helps and completes, a number waits at most that long); the save reaches the
+        #: writer only after it, so every wait on this save calls it first
+        self._sync: Callable[[float | None], bool] | None = None
         self._staged.set()
         self._staged_s: float | None = None
 
@@ -110,7 +114,12 @@ class Response:
 
     def done(self) -> bool:
         """True once the save committed or failed."""
+        self._try_sync(0)
         return self._future.done()
+
+    def _try_sync(self, timeout: float | None) -> None:
+        if self._sync is not None:
+            self._sync(timeout)
 
     def result(self, timeout: float | None = None) -> SaveStats:
         """Block until committed and return the save's statistics.
@@ -124,6 +133,7 @@ class Response:
         """
         if timeout is not None:
             check_number("timeout", timeout)
+        self._try_sync(timeout)
         try:
             self._future.result(timeout)
         except BaseException as exc:
@@ -162,17 +172,20 @@ class Response:
         timeout = check_timeout("timeout", timeout, path=self._path)
         if self._help_stage is not None and timeout is None and not self._staged.is_set():
             self._help_stage()  # this thread copies too, rather than wait on a background thread alone
+        self._try_sync(timeout)
         if not self._staged.wait(timeout):
             raise TimeoutError(f"{self._path}: staging did not finish within {timeout} s")
 
     def staged(self) -> bool:
         """True once every byte of this save is in host memory (see :meth:`wait_staged`)."""
+        self._try_sync(0)
         return self._staged.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it committed); returning it counts as receiving it."""
         if timeout is not None:
             check_number("timeout", timeout)
+        self._try_sync(timeout)
         exc = self._future.exception(timeout)
         if exc is not None:
             self._received = True
@@ -180,6 +193,7 @@ class Response:
 
     def _wait(self, timeout: float | None = None) -> None:
         """Wait for the outcome without receiving it (``Engine.wait``: the error stays unreceived)."""
+        self._try_sync(timeout)
         futures.wait([self._future], timeout)
 
     def add_done_callback(self, fn: Callable[[Response], Any]) -> None:

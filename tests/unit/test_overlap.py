@@ -358,6 +358,7 @@ def _cuda_task(t: torch.Tensor):
     task = OverlapTask("mem://x", spans=spans)  # an owner judged by memory
     task.cuda.append(_CudaPart("cuda:0", event, [("w", t, t.untyped_storage(), t._version)]))
     task.cpu_done.set()  # as build_task does when nothing is copied by the host
+    task.synced.set()
     outcome: list[BaseException | None] = []
     task.on_staged = outcome.append
     return task, event, outcome
@@ -651,3 +652,58 @@ def test_yield_is_given_back_only_on_the_thread_that_took_it(monkeypatch):
         assert overlap.YIELD.thread is None and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_change_after_the_copy_but_before_any_sync_fails_the_save(ckdir):
+    """The copy is judged again by the thread that may modify the tensors, at its next sync point
+    (here ``result()``): an in-place change made without ``wait_staged()`` fails the save even
+    when the copy had already finished, so a change racing the copy (its version bump lands after
+    the copier's own check) can never commit a mix silently."""
+    case = _Case("sgd")
+    case.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        r = ckpt.save_pytree_async(0, case.tree())
+        task = next(t for t in GUARD._tasks)
+        assert task.cpu_done.wait(10)  # every byte copied, and the copier's check passed
+        with torch.no_grad():
+            case.model[0].weight.add_(1.0)  # no wait_staged(): the pattern the docs forbid
+        with pytest.raises(TornSnapshotError) as ei:
+            r.result()
+        assert ei.value.key is not None and "0.weight" in ei.value.key
+        assert 0 not in ckpt.steps()
+
+
+def test_changes_right_after_the_call_never_commit_a_mix(ckdir):
+    """The newcomer's race (round 4): ``add_`` right after the call, twenty times. Every save
+    fails with TornSnapshotError; none commits."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(20):
+            r = ckpt.save_pytree_async(step, {"w": w, "optim": opt})
+            with torch.no_grad():
+                w.add_(1.0)
+            with pytest.raises(TornSnapshotError):
+                r.result()
+        assert ckpt.steps() == []
+
+
+def test_a_save_nobody_syncs_with_is_judged_and_committed_by_the_copier(ckdir, monkeypatch):
+    """No step, no wait: after ``SYNC_GRACE_S`` the copier judges the copy itself and hands it on."""
+    from zerostall.stage import overlap
+
+    monkeypatch.setattr(overlap, "SYNC_GRACE_S", 0.2)
+    case = _Case("sgd")
+    case.step()
+    expected = _snapshot(case.model.state_dict())
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        r = ckpt.save_pytree_async(0, case.tree())
+        deadline = time.monotonic() + 20
+        while not r._future.done() and time.monotonic() < deadline:  # not done(): it would sync
+            time.sleep(0.05)
+        assert r._future.done()
+        r.result()
+        _equal(expected, ckpt.load_pytree(0)["model"])

@@ -52,7 +52,7 @@ from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
-           "register_background_source", "deferrable_any"]
+           "register_background_source", "deferrable_any", "sync_all"]
 
 log = logging.getLogger("zerostall")
 
@@ -71,6 +71,13 @@ CHUNK = 64 << 20
 #: leaves the whole copy to the guard when the trainer uses every core (docs/performance.md,
 #: "Third round"); benchmarks/overlap.py measures each.
 COPIER_POLICY: Literal["auto", "idle", "normal", "yield"] = "normal"
+#: Seconds the copier waits after a CPU copy for a thread that may modify the tensors to judge it
+#: (:meth:`OverlapTask.sync`: the next guarded ``step()``, save, ``wait_staged()``, ``result()``,
+#: ``wait()``, ``close()``, exit) before judging it itself and handing the save on. An in-place
+#: kernel that started before the copy ended and still runs this long later is the only change
+#: the versions cannot show; a save nobody syncs with (no step, no wait: a last save before a long
+#: evaluation) commits this much later than its copy.
+SYNC_GRACE_S = 2.0
 
 
 @dataclass
@@ -209,6 +216,10 @@ class OverlapTask:
     pieces: _Pieces | None = None
     #: copy ``pieces`` on the copier's ``SCHED_IDLE`` worker (see :data:`COPIER_POLICY`)
     idle: bool = False
+    #: set once a thread that may modify the tensors (the training thread: the guard, the next
+    #: save, ``wait_staged()``, ``result()``...) judged the versions after the copy; the copier
+    #: hands the save on only then (see :meth:`sync`)
+    synced: threading.Event = field(default_factory=threading.Event)
 
     @property
     def guarded(self) -> bool:
@@ -234,10 +245,7 @@ class OverlapTask:
 
     def order_step(self) -> None:
         """Order an optimizer step about to run after this copy (the guard; training thread)."""
-        if not self.cpu_done.is_set() and self.pieces is not None:
-            self.pieces.work()  # what the background has not started, this thread copies
-            self._finish_cpu()
-        self.cpu_done.wait()
+        self.sync()  # what the background has not started, this thread copies; then it judges
         if not self.cuda:
             return
         torch = sys.modules["torch"]
@@ -251,6 +259,40 @@ class OverlapTask:
                 if self.error is None:
                     self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
                 part.sealed = True
+
+    def sync(self, timeout: float | None = None) -> bool:
+        """Judge the CPU copy's versions on the calling thread once the copy is done; True when judged.
+
+        The copier judges them when the last piece lands, but an in-place change whose kernel
+        ran during the copy bumps its tensor's version only after the kernel, which can be after
+        that check: the snapshot would be torn and nothing would say so. A thread that modifies
+        tensors has finished every earlier in-place op (and its version bump) when it calls
+        this, so any change it made between the call and here is seen: the save fails with
+        :class:`~zerostall.errors.TornSnapshotError` (a change made after the copy was done but
+        before this point too: it is the pattern ``wait_staged()`` is for, and failing it always
+        beats failing it only when it raced). The save is handed to the writer only after this.
+        ``timeout``: None copies the pieces nobody has started on this thread and returns True;
+        otherwise waits at most that long for the copy (0: only looks).
+        """
+        if self.synced.is_set():
+            return True
+        if not self.cpu_done.is_set():
+            if timeout is None:
+                if self.pieces is not None:
+                    self.pieces.work()
+                self._finish_cpu()
+            if not self.cpu_done.wait(timeout):
+                return False
+        with self.lock:
+            if not self.synced.is_set():
+                try:
+                    if self.error is None:
+                        self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
+                except BaseException as exc:  # noqa: BLE001 - reported through the save
+                    self.error = self.error or exc
+                finally:
+                    self.synced.set()
+        return True
 
     def _finish_cpu(self) -> None:
         """Once every piece is copied: judge the versions, release the guard (either thread, once)."""
@@ -298,6 +340,8 @@ class OverlapTask:
                 if not part.sealed and self.error is None:
                     self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
                 part.sealed = True
+        if not self.synced.wait(SYNC_GRACE_S):  # normally the next step's guard syncs it (see sync())
+            self.sync(0)  # nobody did (no step, no wait): judged here, as late as a commit can wait
         self.cpu = []
         self.cuda = []  # the sources may be freed now
 
@@ -367,8 +411,11 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         GUARD.learn()  # as for a save with nothing to overlap: an optimizer outside the tree is known next time
     if not task.cpu:
         # Nothing for the host to wait for: a guard must not block until the copier thread
-        # reaches this task (it may still be busy with an earlier one).
+        # reaches this task (it may still be busy with an earlier one). CUDA copies are judged
+        # on the training thread by the guard (a kernel's version bump happens when it is
+        # enqueued), background sources by themselves: nothing to sync.
         task.cpu_done.set()
+        task.synced.set()
     else:
         task.pieces = _Pieces(task.cpu)
         task.idle = _idle_policy()
@@ -503,6 +550,15 @@ GUARD = Guard()
 _COPIERS: weakref.WeakSet[Copier] = weakref.WeakSet()
 
 
+def sync_all() -> None:
+    """:meth:`OverlapTask.sync` every copy in flight (a save call, ``wait()``, ``close()``, exit)."""
+    with GUARD._lock:
+        tasks = list(GUARD._tasks)
+    for task in tasks:
+        task.sync()
+    GUARD._settle()
+
+
 @atexit.register
 def _drain_all() -> None:
     """At interpreter exit, finish the copies and hand-offs of saves that already returned.
@@ -511,6 +567,7 @@ def _drain_all() -> None:
     this, a save whose ``save_*_async`` returned just before a normal exit would never reach the
     writer, which commits everything it was handed even after the trainer has gone.
     """
+    sync_all()  # the training loop has ended: what it changed is seen, the rest is handed on
     for copier in list(_COPIERS):
         copier.drain(timeout=600)
 
