@@ -283,33 +283,29 @@ class OverlapTask:
                 self._finish_cpu()
             if not self.cpu_done.wait(timeout):
                 return False
-        with self.lock:
-            if not self.synced.is_set():
-                try:
-                    if self.error is None:
-                        self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
-                except BaseException as exc:  # noqa: BLE001 - reported through the save
-                    self.error = self.error or exc
-                finally:
-                    self.synced.set()
+        self._judge(self.synced)
         return True
 
     def _finish_cpu(self) -> None:
         """Once every piece is copied: judge the versions, release the guard (either thread, once)."""
         if self.pieces is not None:
             self.pieces.wait()
+        self._judge(self.cpu_done, self.pieces.error if self.pieces is not None else None)
+
+    def _judge(self, judged: threading.Event, failed: BaseException | None = None) -> None:
+        """Record the copy's failure or a moved version counter, then set ``judged`` (once)."""
         with self.lock:
-            if self.cpu_done.is_set():
+            if judged.is_set():
                 return
             try:
-                if self.error is None and self.pieces is not None:
-                    self.error = self.pieces.error
+                if self.error is None:
+                    self.error = failed
                 if self.error is None:
                     self.error = _moved(self.path, [(c.key, c.tensor, c.version) for c in self.cpu])
             except BaseException as exc:  # noqa: BLE001 - reported through the save
                 self.error = self.error or exc
             finally:
-                self.cpu_done.set()
+                judged.set()
 
     def _run(self, idle_worker: Callable[[_Pieces], None] | None = None) -> None:
         """Copy, check, hand on (copier thread)."""
