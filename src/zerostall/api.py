@@ -211,8 +211,36 @@ def load_checkpointables(
         step = parse_step(name)
         hinted = exc if step is None else hint_held_in_memory(exc, parent, step)
         if hinted is exc:
+            hinted = hint_run_layout(exc, where)
+        if hinted is exc:
             raise
         raise hinted from exc
+
+
+def hint_run_layout(exc: CheckpointNotFoundError, where: str) -> CheckpointNotFoundError:
+    """Given a Checkpointer's run directory, or a step folder it does not have (``step_1`` for
+    ``step_00000001``), say which steps are there: "no manifest" alone does not tell a newcomer."""
+    try:
+        steps = committed_steps(open_storage(where))
+        if steps:
+            newest = f"{where.rstrip('/')}/{step_name(steps[-1])}"
+            return CheckpointNotFoundError(
+                f"{exc.message}; this is a run directory (a Checkpointer's) with {len(steps)} committed step(s) "
+                f"({_few(steps)}): load one, e.g. {newest!r}, or the newest that loads with fallback=True "
+                "(or Checkpointer(dir, read_only=True).load_pytree(template=...))", path=exc.path, key=exc.key)
+        parent, name = split_url(where)
+        steps = committed_steps(open_storage(parent)) if parent else []
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if not steps:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; {parent.rstrip('/')} has no {name!r} but holds committed steps {_few(steps)}, named like "
+        f"{step_name(steps[-1])!r}", path=exc.path, key=exc.key)
+
+
+def _few(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
 
 
 def hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:

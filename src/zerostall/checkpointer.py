@@ -38,6 +38,7 @@ from zerostall.errors import (
     NoValidCheckpointError,
     ReadOnlyError,
     StorageError,
+    WriterError,
     ZerostallError,
 )
 from zerostall.manifest import parse_manifest
@@ -254,6 +255,7 @@ class Checkpointer:
         if (items is None) == (tree is None):
             raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
+        self._check_open(None)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
@@ -270,6 +272,7 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         check_items(items, self._step_path(step))
         self._check_writable(step)
+        self._check_open(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
         persist = True
@@ -615,6 +618,15 @@ class Checkpointer:
             raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+    def _check_open(self, step: int | None) -> None:
+        """A save after close() (or after its with block) names the directory and what to do; the
+        engine's own "this saver is closed" named neither."""
+        if self._engine.closed:
+            raise WriterError("this Checkpointer is closed (by close() or the end of its with block) and no "
+                              "longer saves; create a new zerostall.Checkpointer for this directory to save "
+                              "again (loading and listing still work)",
+                              path=self.directory if step is None else self._step_path(step))
 
     # -- metadata and deletion (issue 12) ----------------------------------------------------
 

@@ -83,13 +83,18 @@ def _run_dir(arg: str) -> Storage:
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     storage = _run_dir(args.dir)
     names = storage.list("")
-    steps = set(committed_steps(storage))
+    unreadable: list[int] = []
+    steps = set(committed_steps(storage, unreadable=unreadable))
     rows = []
     unfinished = []
     blocked: list[str] = []
     for n in names:
         if TMP_MARK in n or DEL_MARK in n:
             unfinished.append(n)
+            continue
+        if parse_step(n) in unreadable:  # its manifest may exist: not PARTIAL, but not readable either
+            rows.append({"name": n, "step": parse_step(n), "ok": False,
+                         "error": _unreadable_step(storage, n)})
             continue
         if not storage.exists(f"{n}/{MANIFEST_NAME}"):
             if parse_step(n) is not None:
@@ -117,6 +122,16 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
             "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
             "memory_only": memory_only, "is_checkpoint": storage.exists(MANIFEST_NAME),
             "keeper_failed": keeper_failed}
+
+
+def _unreadable_step(storage: Storage, name: str) -> str:
+    """Why a step folder's manifest could not even be checked (permission denied, say)."""
+    try:
+        storage.exists(f"{name}/{MANIFEST_NAME}")
+    except OSError as exc:
+        return (f"[{errno.errorcode.get(exc.errno or 0, exc.errno)}] cannot check its {MANIFEST_NAME}: "
+                f"{exc.strerror or exc} (fix the permissions, or run as the user who saved it)")
+    return "unreadable"
 
 
 def _marker_file(storage: Storage, rank: int) -> str:
@@ -486,7 +501,9 @@ def _run_steps(url: str) -> list[int]:
         storage = open_storage(url)
         if storage.exists(MANIFEST_NAME):
             return []  # a checkpoint itself
-        return committed_steps(storage)
+        unreadable: list[int] = []
+        # a step folder we may not read is verified too: it fails there, naming why
+        return sorted(committed_steps(storage, unreadable=unreadable) + unreadable)
     except (OSError, ZerostallError):
         return []  # not a run directory: the single-checkpoint path reports the real error
 

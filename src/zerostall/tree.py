@@ -341,9 +341,21 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
 def _numpy_leaf(a: np.ndarray, key: str, leaves: list[ArrayLeaf], kind: LeafKind) -> Node:
     name = numpy_dtype_name(a.dtype)
     if name is None:
-        raise UnsupportedLeafError(f"numpy dtype {a.dtype} cannot be saved (object, string or big-endian)", key=key)
+        raise UnsupportedLeafError(f"numpy dtype {a.dtype} cannot be saved (object, string or big-endian): "
+                                   f"{_numpy_fix(a)}", key=key)
     leaves.append(ArrayLeaf(key, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes), a))
     return {"type": "array", "leaf": len(leaves) - 1}
+
+
+def _numpy_fix(a: np.ndarray) -> str:
+    """What to store instead of a numpy value of a dtype safetensors has no name for."""
+    if a.dtype.kind in "USO":
+        return "store x.item() (a Python value) instead" if a.ndim == 0 else "store x.tolist() (Python values) instead"
+    if a.dtype.kind in "Mm":
+        return "store x.astype('int64') (and its unit) instead"
+    if a.dtype.byteorder not in "=|" and a.dtype.newbyteorder("=") != a.dtype:
+        return "store x.astype(x.dtype.newbyteorder('=')) (native byte order) instead"
+    return "convert it to a numeric dtype, or register a handler with zerostall.register_handler"
 
 
 def _custom_leaf(obj: Any, handler: LeafHandler, key: str, leaves: list[ArrayLeaf]) -> Node:

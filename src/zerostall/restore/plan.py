@@ -140,6 +140,12 @@ class ReadPlanner:
             raise self.mismatch(key, "shape", list(leaf.shape), list(t.shape))
         if leaf.nbytes == 0:
             return lambda: t
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+            # An expand()ed / broadcast view: torch refuses to write it only after every byte was
+            # read, with a message that names no key. Refuse it here, naming the key.
+            raise MismatchError("the template tensor is an expand()ed (broadcast) view whose elements share "
+                                f"memory (strides {list(t.stride())}), so it cannot be loaded in place: pass a "
+                                "tensor with its own memory, e.g. t.clone()", path=self.path, key=key)
         if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
             # Read straight into the template's memory: no second full-size buffer.
             dest = t.detach().reshape(-1).view(torch.uint8).numpy()

@@ -1,0 +1,124 @@
+"""What a newcomer tripped over in round 4 (odd trees and templates, the CLI on damaged or
+unreadable runs, the Checkpointer's lifecycle): docs/newcomer-run.md, "Round 4"."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall
+from zerostall.errors import CheckpointNotFoundError, MismatchError, WriterError, ZerostallError
+
+
+def _as_user_without_dac(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter that file permissions apply to: as root, one without
+    CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (so a mode-000 folder is unreadable to it too)."""
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+
+
+@pytest.fixture
+def run_with_unreadable_newest(tmp_path: Path):  # type: ignore[no-untyped-def]
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(4)})
+        ckpt.save_pytree(2, {"w": torch.full((4,), 2.0)})
+    newest = run / "step_00000002"
+    newest.chmod(0)
+    yield run
+    newest.chmod(0o755)
+
+
+def test_a_step_whose_manifest_cannot_be_checked_is_an_error_not_an_older_latest_step(
+        run_with_unreadable_newest: Path) -> None:
+    # Permission denied on step 2's folder: latest_step() said 1 (os.path.lexists hides EACCES)
+    # and a resume silently loaded the older step.
+    code = ("import zerostall\n"
+            f"c = zerostall.Checkpointer({str(run_with_unreadable_newest)!r}, read_only=True)\n"
+            "try:\n    print('LATEST', c.latest_step())\n"
+            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+    out = _as_user_without_dac(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERR 13 "), out.stdout
+    assert "step_00000002" in out.stdout and "Permission denied" in out.stdout
+
+
+def test_cli_list_and_verify_show_an_unreadable_step_instead_of_calling_it_partial(
+        run_with_unreadable_newest: Path) -> None:
+    # list called it "PARTIAL: no manifest (in flight, crashed ...)", exit 0; verify DIR skipped it
+    # and said "1 step(s) verified", OK.
+    run = str(run_with_unreadable_newest)
+    listing = _as_user_without_dac(f"from zerostall.cli import main; raise SystemExit(main(['list', {run!r}]))")
+    assert listing.returncode == 1, listing.stdout + listing.stderr
+    assert "PARTIAL" not in listing.stdout
+    assert "step_00000002" in listing.stdout and "UNREADABLE" in listing.stdout and "EACCES" in listing.stdout
+    verify = _as_user_without_dac(
+        f"from zerostall.cli import main; raise SystemExit(main(['verify', {run!r}, '--json']))")
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    doc = json.loads(verify.stdout)
+    assert [(s["step"], s["ok"]) for s in doc["steps"]] == [(1, True), (2, False)]
+    assert "EACCES" in doc["steps"][1]["problems"][0]["message"]
+
+
+def test_a_closed_checkpointer_says_so_naming_its_directory(tmp_path: Path) -> None:
+    # was: WriterError "this saver is closed" (no path, nothing on what to do); prepare() after
+    # close allocated buffers nobody would free.
+    ckpt = zerostall.Checkpointer(tmp_path / "run")
+    with ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+    with pytest.raises(WriterError, match="Checkpointer is closed.*create a new") as info:
+        ckpt.save_pytree_async(2, {"w": torch.ones(2)})
+    assert info.value.path is not None and info.value.path.endswith("step_00000002")
+    with pytest.raises(WriterError, match="Checkpointer is closed") as info:
+        ckpt.prepare(tree={"w": torch.ones(2)})
+    assert info.value.path == str(tmp_path / "run")
+    assert ckpt.load_pytree()["w"].tolist() == [1.0, 1.0]  # loading still works, as the message says
+
+
+def test_an_expanded_template_tensor_is_refused_naming_its_key(tmp_path: Path) -> None:
+    # was: every byte read, then "restoring into the template failed: RuntimeError: unsupported
+    # operation: more than one element ..." without the key.
+    zerostall.save_pytree(tmp_path / "a", {"b": torch.arange(3.0), "c": torch.ones(2)})
+    template = {"b": torch.zeros(1).expand(3), "c": torch.zeros(2)}
+    with pytest.raises(MismatchError, match=r"expand\(\)ed .*t\.clone\(\)") as info:
+        zerostall.load_pytree(tmp_path / "a", template)
+    assert info.value.key == "pytree/b"
+    assert template["c"].tolist() == [0.0, 0.0]  # refused before anything was read
+
+
+def test_load_pytree_of_a_run_directory_or_a_misspelled_step_names_the_steps(tmp_path: Path) -> None:
+    # was: "no committed checkpoint here (no manifest)", for the directory a Checkpointer writes
+    # (the first thing a newcomer passes to load_pytree) and for run/step_1.
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+        ckpt.save_pytree(5, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointNotFoundError, match=r"run directory .* 2 committed step\(s\) \(1, 5\)") as info:
+        zerostall.load_pytree(run)
+    assert str(run / "step_00000005") in str(info.value) and "fallback=True" in str(info.value)
+    with pytest.raises(CheckpointNotFoundError, match=r"no 'step_1' but holds committed steps 1, 5") as info:
+        zerostall.load_pytree(run / "step_1")
+    assert "step_00000005" in str(info.value)
+    assert zerostall.load_pytree(run, fallback=True)["w"].tolist() == [1.0, 1.0]  # what the hint offers
+
+
+@pytest.mark.parametrize("value, fix", [
+    (np.zeros(2, dtype=">f4"), r"astype\(x\.dtype\.newbyteorder"),
+    (np.array(["a", "b"]), r"x\.tolist\(\)"),
+    (np.str_("a"), r"x\.item\(\)"),
+])
+def test_numpy_values_that_cannot_be_saved_say_how_to_store_them(tmp_path: Path, value: object, fix: str) -> None:
+    # was: "numpy dtype >f4 cannot be saved (object, string or big-endian)", nothing on what to do;
+    # np.str_ (a str subclass) got the same.
+    with pytest.raises(ZerostallError, match=fix) as info:
+        zerostall.save_pytree(tmp_path / "n", {"x": value})
+    assert info.value.key == "pytree/x"
