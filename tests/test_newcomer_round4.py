@@ -14,7 +14,14 @@ import pytest
 import torch
 
 import zerostall
-from zerostall.errors import CheckpointNotFoundError, MismatchError, WriterError, ZerostallError
+from zerostall.errors import (
+    ArgumentTypeError,
+    CheckpointNotFoundError,
+    MismatchError,
+    UnsupportedLeafError,
+    WriterError,
+    ZerostallError,
+)
 
 
 def _as_user_without_dac(code: str) -> subprocess.CompletedProcess[str]:
@@ -122,3 +129,38 @@ def test_numpy_values_that_cannot_be_saved_say_how_to_store_them(tmp_path: Path,
     with pytest.raises(ZerostallError, match=fix) as info:
         zerostall.save_pytree(tmp_path / "n", {"x": value})
     assert info.value.key == "pytree/x"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_tensor_dtypes_that_cannot_be_saved_say_what_to_store(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"t\.to\(torch\.complex64\)") as info:
+        zerostall.save_pytree(tmp_path / "c", {"z": torch.ones(2, dtype=torch.complex32)})
+    assert info.value.key == "pytree/z"
+
+
+def test_lightning_plugin_options_of_the_wrong_type_are_refused_at_construction(tmp_path: Path) -> None:
+    # was: AttributeError "'dict' object has no attribute 'distributed'" (save_options={...}), and
+    # save_checkpoint of a non-dict: "'list' object has no attribute 'get'".
+    from zerostall.lightning import ZerostallCheckpointIO
+
+    with pytest.raises(ArgumentTypeError, match=r"save_options must be a zerostall\.SaveOptions") as info:
+        ZerostallCheckpointIO(save_options={"max_in_flight": 2})  # type: ignore[arg-type]
+    assert info.value.argument == "save_options"
+    with pytest.raises(ArgumentTypeError, match=r"load_options must be a zerostall\.LoadOptions"):
+        ZerostallCheckpointIO(load_options=zerostall.SaveOptions())  # type: ignore[arg-type]
+    io = ZerostallCheckpointIO()
+    with pytest.raises(ArgumentTypeError, match="checkpoint must be a dict"):
+        io.save_checkpoint([1], tmp_path / "x.ckpt")  # type: ignore[arg-type]
+    io.teardown()
+
+
+def test_a_donated_jax_array_says_to_save_before_the_donating_step(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+
+    gone = jnp.ones(4)
+    gone.delete()
+    with pytest.raises(UnsupportedLeafError, match=r"save the state before the jitted step .*wait_staged\(\)") as info:
+        zerostall.save_pytree(tmp_path / "j", {"w": gone})
+    assert info.value.key == "pytree/w"
+    with pytest.raises(UnsupportedLeafError, match=r"astype\(jnp\.int8\)"):
+        zerostall.save_pytree(tmp_path / "k", {"q": jnp.zeros(4, dtype=jnp.int4)})
