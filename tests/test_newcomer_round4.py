@@ -17,6 +17,7 @@ import zerostall
 from zerostall.errors import (
     ArgumentTypeError,
     CheckpointNotFoundError,
+    InvalidArgumentError,
     MismatchError,
     UnsupportedLeafError,
     WriterError,
@@ -164,3 +165,15 @@ def test_a_donated_jax_array_says_to_save_before_the_donating_step(tmp_path: Pat
     assert info.value.key == "pytree/w"
     with pytest.raises(UnsupportedLeafError, match=r"astype\(jnp\.int8\)"):
         zerostall.save_pytree(tmp_path / "k", {"q": jnp.zeros(4, dtype=jnp.int4)})
+
+
+def test_a_file_url_with_two_slashes_is_refused_instead_of_becoming_a_relative_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # was: Checkpointer("file://tmp/run") created ./tmp/run under the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"file:///tmp/run, three slashes") as info:
+        zerostall.Checkpointer("file://tmp/run")
+    assert info.value.path == "file://tmp/run"
+    assert not (tmp_path / "tmp").exists()
+    zerostall.save_pytree(f"file://localhost{tmp_path}/a", {"x": 1})  # the one host a file URL may name
+    assert zerostall.load_pytree(f"file://{tmp_path}/a") == {"x": 1}
