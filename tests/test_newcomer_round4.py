@@ -177,3 +177,17 @@ def test_a_file_url_with_two_slashes_is_refused_instead_of_becoming_a_relative_d
     assert not (tmp_path / "tmp").exists()
     zerostall.save_pytree(f"file://localhost{tmp_path}/a", {"x": 1})  # the one host a file URL may name
     assert zerostall.load_pytree(f"file://{tmp_path}/a") == {"x": 1}
+
+
+def test_cli_rm_with_one_mistyped_target_deletes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: `zerostall rm run/step_00000001 run/step_00000099` deleted step 1, then failed on 99,
+    # exit 1, without a word about step 1.
+    from zerostall.cli import main
+
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+    assert main(["rm", str(run / "step_00000001"), str(run / "step_00000099")]) == 1
+    err = capsys.readouterr().err
+    assert "nothing was deleted" in err and "step_00000099" in err
+    assert zerostall.Checkpointer(run, read_only=True).steps() == [1]

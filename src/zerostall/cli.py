@@ -544,6 +544,12 @@ def cmd_rm(args: argparse.Namespace) -> dict[str, Any]:
     else:
         targets = [_url(p) for p in args.paths]
     removed = []
+    for path in targets:  # every target checked first: `rm A B` with B mistyped removed A, said nothing of it
+        root, name = split_url(path)
+        if not open_storage(root).exists(f"{name}/{MANIFEST_NAME}"):
+            hinted = _hint_run_directory(path, CheckpointNotFoundError(
+                "no committed checkpoint to delete (no manifest)", path=path))
+            raise CheckpointNotFoundError(f"{hinted.message}; nothing was deleted", path=path)
     for path in targets:
         root, name = split_url(path)
         storage = open_storage(root)
