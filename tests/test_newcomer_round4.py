@@ -191,3 +191,14 @@ def test_cli_rm_with_one_mistyped_target_deletes_nothing(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert "nothing was deleted" in err and "step_00000099" in err
     assert zerostall.Checkpointer(run, read_only=True).steps() == [1]
+
+
+def test_prepare_with_items_that_are_not_a_dict_names_the_argument(tmp_path: Path) -> None:
+    # was: "TypeError: cannot convert dictionary update sequence element #0 to a sequence"
+    with pytest.raises(ArgumentTypeError, match="items must be a dict") as info:
+        zerostall.prepare(items=[torch.ones(2)])  # type: ignore[arg-type]
+    assert info.value.argument == "items"
+    with pytest.raises(ArgumentTypeError, match="options must be a SaveOptions"):
+        zerostall.prepare({"w": torch.ones(2)}, options={"max_in_flight": 2})  # type: ignore[arg-type]
+    with zerostall.Checkpointer(tmp_path / "run") as ckpt, pytest.raises(ArgumentTypeError, match="items must be a dict"):
+        ckpt.prepare([torch.ones(2)])  # type: ignore[arg-type]

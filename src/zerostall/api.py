@@ -376,6 +376,9 @@ def prepare(tree: Any = None, *, items: dict[str, Any] | None = None, options: S
     """
     if (tree is None) == (items is None):
         raise InvalidArgumentError("pass exactly one of tree or items=", argument="items")
+    if items is not None:
+        check_items(items)  # a list failed in dict() with a bare TypeError
+    check_instance("options", options, SaveOptions)
     eng = _engine(options)
     nbytes = eng.prepare(dict(items) if items is not None else {PYTREE: tree})
     eng.writer_ready(_WRITER_READY_TIMEOUT_S)

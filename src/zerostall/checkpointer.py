@@ -256,6 +256,8 @@ class Checkpointer:
             raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
         self._check_open(None)
+        if items is not None:
+            check_items(items, self.directory)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
