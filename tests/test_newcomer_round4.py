@@ -202,3 +202,14 @@ def test_prepare_with_items_that_are_not_a_dict_names_the_argument(tmp_path: Pat
         zerostall.prepare({"w": torch.ones(2)}, options={"max_in_flight": 2})  # type: ignore[arg-type]
     with zerostall.Checkpointer(tmp_path / "run") as ckpt, pytest.raises(ArgumentTypeError, match="items must be a dict"):
         ckpt.prepare([torch.ones(2)])  # type: ignore[arg-type]
+
+
+def test_a_load_state_dict_that_refuses_names_the_object_and_its_key(tmp_path: Path) -> None:
+    # was: "restoring into the template failed: RuntimeError: Error(s) in loading state_dict ..."
+    # with the checkpoint only: which of the model, optimizer, scheduler, ... refused it?
+    model = torch.nn.Linear(3, 2)
+    zerostall.save_pytree(tmp_path / "a", {"model": model, "step": 3})
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))  # keys "0.weight", not "weight"
+    with pytest.raises(MismatchError, match=r"Sequential\.load_state_dict refused") as info:
+        zerostall.load_pytree(tmp_path / "a", {"model": other})
+    assert info.value.key == "pytree/model"

@@ -221,7 +221,12 @@ class ReadPlanner:
             inner = self.build(node, target.state_dict(), key, follow_checkpoint=True)
 
             def load() -> Any:
-                target.load_state_dict(inner())
+                try:
+                    target.load_state_dict(inner())
+                except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                    # which object refused its state: the outer handler knew only the checkpoint
+                    raise MismatchError(f"{type(target).__name__}.load_state_dict refused the restored state: "
+                                        f"{type(exc).__name__}: {exc}", path=self.path, key=key) from exc
                 return target
             return load
         for reader in _READERS:
