@@ -17,8 +17,10 @@ import zerostall
 from zerostall.errors import (
     ArgumentTypeError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
+    UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
@@ -213,3 +215,30 @@ def test_a_load_state_dict_that_refuses_names_the_object_and_its_key(tmp_path: P
     with pytest.raises(MismatchError, match=r"Sequential\.load_state_dict refused") as info:
         zerostall.load_pytree(tmp_path / "a", {"model": other})
     assert info.value.key == "pytree/model"
+
+
+class _Odd:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def _decode_odd(n: object) -> _Odd:
+    if n == 2:
+        raise ValueError("decoder bug for 2")
+    return _Odd(int(n))  # type: ignore[call-overload]
+
+
+def test_a_handler_that_fails_to_decode_is_not_corruption_and_fallback_does_not_skip_it(tmp_path: Path) -> None:
+    # was: CorruptCheckpointError, so load_pytree(run, fallback=True) skipped the newest step for a
+    # bug in the user's decode function and quietly loaded the step before it.
+    zerostall.register_handler(_Odd, name="r4test.Odd", format="json", encode=lambda o: o.n, decode=_decode_odd)
+    try:
+        run = tmp_path / "run"
+        with zerostall.Checkpointer(run) as ckpt:
+            ckpt.save_pytree(1, {"o": _Odd(1)})
+            ckpt.save_pytree(2, {"o": _Odd(2)})
+        with pytest.raises(UnsupportedFormatError, match=r"'r4test\.Odd' could not decode .*decoder bug for 2") as info:
+            zerostall.load_pytree(run, fallback=True)
+        assert info.value.key == "pytree/o" and not isinstance(info.value, CorruptCheckpointError)
+    finally:
+        zerostall.unregister_handler(_Odd)

@@ -365,8 +365,11 @@ class ReadPlanner:
         try:
             return handler.decode(value)
         except Exception as exc:
-            raise CorruptCheckpointError(f"handler {handler.name!r} could not decode: {exc}",
-                                         path=self.path, key=key) from exc
+            # Not corruption (the bytes were read whole and, when verified, matched): the handler's
+            # bug. As CorruptCheckpointError, fallback=True skipped the step and silently loaded an older one.
+            raise UnsupportedFormatError(f"handler {handler.name!r} could not decode the saved value "
+                                         f"({type(exc).__name__}: {exc}): fix its decode, or register the handler "
+                                         "version that saved it", path=self.path, key=key) from exc
 
     def _dict(self, node: dict[str, Any], tmpl: Any, key: str, follow: bool) -> Thunk:
         saved = dict(zip(node["keys"], node["values"], strict=True))
