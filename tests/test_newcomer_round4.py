@@ -242,3 +242,12 @@ def test_a_handler_that_fails_to_decode_is_not_corruption_and_fallback_does_not_
         assert info.value.key == "pytree/o" and not isinstance(info.value, CorruptCheckpointError)
     finally:
         zerostall.unregister_handler(_Odd)
+
+
+def test_load_metadata_of_a_run_directory_names_the_steps(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(3, {"w": torch.ones(1)}, metadata={"loss": 0.5})
+    with pytest.raises(CheckpointNotFoundError, match=r"1 committed step\(s\) \(3\).*\.metadata\(\)"):
+        zerostall.load_metadata(run)
+    assert zerostall.load_metadata(run / "step_00000003") == {"loss": 0.5, "step": 3}

@@ -217,17 +217,18 @@ def load_checkpointables(
         raise hinted from exc
 
 
-def hint_run_layout(exc: CheckpointNotFoundError, where: str) -> CheckpointNotFoundError:
+def hint_run_layout(exc: CheckpointNotFoundError, where: str, *,
+                    newest: str = "the newest that loads with fallback=True (or Checkpointer(dir, read_only=True)"
+                                  ".load_pytree(template=...))") -> CheckpointNotFoundError:
     """Given a Checkpointer's run directory, or a step folder it does not have (``step_1`` for
     ``step_00000001``), say which steps are there: "no manifest" alone does not tell a newcomer."""
     try:
         steps = committed_steps(open_storage(where))
         if steps:
-            newest = f"{where.rstrip('/')}/{step_name(steps[-1])}"
+            path = f"{where.rstrip('/')}/{step_name(steps[-1])}"
             return CheckpointNotFoundError(
                 f"{exc.message}; this is a run directory (a Checkpointer's) with {len(steps)} committed step(s) "
-                f"({_few(steps)}): load one, e.g. {newest!r}, or the newest that loads with fallback=True "
-                "(or Checkpointer(dir, read_only=True).load_pytree(template=...))", path=exc.path, key=exc.key)
+                f"({_few(steps)}): load one, e.g. {path!r}, or {newest}", path=exc.path, key=exc.key)
         parent, name = split_url(where)
         steps = committed_steps(open_storage(parent)) if parent else []
     except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
@@ -348,7 +349,13 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     where = _path(path)
     parent, name = split_url(where)
-    return dict(read_manifest(open_storage(parent), name, path=where).metadata)
+    try:
+        return dict(read_manifest(open_storage(parent), name, path=where).metadata)
+    except CheckpointNotFoundError as exc:
+        hinted = hint_run_layout(exc, where, newest="the newest with Checkpointer(dir, read_only=True).metadata()")
+        if hinted is exc:
+            raise
+        raise hinted from exc
 
 
 # -- the shared engines' buffers ---------------------------------------------------------------
