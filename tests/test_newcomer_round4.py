@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,3 +252,20 @@ def test_load_metadata_of_a_run_directory_names_the_steps(tmp_path: Path) -> Non
     with pytest.raises(CheckpointNotFoundError, match=r"1 committed step\(s\) \(3\).*\.metadata\(\)"):
         zerostall.load_metadata(run)
     assert zerostall.load_metadata(run / "step_00000003") == {"loss": 0.5, "step": 3}
+
+
+def test_an_empty_tensor_no_load_could_allocate_is_refused_at_save(tmp_path: Path) -> None:
+    # was: torch.empty(0, 2**62) saved and committed; every load then raised CorruptCheckpointError
+    # "malformed manifest: shape ... is too large for any array".
+    with pytest.raises(UnsupportedLeafError, match="no load could allocate") as info:
+        zerostall.save_pytree(tmp_path / "e", {"x": torch.empty(0, 2**62)})
+    assert info.value.key == "pytree/x"
+    assert not (tmp_path / "e").exists()
+    zerostall.save_pytree(tmp_path / "ok", {"x": torch.empty(0, 2**40)})
+    assert zerostall.load_pytree(tmp_path / "ok")["x"].shape == (0, 2**40)
+
+
+@pytest.mark.parametrize("key, fix", [(np.int64(1), "int(key)"), (np.str_("a"), "str(key)")])
+def test_numpy_dict_keys_say_how_to_convert(tmp_path: Path, key: object, fix: str) -> None:
+    with pytest.raises(UnsupportedLeafError, match=re.escape(fix)):
+        zerostall.save_pytree(tmp_path / "k", {key: 1})
