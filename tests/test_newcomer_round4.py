@@ -21,6 +21,7 @@ from zerostall.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     MismatchError,
+    MissingKeyError,
     UnsupportedFormatError,
     UnsupportedLeafError,
     WriterError,
@@ -269,3 +270,21 @@ def test_an_empty_tensor_no_load_could_allocate_is_refused_at_save(tmp_path: Pat
 def test_numpy_dict_keys_say_how_to_convert(tmp_path: Path, key: object, fix: str) -> None:
     with pytest.raises(UnsupportedLeafError, match=re.escape(fix)):
         zerostall.save_pytree(tmp_path / "k", {key: 1})
+
+
+def test_loading_with_the_other_kind_of_function_says_which_one_saved_it(tmp_path: Path) -> None:
+    # was: "the checkpoint has no item 'pytree' (it has ['model', 'note'])": which function then?
+    model = torch.nn.Linear(2, 2)
+    zerostall.save_checkpointables(tmp_path / "items", {"model": model, "note": "x"})
+    with pytest.raises(MissingKeyError, match=r"saved with save_checkpointables .*load_checkpointables\(path\)"):
+        zerostall.load_pytree(tmp_path / "items")
+    zerostall.save_pytree(tmp_path / "tree", {"model": model})
+    with pytest.raises(MissingKeyError, match=r"saved with save_pytree: .*load_pytree\(path, \{'model': template"):
+        zerostall.load_checkpointables(tmp_path / "tree", {"model": model})
+    with zerostall.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save_checkpointables(1, {"model": model})
+        with pytest.raises(MissingKeyError, match=r"ckpt\.load_checkpointables\(step, \{name: template\}\)"):
+            ckpt.load_pytree()
+        with pytest.raises(MissingKeyError, match="the template asks for a key") as info:  # nested: unchanged
+            zerostall.load_pytree(tmp_path / "tree", {"model": {"nope": None}})
+        assert info.value.key == "pytree/model/nope"

@@ -207,6 +207,11 @@ def load_checkpointables(
     parent, name = split_url(where)
     try:
         return load(parent, name, items, options)
+    except MissingKeyError as exc:
+        hinted_key = hint_item_layout(exc, parent, name)
+        if hinted_key is exc:
+            raise
+        raise hinted_key from exc
     except CheckpointNotFoundError as exc:
         step = parse_step(name)
         hinted = exc if step is None else hint_held_in_memory(exc, parent, step)
@@ -238,6 +243,27 @@ def hint_run_layout(exc: CheckpointNotFoundError, where: str, *,
     return CheckpointNotFoundError(
         f"{exc.message}; {parent.rstrip('/')} has no {name!r} but holds committed steps {_few(steps)}, named like "
         f"{step_name(steps[-1])!r}", path=exc.path, key=exc.key)
+
+
+def hint_item_layout(exc: MissingKeyError, parent: str, name: str) -> MissingKeyError:
+    """A checkpoint of named items loaded with ``load_pytree`` (or a pytree one with named items):
+    "no item 'pytree'" does not say which function saved it, nor which one loads it."""
+    if exc.key is None or "/" in exc.key:
+        return exc  # a key inside an item: the template's business
+    if exc.key == PYTREE:
+        return MissingKeyError(f"{exc.message}; it was saved with save_checkpointables (named items): load it with "
+                               "load_checkpointables(path) or load_checkpointables(path, {name: template}) "
+                               "(a Checkpointer: ckpt.load_checkpointables(step, {name: template}))",
+                               path=exc.path, key=exc.key)
+    try:
+        saved = set(read_manifest(open_storage(parent), name, path=exc.path or name).items)
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if saved != {PYTREE}:
+        return exc
+    return MissingKeyError(f"{exc.message}; it was saved with save_pytree: load it with load_pytree(path) or "
+                           f"load_pytree(path, {{{exc.key!r}: template, ...}}) (its tree's keys)",
+                           path=exc.path, key=exc.key)
 
 
 def _few(steps: list[int]) -> str:

@@ -23,7 +23,7 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, load_newest_valid
+from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, hint_item_layout, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
@@ -35,6 +35,7 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
     KeeperPersistError,
+    MissingKeyError,
     NoValidCheckpointError,
     ReadOnlyError,
     StorageError,
@@ -496,7 +497,13 @@ class Checkpointer:
         ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
         """
         _check_load_step(step, self.directory, "load_pytree", "template")
-        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+        try:
+            return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+        except MissingKeyError as exc:
+            hinted = hint_item_layout(exc, "", "")  # only the "no item 'pytree'" hint: no manifest read
+            if hinted is exc:
+                raise
+            raise hinted from exc
 
     def _agreed_steps(self) -> list[int]:
         steps = self.steps()
