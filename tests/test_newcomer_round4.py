@@ -288,3 +288,16 @@ def test_loading_with_the_other_kind_of_function_says_which_one_saved_it(tmp_pat
         with pytest.raises(MissingKeyError, match="the template asks for a key") as info:  # nested: unchanged
             zerostall.load_pytree(tmp_path / "tree", {"model": {"nope": None}})
         assert info.value.key == "pytree/model/nope"
+
+
+def test_a_checkpointer_on_a_checkpoint_is_refused_instead_of_nesting_steps_in_it(tmp_path: Path) -> None:
+    # was: Checkpointer("run/step_00000001") listed nothing, and its saves wrote
+    # run/step_00000001/step_00000001/ inside the committed checkpoint.
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+    for read_only in (False, True):
+        with pytest.raises(InvalidArgumentError, match="itself a committed checkpoint.*load_pytree") as info:
+            zerostall.Checkpointer(run / "step_00000001", read_only=read_only)
+        assert info.value.path == str(run / "step_00000001")
+    assert sorted(p.name for p in (run / "step_00000001").iterdir()) == ["data", "manifest.json"]

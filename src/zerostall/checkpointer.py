@@ -42,14 +42,14 @@ from zerostall.errors import (
     WriterError,
     ZerostallError,
 )
-from zerostall.manifest import parse_manifest
+from zerostall.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.persist.keeperfail import take_markers
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
-from zerostall.storage import local_path, open_storage
+from zerostall.storage import Storage, local_path, open_storage
 from zerostall.storage.image import open_image
 from zerostall.validate import (
     check_bool,
@@ -208,6 +208,7 @@ class Checkpointer:
             if self.read_only and local is not None and not os.path.isdir(local):
                 raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
                                               path=self.directory)
+            _refuse_a_checkpoint_as_run(self._storage, self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
             self.gc_report = collect_at_start(self._storage) if not self.read_only else None
             if keeper is not None and not self.read_only:
@@ -939,3 +940,17 @@ def _hint_steps(exc: CheckpointNotFoundError, steps: list[int]) -> CheckpointNot
     more = f" (the newest {min(len(steps), 10)} of {len(steps)})" if len(steps) > 10 else ""
     return CheckpointNotFoundError(f"{exc.message}; committed steps here: {held}{more}", path=exc.path, key=exc.key,
                                    rank=exc.rank)
+
+
+def _refuse_a_checkpoint_as_run(storage: Storage, directory: str) -> None:
+    """``Checkpointer("run/step_00000100")`` (or a ``save_pytree`` output) listed nothing, and its
+    saves nested new ``step_*`` folders inside that committed checkpoint (newcomer round 4)."""
+    try:
+        inside = storage.exists(MANIFEST_NAME)
+    except OSError:
+        return  # cannot tell: check_reachable / the first save reports the storage itself
+    if inside:
+        raise InvalidArgumentError(
+            "this directory is itself a committed checkpoint (it holds manifest.json): a Checkpointer takes the run "
+            "directory that holds step_* checkpoints (here, probably its parent); load this one with "
+            "zerostall.load_pytree(path) or zerostall.load_checkpointables(path)", path=directory, argument="directory")
