@@ -301,3 +301,25 @@ def test_a_checkpointer_on_a_checkpoint_is_refused_instead_of_nesting_steps_in_i
             zerostall.Checkpointer(run / "step_00000001", read_only=read_only)
         assert info.value.path == str(run / "step_00000001")
     assert sorted(p.name for p in (run / "step_00000001").iterdir()) == ["data", "manifest.json"]
+
+
+class _Unregistered:
+    pass
+
+
+def test_cli_export_to_torch_of_a_custom_leaf_says_what_the_command_line_can_do(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # was: "no handler named ... is registered; register it with zerostall.register_handler before
+    # loading": not something a shell user can do.
+    from zerostall.cli import main
+
+    zerostall.register_handler(_Unregistered, name="r4test.U", format="json", encode=lambda u: 1,
+                               decode=lambda v: _Unregistered())
+    try:
+        zerostall.save_pytree(tmp_path / "c", {"u": _Unregistered(), "w": torch.ones(2)})
+    finally:
+        zerostall.unregister_handler(_Unregistered)
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "c.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "the command line registers no handlers" in err and ".safetensors" in err
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "c.safetensors")]) == 0

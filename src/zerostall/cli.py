@@ -221,6 +221,14 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
                                        overwrite=args.force, progress=progress)
     except CheckpointNotFoundError as exc:
         raise _hint_run_directory(_url(args.checkpoint), exc) from exc
+    except UnsupportedFormatError as exc:
+        if not exc.message.startswith("no handler named"):
+            raise
+        # "register it ... before loading" cannot be done from the command line: say what can
+        raise UnsupportedFormatError(
+            f"{exc.message}; the command line registers no handlers: export to a .safetensors file (custom "
+            "leaves stay encoded there), or call zerostall.interop.export_checkpoint from Python after "
+            "registering the handler", path=exc.path, key=exc.key) from exc
     return dataclasses.asdict(report)
 
 
