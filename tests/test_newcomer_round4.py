@@ -323,3 +323,21 @@ def test_cli_export_to_torch_of_a_custom_leaf_says_what_the_command_line_can_do(
     err = capsys.readouterr().err
     assert "the command line registers no handlers" in err and ".safetensors" in err
     assert main(["export", str(tmp_path / "c"), str(tmp_path / "c.safetensors")]) == 0
+
+
+def test_a_save_into_a_directory_it_may_not_write_names_that_directory_not_the_lease_temp_file(
+        tmp_path: Path) -> None:
+    # was: "[EACCES] Permission denied: DIR/.zs-lease-vm~...-7f65a0329480.json.tmp-13829-7f65a0329480"
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        out = _as_user_without_dac(
+            "import torch, zerostall\n"
+            f"try:\n    zerostall.save_pytree({str(locked / 'a')!r}, {{'w': torch.ones(2)}})\n"
+            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+    finally:
+        locked.chmod(0o755)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERR 13 "), out.stdout + out.stderr
+    assert f"lease file in {locked}" in out.stdout and ".tmp-" not in out.stdout
