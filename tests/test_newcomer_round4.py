@@ -341,3 +341,20 @@ def test_a_save_into_a_directory_it_may_not_write_names_that_directory_not_the_l
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR 13 "), out.stdout + out.stderr
     assert f"lease file in {locked}" in out.stdout and ".tmp-" not in out.stdout
+
+
+def test_deleting_a_step_whose_save_is_in_flight_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # was: "no committed step to delete" for the step the user had just saved
+    from zerostall.persist.faults import ENV as FAULTS_ENV
+
+    go = tmp_path / "go"
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"begin": f"wait:{go}"}))  # the writer holds the save
+    with zerostall.Checkpointer(tmp_path / "run") as ckpt:
+        r = ckpt.save_pytree_async(1, {"w": torch.ones(2)})
+        with pytest.raises(CheckpointNotFoundError, match=r"still in flight; wait for it") as info:
+            ckpt.delete(1)
+        assert info.value.path == str(tmp_path / "run" / "step_00000001")
+        go.touch()
+        r.result()
+        ckpt.delete(1)
+        assert ckpt.steps() == []

@@ -625,7 +625,7 @@ class Checkpointer:
 
     def _check_writable(self, step: int | None) -> None:
         if self.read_only:
-            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
+            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save or delete (it lists and loads)",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
 
@@ -708,6 +708,9 @@ class Checkpointer:
             raise InvalidArgumentError("this host's memory tier holds this step; it cannot be deleted until a newer "
                                        "step replaces it", argument="step", path=path)
         if step not in committed_steps(self._storage):
+            if self._engine.in_flight(path):  # "no committed step" for the step just saved puzzled a newcomer
+                raise CheckpointNotFoundError("no committed step to delete: its save is still in flight; wait for it "
+                                              "(response.result() or ckpt.wait()), then delete", path=path)
             raise CheckpointNotFoundError("no committed step to delete", path=path)
         try:
             delete_checkpoint(self._storage, step_name(step))
