@@ -625,7 +625,8 @@ class Checkpointer:
 
     def _check_writable(self, step: int | None) -> None:
         if self.read_only:
-            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save or delete (it lists and loads)",
+            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save or delete "
+                                "(it lists and loads)",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
 
