@@ -1,5 +1,6 @@
 """Train a small flax MLP with optax, checkpointing a flax TrainState asynchronously; resume from the latest step.
 
+    pip install "zerostall[jax]" flax optax     # flax and optax are this example's, not zerostall's
     python examples/jax_train.py --dir /tmp/jax_run --steps 40 --save-every 5 --out final.npz
 
 Run it again with the same ``--dir`` after a crash (``--kill-at N`` SIGKILLs the process right

@@ -207,12 +207,67 @@ def load_checkpointables(
     parent, name = split_url(where)
     try:
         return load(parent, name, items, options)
+    except MissingKeyError as exc:
+        hinted_key = hint_item_layout(exc, parent, name)
+        if hinted_key is exc:
+            raise
+        raise hinted_key from exc
     except CheckpointNotFoundError as exc:
         step = parse_step(name)
         hinted = exc if step is None else hint_held_in_memory(exc, parent, step)
         if hinted is exc:
+            hinted = hint_run_layout(exc, where)
+        if hinted is exc:
             raise
         raise hinted from exc
+
+
+def hint_run_layout(exc: CheckpointNotFoundError, where: str, *,
+                    newest: str = "the newest that loads with fallback=True (or Checkpointer(dir, read_only=True)"
+                                  ".load_pytree(template=...))") -> CheckpointNotFoundError:
+    """Given a Checkpointer's run directory, or a step folder it does not have (``step_1`` for
+    ``step_00000001``), say which steps are there: "no manifest" alone does not tell a newcomer."""
+    try:
+        steps = committed_steps(open_storage(where))
+        if steps:
+            path = f"{where.rstrip('/')}/{step_name(steps[-1])}"
+            return CheckpointNotFoundError(
+                f"{exc.message}; this is a run directory (a Checkpointer's) with {len(steps)} committed step(s) "
+                f"({_few(steps)}): load one, e.g. {path!r}, or {newest}", path=exc.path, key=exc.key)
+        parent, name = split_url(where)
+        steps = committed_steps(open_storage(parent)) if parent else []
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if not steps:
+        return exc
+    return CheckpointNotFoundError(
+        f"{exc.message}; {parent.rstrip('/')} has no {name!r} but holds committed steps {_few(steps)}, named like "
+        f"{step_name(steps[-1])!r}", path=exc.path, key=exc.key)
+
+
+def hint_item_layout(exc: MissingKeyError, parent: str, name: str) -> MissingKeyError:
+    """A checkpoint of named items loaded with ``load_pytree`` (or a pytree one with named items):
+    "no item 'pytree'" does not say which function saved it, nor which one loads it."""
+    if exc.key is None or "/" in exc.key:
+        return exc  # a key inside an item: the template's business
+    if exc.key == PYTREE:
+        return MissingKeyError(f"{exc.message}; it was saved with save_checkpointables (named items): load it with "
+                               "load_checkpointables(path) or load_checkpointables(path, {name: template}) "
+                               "(a Checkpointer: ckpt.load_checkpointables(step, {name: template}))",
+                               path=exc.path, key=exc.key)
+    try:
+        saved = set(read_manifest(open_storage(parent), name, path=exc.path or name).items)
+    except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets
+        return exc
+    if saved != {PYTREE}:
+        return exc
+    return MissingKeyError(f"{exc.message}; it was saved with save_pytree: load it with load_pytree(path) or "
+                           f"load_pytree(path, {{{exc.key!r}: template, ...}}) (its tree's keys)",
+                           path=exc.path, key=exc.key)
+
+
+def _few(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
 
 
 def hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:
@@ -320,7 +375,13 @@ def load_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     where = _path(path)
     parent, name = split_url(where)
-    return dict(read_manifest(open_storage(parent), name, path=where).metadata)
+    try:
+        return dict(read_manifest(open_storage(parent), name, path=where).metadata)
+    except CheckpointNotFoundError as exc:
+        hinted = hint_run_layout(exc, where, newest="the newest with Checkpointer(dir, read_only=True).metadata()")
+        if hinted is exc:
+            raise
+        raise hinted from exc
 
 
 # -- the shared engines' buffers ---------------------------------------------------------------
@@ -348,6 +409,9 @@ def prepare(tree: Any = None, *, items: dict[str, Any] | None = None, options: S
     """
     if (tree is None) == (items is None):
         raise InvalidArgumentError("pass exactly one of tree or items=", argument="items")
+    if items is not None:
+        check_items(items)  # a list failed in dict() with a bare TypeError
+    check_instance("options", options, SaveOptions)
     eng = _engine(options)
     nbytes = eng.prepare(dict(items) if items is not None else {PYTREE: tree})
     eng.writer_ready(_WRITER_READY_TIMEOUT_S)

@@ -23,7 +23,7 @@ from zerostall.advice import (
     SaveKind,
     advise,
 )
-from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, load_newest_valid
+from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, hint_item_layout, load_newest_valid
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
@@ -35,19 +35,21 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
     KeeperPersistError,
+    MissingKeyError,
     NoValidCheckpointError,
     ReadOnlyError,
     StorageError,
+    WriterError,
     ZerostallError,
 )
-from zerostall.manifest import parse_manifest
+from zerostall.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.persist.keeperfail import take_markers
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
-from zerostall.storage import local_path, open_storage
+from zerostall.storage import Storage, local_path, open_storage
 from zerostall.storage.image import open_image
 from zerostall.validate import (
     check_bool,
@@ -206,6 +208,7 @@ class Checkpointer:
             if self.read_only and local is not None and not os.path.isdir(local):
                 raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
                                               path=self.directory)
+            _refuse_a_checkpoint_as_run(self._storage, self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
             self.gc_report = collect_at_start(self._storage) if not self.read_only else None
             if keeper is not None and not self.read_only:
@@ -258,6 +261,9 @@ class Checkpointer:
         if (items is None) == (tree is None):
             raise InvalidArgumentError("pass exactly one of items or tree=", argument="items", path=self.directory)
         self._check_writable(None)
+        self._check_open(None)
+        if items is not None:
+            check_items(items, self.directory)
         return self._engine.prepare(dict(items) if items is not None else {PYTREE: tree})
 
     def save_checkpointables_async(self, step: int, items: dict[str, Any], *,
@@ -274,6 +280,7 @@ class Checkpointer:
         step = check_step(step, path=self.directory)
         check_items(items, self._step_path(step))
         self._check_writable(step)
+        self._check_open(step)
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
         persist = True
@@ -495,7 +502,13 @@ class Checkpointer:
         ``fallback=True``: the newest step from ``step`` down that loads (see :meth:`load_checkpointables`).
         """
         _check_load_step(step, self.directory, "load_pytree", "template")
-        return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+        try:
+            return self.load_checkpointables(step, {PYTREE: template}, fallback=fallback)[PYTREE]
+        except MissingKeyError as exc:
+            hinted = hint_item_layout(exc, "", "")  # only the "no item 'pytree'" hint: no manifest read
+            if hinted is exc:
+                raise
+            raise hinted from exc
 
     def _agreed_steps(self) -> list[int]:
         steps = self.steps()
@@ -616,9 +629,19 @@ class Checkpointer:
 
     def _check_writable(self, step: int | None) -> None:
         if self.read_only:
-            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save",
+            raise ReadOnlyError("this Checkpointer was opened with read_only=True; it does not save or delete "
+                                "(it lists and loads)",
                                 errno=errno.EROFS, path=self.directory if step is None
                                 else f"{self.directory.rstrip('/')}/{step_name(step)}")
+
+    def _check_open(self, step: int | None) -> None:
+        """A save after close() (or after its with block) names the directory and what to do; the
+        engine's own "this saver is closed" named neither."""
+        if self._engine.closed:
+            raise WriterError("this Checkpointer is closed (by close() or the end of its with block) and no "
+                              "longer saves; create a new zerostall.Checkpointer for this directory to save "
+                              "again (loading and listing still work)",
+                              path=self.directory if step is None else self._step_path(step))
 
     # -- metadata and deletion (issue 12) ----------------------------------------------------
 
@@ -690,6 +713,9 @@ class Checkpointer:
             raise InvalidArgumentError("this host's memory tier holds this step; it cannot be deleted until a newer "
                                        "step replaces it", argument="step", path=path)
         if step not in committed_steps(self._storage):
+            if self._engine.in_flight(path):  # "no committed step" for the step just saved puzzled a newcomer
+                raise CheckpointNotFoundError("no committed step to delete: its save is still in flight; wait for it "
+                                              "(response.result() or ckpt.wait()), then delete", path=path)
             raise CheckpointNotFoundError("no committed step to delete", path=path)
         try:
             delete_checkpoint(self._storage, step_name(step))
@@ -922,3 +948,17 @@ def _hint_steps(exc: CheckpointNotFoundError, steps: list[int]) -> CheckpointNot
     more = f" (the newest {min(len(steps), 10)} of {len(steps)})" if len(steps) > 10 else ""
     return CheckpointNotFoundError(f"{exc.message}; committed steps here: {held}{more}", path=exc.path, key=exc.key,
                                    rank=exc.rank)
+
+
+def _refuse_a_checkpoint_as_run(storage: Storage, directory: str) -> None:
+    """``Checkpointer("run/step_00000100")`` (or a ``save_pytree`` output) listed nothing, and its
+    saves nested new ``step_*`` folders inside that committed checkpoint (newcomer round 4)."""
+    try:
+        inside = storage.exists(MANIFEST_NAME)
+    except OSError:
+        return  # cannot tell: check_reachable / the first save reports the storage itself
+    if inside:
+        raise InvalidArgumentError(
+            "this directory is itself a committed checkpoint (it holds manifest.json): a Checkpointer takes the run "
+            "directory that holds step_* checkpoints (here, probably its parent); load this one with "
+            "zerostall.load_pytree(path) or zerostall.load_checkpointables(path)", path=directory, argument="directory")

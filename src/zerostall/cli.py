@@ -83,13 +83,18 @@ def _run_dir(arg: str) -> Storage:
 def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     storage = _run_dir(args.dir)
     names = storage.list("")
-    steps = set(committed_steps(storage))
+    unreadable: list[int] = []
+    steps = set(committed_steps(storage, unreadable=unreadable))
     rows = []
     unfinished = []
     blocked: list[str] = []
     for n in names:
         if TMP_MARK in n or DEL_MARK in n:
             unfinished.append(n)
+            continue
+        if parse_step(n) in unreadable:  # its manifest may exist: not PARTIAL, but not readable either
+            rows.append({"name": n, "step": parse_step(n), "ok": False,
+                         "error": _unreadable_step(storage, n)})
             continue
         if not storage.exists(f"{n}/{MANIFEST_NAME}"):
             if parse_step(n) is not None:
@@ -117,6 +122,16 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
             "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
             "memory_only": memory_only, "is_checkpoint": storage.exists(MANIFEST_NAME),
             "keeper_failed": keeper_failed}
+
+
+def _unreadable_step(storage: Storage, name: str) -> str:
+    """Why a step folder's manifest could not even be checked (permission denied, say)."""
+    try:
+        storage.exists(f"{name}/{MANIFEST_NAME}")
+    except OSError as exc:
+        return (f"[{errno.errorcode.get(exc.errno or 0, exc.errno)}] cannot check its {MANIFEST_NAME}: "
+                f"{exc.strerror or exc} (fix the permissions, or run as the user who saved it)")
+    return "unreadable"
 
 
 def _marker_file(storage: Storage, rank: int) -> str:
@@ -206,6 +221,14 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
                                        overwrite=args.force, progress=progress)
     except CheckpointNotFoundError as exc:
         raise _hint_run_directory(_url(args.checkpoint), exc) from exc
+    except UnsupportedFormatError as exc:
+        if not exc.message.startswith("no handler named"):
+            raise
+        # "register it ... before loading" cannot be done from the command line: say what can
+        raise UnsupportedFormatError(
+            f"{exc.message}; the command line registers no handlers: export to a .safetensors file (custom "
+            "leaves stay encoded there), or call zerostall.interop.export_checkpoint from Python after "
+            "registering the handler", path=exc.path, key=exc.key) from exc
     return dataclasses.asdict(report)
 
 
@@ -486,7 +509,9 @@ def _run_steps(url: str) -> list[int]:
         storage = open_storage(url)
         if storage.exists(MANIFEST_NAME):
             return []  # a checkpoint itself
-        return committed_steps(storage)
+        unreadable: list[int] = []
+        # a step folder we may not read is verified too: it fails there, naming why
+        return sorted(committed_steps(storage, unreadable=unreadable) + unreadable)
     except (OSError, ZerostallError):
         return []  # not a run directory: the single-checkpoint path reports the real error
 
@@ -527,6 +552,12 @@ def cmd_rm(args: argparse.Namespace) -> dict[str, Any]:
     else:
         targets = [_url(p) for p in args.paths]
     removed = []
+    for path in targets:  # every target checked first: `rm A B` with B mistyped removed A, said nothing of it
+        root, name = split_url(path)
+        if not open_storage(root).exists(f"{name}/{MANIFEST_NAME}"):
+            hinted = _hint_run_directory(path, CheckpointNotFoundError(
+                "no committed checkpoint to delete (no manifest)", path=path))
+            raise CheckpointNotFoundError(f"{hinted.message}; nothing was deleted", path=path)
     for path in targets:
         root, name = split_url(path)
         storage = open_storage(root)

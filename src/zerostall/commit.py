@@ -93,8 +93,14 @@ def is_committed(storage: Storage, name: str) -> bool:
     return storage.exists(f"{name}/{MANIFEST_NAME}")
 
 
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps under the storage root whose manifest exists, ascending."""
+def committed_steps(storage: Storage, *, unreadable: list[int] | None = None) -> list[int]:
+    """Steps under the storage root whose manifest exists, ascending.
+
+    A step folder whose manifest cannot be checked (permission denied) raises ``StorageError``
+    naming it, rather than being skipped (which made an older step look like the newest); pass
+    ``unreadable=[]`` to collect such steps there instead (``zerostall list`` / ``verify DIR``
+    report them one by one).
+    """
     try:
         names = storage.list("")
     except FileNotFoundError:
@@ -102,7 +108,23 @@ def committed_steps(storage: Storage) -> list[int]:
     out = []
     for n in names:
         s = parse_step(n)
-        if s is not None and is_committed(storage, n):
+        if s is None:
+            continue
+        try:
+            committed = is_committed(storage, n)
+        except StorageError:
+            if unreadable is None:
+                raise
+            unreadable.append(s)
+            continue
+        except OSError as exc:
+            if unreadable is None:
+                raise StorageError(f"cannot tell whether {n} is committed (its {MANIFEST_NAME}: "
+                                   f"{exc.strerror or exc}); fix the permissions or remove it",
+                                   errno=exc.errno, path=f"{storage.url.rstrip('/')}/{n}") from exc
+            unreadable.append(s)
+            continue
+        if committed:
             out.append(s)
     return sorted(out)
 

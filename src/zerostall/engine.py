@@ -112,6 +112,11 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
+    def in_flight(self, path: str) -> bool:
+        """Whether a save of ``path`` is still in flight (not committed or failed yet)."""
+        with self._lock:
+            return any(r.stats.path == path for r in self._inflight)
+
     def _plan(self, flat: FlatState, rank: int) -> tuple[Plan, tuple[LeafRow, ...]]:
         with self._lock:
             if rank != self._rank:  # plans name the rank's file

@@ -12,6 +12,7 @@ schedulers, user objects), or objects of a type with a registered :class:`LeafHa
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -292,7 +293,9 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         for k, v in obj.items():
             if type(k) not in (str, int):
                 raise UnsupportedLeafError(
-                    f"dict keys must be str or int, got {type(k).__name__} {k!r}", key=key)
+                    f"dict keys must be str or int, got {type(k).__name__} {k!r}"
+                    + (f": use {'str' if isinstance(k, str) else 'int'}(key)" if isinstance(k, (str, int, np.integer))
+                       else ""), key=key)
             keys.append(k)
             values.append(_flatten(v, key_join(key, k), leaves, depth + 1))
         return {"type": "dict", "keys": keys, "values": values}
@@ -325,7 +328,9 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
 
     name = torch_dtype_name(t.dtype)
     if name is None:
-        raise UnsupportedLeafError(f"tensor dtype {t.dtype} has no safetensors equivalent", key=key)
+        fix = ("save t.dequantize(), or t.int_repr() with t.q_scale() and t.q_zero_point()" if t.is_quantized
+               else "convert it first (t.to(torch.complex64) for complex32, say) or register a handler")
+        raise UnsupportedLeafError(f"tensor dtype {t.dtype} has no safetensors equivalent: {fix}", key=key)
     if t.layout != torch.strided:
         raise UnsupportedLeafError(f"only dense (strided) tensors can be saved, got layout {t.layout}", key=key)
     if t.is_quantized or t.device.type == "meta":
@@ -334,6 +339,8 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
         raise UnsupportedLeafError("DTensor leaves need the torch.distributed save path", key=key)
     shape = tuple(int(s) for s in t.shape)
     nbytes = t.numel() * ITEMSIZE[name]
+    if nbytes == 0:
+        _check_empty_shape(shape, ITEMSIZE[name], key)
     leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t, shared))
     return {"type": "array", "leaf": len(leaves) - 1}
 
@@ -341,9 +348,36 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
 def _numpy_leaf(a: np.ndarray, key: str, leaves: list[ArrayLeaf], kind: LeafKind) -> Node:
     name = numpy_dtype_name(a.dtype)
     if name is None:
-        raise UnsupportedLeafError(f"numpy dtype {a.dtype} cannot be saved (object, string or big-endian)", key=key)
+        raise UnsupportedLeafError(f"numpy dtype {a.dtype} cannot be saved (object, string or big-endian): "
+                                   f"{_numpy_fix(a)}", key=key)
+    if a.nbytes == 0:
+        _check_empty_shape(tuple(int(s) for s in a.shape), ITEMSIZE[name], key)
     leaves.append(ArrayLeaf(key, kind, name, tuple(int(s) for s in a.shape), int(a.nbytes), a))
     return {"type": "array", "leaf": len(leaves) - 1}
+
+
+# manifest.MAX_SIZE (a sibling layer): the largest byte count a manifest may describe
+_MAX_SIZE = 2**63 - 1
+
+
+def _check_empty_shape(shape: tuple[int, ...], itemsize: int, key: str) -> None:
+    """An empty array of a shape torch or numpy could never allocate (``torch.empty(0, 2**62)``)
+    was saved and committed, then refused by every load as a malformed manifest."""
+    if math.prod(max(d, 1) for d in shape) * itemsize > _MAX_SIZE:
+        raise UnsupportedLeafError(f"empty array of shape {list(shape)}: its other dimensions multiply past "
+                                   "2**63 bytes, which no load could allocate; save a smaller empty shape",
+                                   key=key)
+
+
+def _numpy_fix(a: np.ndarray) -> str:
+    """What to store instead of a numpy value of a dtype safetensors has no name for."""
+    if a.dtype.kind in "USO":
+        return "store x.item() (a Python value) instead" if a.ndim == 0 else "store x.tolist() (Python values) instead"
+    if a.dtype.kind in "Mm":
+        return "store x.astype('int64') (and its unit) instead"
+    if a.dtype.byteorder not in "=|" and a.dtype.newbyteorder("=") != a.dtype:
+        return "store x.astype(x.dtype.newbyteorder('=')) (native byte order) instead"
+    return "convert it to a numeric dtype, or register a handler with zerostall.register_handler"
 
 
 def _custom_leaf(obj: Any, handler: LeafHandler, key: str, leaves: list[ArrayLeaf]) -> Node:

@@ -102,11 +102,18 @@ def is_pytree_node_type(t: type) -> bool:
     return t in _jax_tree_util._registry and not issubclass(t, _BUILTIN_NODES)
 
 
+# what to do is the point: save before the step that donates (docs/integrations.md, "donation")
+_DELETED = ("this jax.Array was deleted or donated to a computation before the save: save the state before "
+            "the jitted step that donates it (donate_argnums), and call wait_staged() on the save's response "
+            "before that step")
+
+
 def _dtype_name(dtype: Any, key: str) -> str:
     # jax's dtype names (bfloat16, float8_e4m3fn, ...) are torch's, which dtypes already maps
     name = torch_dtype_name(np.dtype(dtype).name)
     if name is None:
-        raise UnsupportedLeafError(f"jax dtype {dtype} has no safetensors equivalent", key=key)
+        raise UnsupportedLeafError(f"jax dtype {dtype} has no safetensors equivalent: store it widened "
+                                   "(x.astype(jnp.int8) for int4, say) or register a handler", key=key)
     return name
 
 
@@ -166,7 +173,7 @@ def _donated(key: str) -> DonatedArrayError:
 
 def _host_leaf(a: Any, key: str, name: str, leaves: list[ArrayLeaf], *, shared: bool = True) -> int:
     if a.is_deleted():
-        raise UnsupportedLeafError("this jax.Array was deleted or donated to a computation before the save",
+        raise UnsupportedLeafError(_DELETED,
                                    key=key)
     if any(d.platform != "cpu" for d in a.sharding.device_set):
         a.copy_to_host_async()  # all transfers in flight before staging waits for the first one
@@ -190,7 +197,7 @@ def flatten_array(a: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str, Any]:
     """
     if _is_key_dtype(a.dtype):
         if a.is_deleted():
-            raise UnsupportedLeafError("this jax.Array was deleted or donated to a computation before the save",
+            raise UnsupportedLeafError(_DELETED,
                                        key=key)
         a = jax.random.key_data(a)  # typed PRNG keys: their uint32 words (a trailing axis more)
     name = _dtype_name(a.dtype, key)

@@ -423,6 +423,11 @@ class ZerostallCheckpointIO(CheckpointIO):
 
     def __init__(self, save_options: SaveOptions | None = None, load_options: LoadOptions | None = None) -> None:
         super().__init__()
+        for name, value, cls in (("save_options", save_options, SaveOptions), ("load_options", load_options, LoadOptions)):
+            if value is not None and not isinstance(value, cls):  # a dict failed later, as AttributeError
+                raise ArgumentTypeError(f"ZerostallCheckpointIO {name} must be a zerostall.{cls.__name__} or None, got "
+                                        f"{type(value).__name__}: pass {name}=zerostall.{cls.__name__}(...)",
+                                        argument=name)
         self.save_options = _per_process(save_options or SaveOptions())
         self.load_options = _per_process(load_options or LoadOptions())
         self._init_runtime()
@@ -462,6 +467,9 @@ class ZerostallCheckpointIO(CheckpointIO):
             raise ArgumentTypeError(f"{type(self).__name__} takes no storage_options; configure it with "
                                     "ZerostallCheckpointIO(save_options=zerostall.SaveOptions(...))")
         p = _local_path(path)
+        if not isinstance(checkpoint, dict):  # Lightning passes dump_checkpoint()'s dict; a list failed as AttributeError
+            raise ArgumentTypeError(f"checkpoint must be a dict (what Lightning's dump_checkpoint returns), got "
+                                    f"{type(checkpoint).__name__}", argument="checkpoint", path=p)
         conversions: list[list[Any]] = []
         try:
             tree = _encode(checkpoint, [], conversions)

@@ -140,6 +140,12 @@ class ReadPlanner:
             raise self.mismatch(key, "shape", list(leaf.shape), list(t.shape))
         if leaf.nbytes == 0:
             return lambda: t
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+            # An expand()ed / broadcast view: torch refuses to write it only after every byte was
+            # read, with a message that names no key. Refuse it here, naming the key.
+            raise MismatchError("the template tensor is an expand()ed (broadcast) view whose elements share "
+                                f"memory (strides {list(t.stride())}), so it cannot be loaded in place: pass a "
+                                "tensor with its own memory, e.g. t.clone()", path=self.path, key=key)
         if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
             # Read straight into the template's memory: no second full-size buffer.
             dest = t.detach().reshape(-1).view(torch.uint8).numpy()
@@ -215,7 +221,12 @@ class ReadPlanner:
             inner = self.build(node, target.state_dict(), key, follow_checkpoint=True)
 
             def load() -> Any:
-                target.load_state_dict(inner())
+                try:
+                    target.load_state_dict(inner())
+                except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                    # which object refused its state: the outer handler knew only the checkpoint
+                    raise MismatchError(f"{type(target).__name__}.load_state_dict refused the restored state: "
+                                        f"{type(exc).__name__}: {exc}", path=self.path, key=key) from exc
                 return target
             return load
         for reader in _READERS:
@@ -354,8 +365,11 @@ class ReadPlanner:
         try:
             return handler.decode(value)
         except Exception as exc:
-            raise CorruptCheckpointError(f"handler {handler.name!r} could not decode: {exc}",
-                                         path=self.path, key=key) from exc
+            # Not corruption (the bytes were read whole and, when verified, matched): the handler's
+            # bug. As CorruptCheckpointError, fallback=True skipped the step and silently loaded an older one.
+            raise UnsupportedFormatError(f"handler {handler.name!r} could not decode the saved value "
+                                         f"({type(exc).__name__}: {exc}): fix its decode, or register the handler "
+                                         "version that saved it", path=self.path, key=key) from exc
 
     def _dict(self, node: dict[str, Any], tmpl: Any, key: str, follow: bool) -> Thunk:
         saved = dict(zip(node["keys"], node["values"], strict=True))

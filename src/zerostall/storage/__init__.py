@@ -48,6 +48,14 @@ def local_path(url: str) -> str | None:
     if _scheme_of(url) != "file":
         return None
     path = url.removeprefix("file://")
+    if url.startswith("file://") and not path.startswith("/"):
+        # file://tmp/run named a directory "tmp/run" under the working directory, silently
+        host, _, rest = path.partition("/")
+        if host != "localhost":
+            raise InvalidArgumentError(f"a file:// URL takes an absolute path after its two slashes "
+                                       f"(file:///{path}, three slashes, or a plain path); {url!r} names host "
+                                       f"{host!r}", path=url)
+        path = "/" + rest
     return posixpath.normpath(posixpath.abspath(posixpath.expanduser(path)))
 
 

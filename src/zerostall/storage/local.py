@@ -17,6 +17,9 @@ import numpy as np
 
 from zerostall.storage.release import unmap_later
 
+# lstat errors that do not mean "not there" (exists() raises them instead of answering False)
+_CANNOT_TELL = frozenset({errno.EACCES, errno.EPERM, errno.EIO})
+
 __all__ = ["LocalStorage", "MappedFile"]
 
 _ALIGN = 4096
@@ -311,7 +314,17 @@ class LocalStorage:
         return os.stat(self._p(key)).st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.lexists(self._p(key))
+        try:
+            os.lstat(self._p(key))
+        except OSError as exc:
+            # os.path.lexists says False for a manifest it may not stat (EACCES): a committed step
+            # then looked absent, and a load silently took an older one. Say so, as S3 does (403).
+            if exc.errno in _CANNOT_TELL:
+                raise
+            return False
+        except ValueError:  # a NUL in the name: no such file can exist
+            return False
+        return True
 
     def list(self, prefix: str) -> list[str]:
         try:
