@@ -358,3 +358,21 @@ def test_deleting_a_step_whose_save_is_in_flight_says_so(tmp_path: Path, monkeyp
         r.result()
         ckpt.delete(1)
         assert ckpt.steps() == []
+
+
+def test_cli_list_of_a_directory_of_runs_names_the_runs_below(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A Lightning ModelCheckpoint dirpath holds one zerostall run per checkpoint name: `zerostall
+    # list ckpts` said only "no committed checkpoints in ckpts".
+    from zerostall.cli import main
+
+    ckpts = tmp_path / "ckpts"
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        zerostall.save_pytree(ckpts / name / "step_00000001", {"w": torch.ones(2)})
+    (ckpts / "notes").mkdir()
+    assert main(["list", str(ckpts)]) == 0
+    out = capsys.readouterr().out
+    assert "no committed checkpoints" in out
+    assert "epoch=0-step=4.ckpt (1 step(s)), last.ckpt (1 step(s))" in out and "notes" not in out
+    assert main(["list", str(ckpts), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [b["name"] for b in doc["runs_below"]] == ["epoch=0-step=4.ckpt", "last.ckpt"]

@@ -118,10 +118,32 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
     keeper_failed = [{"step": f.step, "rank": f.rank, "path": f.path, "error": str(as_error(f).cause),
                       "marker": _marker_file(storage, f.rank)}
                      for f in read_markers(storage, storage.url)]
+    is_checkpoint = storage.exists(MANIFEST_NAME)
     return {"dir": storage.url, "checkpoints": rows, "latest_step": max(steps) if steps else None,
             "unfinished": unfinished, "partial": blocked, "ok": all(r["ok"] for r in rows),
-            "memory_only": memory_only, "is_checkpoint": storage.exists(MANIFEST_NAME),
-            "keeper_failed": keeper_failed}
+            "memory_only": memory_only, "is_checkpoint": is_checkpoint,
+            "keeper_failed": keeper_failed,
+            "runs_below": _runs_below(storage, names) if not rows and not blocked and not is_checkpoint else []}
+
+
+def _runs_below(storage: Storage, names: list[str]) -> list[dict[str, Any]]:
+    """Subdirectories that hold committed steps themselves (a Lightning ModelCheckpoint dirpath holds
+    ``epoch=3-step=40.ckpt/step_00000001``): "no committed checkpoints" alone sent a newcomer away."""
+    out: list[dict[str, Any]] = []
+    for n in names[:_RUNS_BELOW_LOOKED_AT]:
+        if parse_step(n) is not None or TMP_MARK in n or DEL_MARK in n or n.startswith("."):
+            continue
+        try:
+            steps = committed_steps(open_storage(f"{storage.url.rstrip('/')}/{n}"))
+        except (OSError, ZerostallError):
+            continue
+        if steps:
+            out.append({"name": n, "steps": len(steps), "latest_step": steps[-1]})
+    return out
+
+
+#: how many entries of a directory without checkpoints `zerostall list` looks into for runs below it
+_RUNS_BELOW_LOOKED_AT = 64
 
 
 def _unreadable_step(storage: Storage, name: str) -> str:
@@ -275,6 +297,10 @@ def _print_list(r: dict[str, Any]) -> None:
     if r.get("is_checkpoint"):
         _out(f"({r['dir']} is itself a checkpoint: zerostall inspect or zerostall verify shows it; "
              "zerostall list takes the directory that holds checkpoints)")
+    if r.get("runs_below"):
+        below = ", ".join(f"{b['name']} ({b['steps']} step(s))" for b in r["runs_below"])
+        _out(f"(these subdirectories hold committed checkpoints: {below}; "
+             f"zerostall list {r['dir'].rstrip('/')}/NAME lists one)")
     for row in r["checkpoints"]:
         if row["ok"]:
             _out(f"{row['name']:<24} {_size(row['nbytes']):>10} {row['leaves']:>7} leaves  {row['created'] or ''}")
