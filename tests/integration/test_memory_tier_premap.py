@@ -193,3 +193,31 @@ def test_a_corrupted_step_is_still_caught(tmp_path: Path) -> None:
         assert "zsimage" not in str(err.value)
         assert ck._premap.reused == 1  # the pre-mapped bytes, verified by the load as before
         assert tmpl["w"].tobytes() == state(0)["w"].tobytes()  # all or nothing
+
+
+def test_a_forked_child_does_not_inherit_the_premapped_step(tmp_path: Path) -> None:
+    """A DataLoader's workers fork after the load: their copy of the mapping would keep the
+    step's memory alive after the next save lets go of it."""
+    d = tmp_path / "run"
+    _killed_trainer(d)
+    with Checkpointer(d, memory_tier=_memory(every=1000)) as ck:
+        _assert_state(ck.load_pytree(3), state(3))
+        inodes = _held_inodes(ck)
+        assert len(_mappings_of(inodes)) == len(inodes)  # held here, for the next load
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its mappings of the step, then close what it inherited
+            try:
+                n = len(_mappings_of(inodes))
+                assert ck._premap is not None
+                ck._premap.close()
+                os.write(w, f"{n}".encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            got = f.read()
+        assert os.waitpid(pid, 0)[1] == 0
+        assert got == "0"
+        _assert_state(ck.load_pytree(3), state(3))  # the parent's mapping is untouched
+        assert ck._premap is not None and ck._premap.reused == 2

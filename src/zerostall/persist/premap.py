@@ -50,6 +50,7 @@ class Premap:
         self._manifest: str | None = None
         #: set once the thread has mapped the step (or given up): a load waits for this only
         self._mapped = threading.Event()
+        self._pid = os.getpid()  # a forked child has no mapping (storage.image: MADV_DONTFORK)
         self._last: ImageStorage | None = None  # kept for :attr:`populated` after close()
         #: how many loads used this mapping instead of mapping the step again
         self.reused = 0
@@ -89,7 +90,7 @@ class Premap:
     def take(self, img: Image, fds: list[int]) -> ImageStorage | None:
         """The mapping of ``img`` if this holds it (``fds`` are then closed), else None (``fds``
         untouched). Waits for the thread to have mapped the step, not for its pre-fault."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:
             return None
         # The thread's query came first (the writer serialises queries) and its mapping is a
         # few system calls away: waiting is shorter than mapping again.
@@ -106,6 +107,9 @@ class Premap:
 
     def close(self) -> None:
         """Unmap (stopping a pre-fault that still runs); a load using the mapping must have ended."""
+        if os.getpid() != self._pid:  # a forked child: nothing mapped here, and the lock may be held
+            self._closed, self._image = True, None
+            return
         with self._lock:
             self._closed = True
             image, self._image = self._image, None

@@ -13,6 +13,7 @@ import itertools
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -26,6 +27,9 @@ SCHEME = "zsimage"
 _IMAGES: dict[str, ImageStorage] = {}
 _LOCK = threading.Lock()
 _tokens = itertools.count(1)
+_LIVE: weakref.WeakSet[ImageStorage] = weakref.WeakSet()
+#: a forked child's inherited images' mappings, never unmapped there (see :func:`_forget_in_child`)
+_FORKED: list[object] = []
 
 
 class ImageStorage:
@@ -55,6 +59,10 @@ class ImageStorage:
             for fname, length, size, fd in files:
                 m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
                 self._maps.append(m)
+                if hasattr(mmap, "MADV_DONTFORK"):
+                    # A child forked meanwhile (a DataLoader's workers) must not inherit it: its
+                    # mapping would keep the step's memory alive after the keeper let go of it.
+                    m.madvise(mmap.MADV_DONTFORK)
                 self._views[f"{name}/data/{fname}"] = memoryview(m)[:length]
         finally:
             for *_, fd in files:
@@ -63,6 +71,7 @@ class ImageStorage:
         self.url = f"{SCHEME}://{self.token}"
         with _LOCK:
             _IMAGES[self.token] = self
+            _LIVE.add(self)
 
     def close(self) -> None:
         self._stop.set()
@@ -244,6 +253,20 @@ def open_image(name: str, manifest: bytes, files: Sequence[tuple[str, int, int, 
 
 
 register_scheme(SCHEME, _open)
+
+
+def _forget_in_child() -> None:
+    """In a forked child the images are not mapped (``MADV_DONTFORK``): drop them without
+    unmapping, since an ``mmap`` object's close would unmap whatever the child put there since."""
+    for img in list(_LIVE):
+        _FORKED.append((img._maps, img._views))
+        img._maps, img._views = [], {}
+        img._populating = threading.Lock()  # a parent's thread may have held it at the fork
+    _IMAGES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class ImageMap:
