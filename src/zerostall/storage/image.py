@@ -99,12 +99,14 @@ class ImageStorage:
         """
         done = 0
         with self._populating:
-            for m in self._maps:
+            # Last byte first: a load that starts meanwhile copies first bytes first, so the two
+            # fault disjoint pages and meet once, instead of contending for the same page tables.
+            for m in reversed(self._maps):
                 if self._stop.is_set():
                     break
                 arr = np.frombuffer(m, dtype=np.uint8)
                 base = arr.ctypes.data
-                for a in range(0, len(arr), piece):
+                for a in reversed(range(0, len(arr), piece)):
                     if self._stop.is_set():
                         break
                     n = min(piece, len(arr) - a)
