@@ -86,6 +86,10 @@ class ImageStorage:
             unmap_later(m)
         self._maps = []
 
+    def stop_populating(self) -> None:
+        """Make a running (or later) :meth:`populate` return after its current piece."""
+        self._stop.set()
+
     def populate(self, piece: int = 64 << 20) -> int:
         """Fault every page of the mapped files into this process's page tables now, ``piece``
         bytes at a time; returns the bytes done (fewer when :meth:`close` stopped it).
@@ -99,8 +103,8 @@ class ImageStorage:
         """
         done = 0
         with self._populating:
-            # Last byte first: a load that starts meanwhile copies first bytes first, so the two
-            # fault disjoint pages and meet once, instead of contending for the same page tables.
+            # Last byte first: were a load to copy meanwhile (first bytes first), the two would
+            # fault disjoint pages.
             for m in reversed(self._maps):
                 if self._stop.is_set():
                     break
