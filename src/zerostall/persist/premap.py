@@ -117,7 +117,10 @@ class Premap:
             self._closed = True
             image, self._image = self._image, None
         if image is not None:
-            image.close()
+            try:
+                image.close()
+            except BufferError:  # a load on another thread still copies from it: unmapped when it lets go
+                log.debug("zerostall: the pre-mapped step is still in use; unmapped when the load ends")
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the background thread to end (the pre-fault done or stopped); False on timeout."""
