@@ -46,7 +46,7 @@ def _save_and_die(d: str, gib: float) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0) -> None:
+def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0, open_first: bool = False) -> None:
     t_start = time.perf_counter()
     import numpy as np
     import torch
@@ -57,16 +57,28 @@ def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0) -> None:
 
     torch.set_num_threads(2)
     t_import = time.perf_counter() - t_start
+    if open_first:  # as a trainer that opens its Checkpointer before it builds its model
+        t0 = time.perf_counter()
+        ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=0))
+        t_open = time.perf_counter() - t0
+    t_built = time.perf_counter()
     want = _state(gib)
     tmpl = {k: torch.zeros_like(v) for k, v in want.items()}  # type: ignore[arg-type]
+    t_built = time.perf_counter() - t_built
     nbytes = sum(v.numel() * 4 for v in tmpl.values())
-    t0 = time.perf_counter()
-    ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=0))
-    t_open = time.perf_counter() - t0
+    if not open_first:
+        t0 = time.perf_counter()
+        ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=1000, linger_s=0))
+        t_open = time.perf_counter() - t0
     adopted = ck._engine.writer.adopted
     t0 = time.perf_counter()
     ck.load_pytree(1, template=tmpl)  # the restart's load: waits for the keeper's check if still running
     t_first = time.perf_counter() - t0
+    premap = getattr(ck, "_premap", None)  # r4premap: the adopted keeper's step, mapped at adoption
+    premap_line = (f"    opened {'before' if open_first else 'after'} building the state and template "
+                   f"({t_built:.2f} s); pre-mapped at adoption: "
+                   + (f"{premap.populated / (1 << 30):.2f} GiB pre-faulted when the first load returned, "
+                      f"mapping reused by {premap.reused} load(s)" if premap is not None else "no"))
     got = ck._engine.writer.query_image()
     assert got is not None
     img, fds = got
@@ -117,6 +129,7 @@ def _restore(d: str, gib: float, repeats: int, ab_repeats: int = 0) -> None:
     print(f"    the same image checksummed by the trainer's load instead (before r2preverify): load "
           f"{', '.join(f'{t:.3f}' for t in loads_v)} s; load/memcpy median {statistics.median(ratios_v):.2f}x "
           f"({', '.join(f'{r:.2f}' for r in ratios_v)})", flush=True)
+    print(premap_line, flush=True)
     for name, got in (ab or {}).items():
         print(f"    A/B {name}: load/memcpy median {statistics.median(got):.2f}x ({', '.join(f'{r:.2f}' for r in got)})",
               flush=True)
@@ -169,6 +182,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--ab", type=int, default=0, metavar="N",
                     help="also N paired rounds of the load paths compared in docs/performance.md (r3restore)")
+    ap.add_argument("--open-first", action="store_true",
+                    help="the restarted process opens its Checkpointer (adopts the keeper) before it builds "
+                         "the state and template, not right before its first load")
     ap.add_argument("--child", choices=("save", "restore"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--at", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -176,7 +192,7 @@ def main() -> None:
         _save_and_die(args.at, args.gib[0])
         return
     if args.child == "restore":
-        _restore(args.at, args.gib[0], args.repeats, args.ab)
+        _restore(args.at, args.gib[0], args.repeats, args.ab, args.open_first)
         return
     for gib in args.gib:
         d = tempfile.mkdtemp(dir=args.dir)
@@ -185,8 +201,8 @@ def main() -> None:
             saver = subprocess.run([*me, "--child", "save"], capture_output=True, text=True, check=False)
             if saver.returncode != -signal.SIGKILL or "SAVED" not in saver.stdout:
                 raise SystemExit(f"the saving child failed ({saver.returncode}): {saver.stderr[-2000:]}")
-            subprocess.run([*me, "--child", "restore", "--repeats", str(args.repeats), "--ab", str(args.ab)],
-                           check=True)
+            subprocess.run([*me, "--child", "restore", "--repeats", str(args.repeats), "--ab", str(args.ab),
+                            *(["--open-first"] if args.open_first else [])], check=True)
         finally:
             shutil.rmtree(d, ignore_errors=True)
 

@@ -47,10 +47,11 @@ from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Reten
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.persist.keeperfail import take_markers
+from zerostall.persist.premap import Premap
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
-from zerostall.storage.image import open_image
+from zerostall.storage.image import ImageStorage, open_image
 from zerostall.validate import (
     check_bool,
     check_callable,
@@ -228,6 +229,9 @@ class Checkpointer:
             raise
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
+        #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
+        #: (persist.premap); released by the next save or close()
+        self._premap: Premap | None = Premap(self._engine.writer) if self._engine.writer.adopted else None
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -285,6 +289,7 @@ class Checkpointer:
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
+            self._drop_premap()  # the keeper lets go of the step it held once this one is in memory
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
                                         retention=self.retention, memory=True, persist=persist)
@@ -489,12 +494,24 @@ class Checkpointer:
             # with no checksum to fail, what can still fail (a key, shape or dtype the template
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
+        premapped = self._premap.take(img, fds) if self._premap is not None else None
+        if premapped is not None:  # mapped (and pre-faulted) when we adopted the keeper: kept
+            return self._load_image(premapped, step, items, opts)
         with open_image(img.name, img.manifest.encode(), files) as image:
-            try:
-                return load_items(image.url, img.name, items, opts)
-            except ZerostallError as exc:
-                _name_the_memory_step(exc, image.url, self._step_path(step))
-                raise
+            return self._load_image(image, step, items, opts)
+
+    def _load_image(self, image: ImageStorage, step: int, items: dict[str, Any] | None,
+                    opts: LoadOptions | None) -> dict[str, Any]:
+        try:
+            return load_items(image.url, image.name, items, opts)
+        except ZerostallError as exc:
+            _name_the_memory_step(exc, image.url, self._step_path(step))
+            raise
+
+    def _drop_premap(self) -> None:
+        premap, self._premap = getattr(self, "_premap", None), None
+        if premap is not None:
+            premap.close()
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.
@@ -595,6 +612,7 @@ class Checkpointer:
                 It is also in :attr:`keeper_failures`.
         """
         told = len(self._engine.writer.close_failures)
+        self._drop_premap()
         self._engine.close()
         self._engine.raise_failures()
         lost = self._engine.writer.close_failures[told:]

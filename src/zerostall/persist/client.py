@@ -416,15 +416,20 @@ class WriterClient:
         box.append(reply)
         self._image_event.set()
 
-    def query_image(self, timeout: float | None = 600.0) -> tuple[Image, list[int]] | None:
+    def query_image(self, timeout: float | None = 600.0, *,
+                    start: bool = True) -> tuple[Image, list[int]] | None:
         """The keeper's newest in-memory step and one descriptor per data file (the caller
         closes them); None when this writer is no keeper or is not running.
 
-        Answered after every job submitted before the call has finished.
+        Answered after every job submitted before the call has finished. ``start=False``: None
+        rather than starting a writer that is not running (a background query must not start
+        a keeper after the Checkpointer closed).
         """
         if self.keeper is None or self.kind is not WriterKind.PROCESS:
             return None
         with self._query_lock:
+            if not start and (not self.alive() or self._closing):
+                return None
             try:
                 self.start()
             except ZerostallError:

@@ -15,6 +15,9 @@ One more phase is not a save's: ``keeper_check``, where the memory tier's keeper
 the held step after its trainer died (:mod:`zerostall.persist.keeper`). And ``keeper_persist``,
 where the keeper starts persisting a memory-only step after its trainer died or closed (the
 trainer's own saves never reach it, so ``raise:ENOSPC`` there fails only that persist).
+And ``premap_populate``, in the restarted trainer itself (set it in its environment): after its
+background thread has mapped the adopted keeper's step and before it pre-faults it
+(:mod:`zerostall.persist.premap`), so a test can load while the pre-fault is still to run.
 
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with
