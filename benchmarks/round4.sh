@@ -7,6 +7,7 @@ PY=${PY:-$C/.venv/bin/python}
 run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /proc/loadavg))" >> $O/index.txt; "$@" > $O/$name.log 2>&1; echo "[$(date -u +%T)] $name rc=$?" >> $O/index.txt; }
 # issue 13: restart restore from memory (the first load after adoption: r4premap)
 run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
+run restart_openfirst $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp --open-first
 # issue 14: who copies an overlapped save (systems interleaved save by save), 1 GiB and 4 GiB;
 # at 4 GiB also with the forward/backward time a model of that size has (--accum)
 S=overlap_yield,overlap_normal,blocking
