@@ -65,7 +65,9 @@ CHUNK = 64 << 20
 #: training thread) covers every CPU of ``sched_getaffinity``, else ``"normal"``; ``"yield"``: the
 #: copier thread, and while the copy is in flight the saving thread runs torch's intra-op
 #: parallel regions on one thread fewer when they would cover every CPU (the copier gets a core
-#: of its own instead of stalling a barrier-synchronised OpenMP team; see :class:`_Yield`). In
+#: of its own instead of stalling a barrier-synchronised OpenMP team; see :class:`_Yield`). Opt-in:
+#: torch splits reductions by its thread count, so the iterations that run beside a copy may
+#: round differently, and a resumed run is no longer bit for bit an uninterrupted one. In
 #: every case the guard copies the pieces nobody has started. ``"normal"`` is the default because two
 #: consecutive quiet-machine runs showed no gain in training lost per save for ``"idle"`` and it
 #: leaves the whole copy to the guard when the trainer uses every core (docs/performance.md,
