@@ -1,7 +1,7 @@
 """Overlapped staging on CPU: what a save costs a trainer whose optimizer owns the checkpointed state.
 
     python -m benchmarks.overlap [--size 1G] [--saves 5] [--dir /tmp/zsov]
-                                 [--systems overlap,overlap_idle,blocking] [--accum 1]
+                                 [--systems overlap,overlap_idle,blocking] [--accum 1] [--threads 2]
 
 The trainer is the small transformer of ``benchmarks.dip`` (its own forward, backward and AdamW
 step each iteration). The checkpointed state is the synthetic state of ``--size``
@@ -219,10 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--accum", type=int, default=1,
                     help="forward/backward passes per step of the checkpointed state's optimizer (gradient "
                          "accumulation): the time a real model of that state's size would compute between steps")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="the trainer's torch intra-op threads (2: every core of this machine; 1 leaves the "
+                         "copier a core of its own, as a GPU trainer or one waiting on its data would)")
     args = ap.parse_args(argv)
     global ACCUM
     ACCUM = max(1, args.accum)
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(1, args.threads))
     size = parse_size(args.size)
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(5):
         trainer.step()
     state, big = owned_state(size)
-    measure.log(f"state {format_size(size)}; trainer iteration ({ACCUM} forward/backward per step) "
+    measure.log(f"state {format_size(size)}; trainer on {torch.get_num_threads()} thread(s); trainer iteration ({ACCUM} forward/backward per step) "
                 f"~{statistics.fmean(_iteration(trainer, big)[0] for _ in range(5)) * 1e3:.0f} ms")
     results = run_systems([n for n in args.systems.split(",") if n], trainer, state, big, args.saves, directory)
     for res in results:
