@@ -318,6 +318,41 @@ def test_compiled_step_runs_the_guard(ckdir):
                 assert torch.equal(got[k], expected[k])
 
 
+def test_step_compiled_by_inductor_runs_the_guard_eagerly(ckdir):
+    """The default backend: Dynamo used to trace the hook itself, on fake tensors whose version
+    counters read 0, so every overlapped save with a compiled step failed as torn, and the hook's
+    copy and wait did not run at run time. Found by the GPU test file's CPU dry run."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    case = _Case("adamw_foreach")
+    opt = case.opts[0]
+
+    @torch.compile
+    def compiled_step() -> None:
+        opt.step()
+
+    _forward_backward(case.model)
+    compiled_step()  # compiled before any hook exists, as in a real job
+    opt.zero_grad()
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for step in range(4):
+            expected = _snapshot(case.state())
+            if step % 2 == 0:
+                _gate(ckpt)  # the copy is still in flight when the compiled step runs
+            r = ckpt.save_pytree_async(step, {"model": case.model, "optim": opt})
+            _forward_backward(case.model)
+            compiled_step()
+            opt.zero_grad()
+            r.result()
+            got = ckpt.load_pytree(step)
+            _equal(expected["model"], got["model"], "model")  # type: ignore[index]
+            _equal(expected["optim"][0]["state"], got["optim"]["state"], "optim")  # type: ignore[index]
+    # the hook comes and goes with each save: a graph break, not a recompilation per save
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs <= 2
+
+
 def test_free_function_and_process_writer(tmp_path):
     case = _Case("adamw_foreach")
     case.step()

@@ -500,9 +500,15 @@ class Guard:
         """
         with self._lock:
             if self._handle is None:
+                import torch
                 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-                self._handle = register_optimizer_step_pre_hook(self._pre_step)
+                # Never traced: inside a torch.compile'd step Dynamo would otherwise trace this
+                # hook like the step itself, on fake tensors (every version counter reads 0, so
+                # each overlapped save failed as torn) and without its side effects at run time
+                # (no copy, no wait). Disabled, it is a graph break that runs eagerly each step.
+                hook = torch.compiler.disable(self._pre_step)  # type: ignore[no-untyped-call]
+                self._handle = register_optimizer_step_pre_hook(hook)
 
     def discard(self, task: OverlapTask) -> None:
         with self._lock:

@@ -1,0 +1,11 @@
+"""The GPU tests need CUDA: without it they stop at once (they are never collected by ``make test``)."""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("ZEROSTALL_GPUTEST_DEVICE", "cuda") == "cuda" and not torch.cuda.is_available():
+        pytest.exit("gputests need a CUDA device (scripts/gpu-session.sh run, on a machine with one)", returncode=2)

@@ -1,0 +1,36 @@
+#!/bin/bash
+# The GPU checks of a session that the device tool lends a CUDA machine (no network there; its
+# python3 has torch with CUDA, pytest, numpy, safetensors, xxhash, but not crc32c).
+#
+#   scripts/gpu-session.sh prepare       # here, with PyPI: the missing wheels into .whl/ (git-ignored)
+#   scripts/gpu-session.sh tests         # there (carry .whl): gputests/ + the overlap unit tests, on CUDA
+#   scripts/gpu-session.sh bench [ARGS]  # there (carry .whl): benchmarks/gpu.py ARGS (what make bench-gpu runs)
+#
+# Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu.
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+what=${1:-}; shift || true
+PYV=${GPU_PYTHON_VERSION:-3.12}
+case "$what" in
+  prepare)
+    ex=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$ex")" || exit 1
+    grep -qx '/.whl/' "$ex" 2>/dev/null || echo '/.whl/' >> "$ex"
+    mkdir -p .whl
+    ${PY:-python3} -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux1_x86_64 -d .whl "crc32c>=2.4" || exit 1
+    ls -l .whl
+    exit 0 ;;
+  tests|bench) ;;
+  *) sed -n 2,9p "$0"; exit 2 ;;
+esac
+out=${OUT:-/tmp/zerostall-gpu}; mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zs-site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD/src:$PWD:/tmp/zs-site PYTHONUNBUFFERED=1
+python3 -c "import torch, zerostall; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$out/env.txt"
+nvidia-smi >> "$out/env.txt" 2>&1
+if [ "$what" = tests ]; then
+  python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
+else
+  python3 benchmarks/gpu.py --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log"
+fi
