@@ -353,6 +353,48 @@ def test_step_compiled_by_inductor_runs_the_guard_eagerly(ckdir):
     assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs <= 2
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd_positional", "lbfgs"])
+def test_step_with_a_closure_orders_after_the_closure(ckdir, kind):
+    """Lightning's automatic optimization passes forward and backward to step() as a closure: the
+    guard orders the update after the closure's first call, so the copy overlaps that work too."""
+    model = _model()
+    if kind == "lbfgs":
+        opt: torch.optim.Optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    elif kind == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    copied_at_closure_start: list[bool] = []
+
+    def closure() -> torch.Tensor:
+        with GUARD._lock:
+            tasks = list(GUARD._tasks)
+        copied_at_closure_start.append(all(t.cpu_done.is_set() for t in tasks))
+        opt.zero_grad()
+        return _forward_backward(model)
+
+    def step() -> None:
+        if kind == "sgd_positional":
+            opt.step(closure)
+        else:
+            opt.step(closure=closure)
+
+    step()
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        for n in range(3):
+            expected = _snapshot({"model": model.state_dict(), "optim": opt.state_dict()})
+            _gate(ckpt, delay=0.3)  # the copier is held: only the guard could have copied
+            copied_at_closure_start.clear()
+            r = ckpt.save_pytree_async(n, {"model": model, "optim": opt})
+            step()
+            step()
+            assert copied_at_closure_start[0] is False  # the first closure ran beside the copy
+            r.result()
+            got = ckpt.load_pytree(n)
+            _equal(expected["model"], got["model"], "model")  # type: ignore[index]
+            _equal(expected["optim"]["state"], got["optim"]["state"], "optim")  # type: ignore[index]
+
+
 def test_free_function_and_process_writer(tmp_path):
     case = _Case("adamw_foreach")
     case.step()

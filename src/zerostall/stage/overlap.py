@@ -540,14 +540,59 @@ class Guard:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         note_optimizer(optimizer)
         with self._lock:
-            tasks = list(self._tasks)
-        for task in tasks:
-            if task.concerns(optimizer):
+            tasks = [t for t in self._tasks if t.concerns(optimizer)]
+
+        def order() -> None:
+            for task in tasks:
                 task.order_step()
-        self._settle()
+            self._settle()
+
+        later = _order_after_closure(optimizer, args, kwargs, order) if tasks else None
+        if later is not None:
+            return later
+        order()
+        return None
+
+
+def _order_after_closure(optimizer: Any, args: Any, kwargs: Any,
+                         order: Callable[[], None]) -> tuple[Any, Any] | None:
+    """A ``step(closure)`` of a torch optimizer, with ``order`` moved to the end of the closure's first call.
+
+    Lightning's automatic optimization (and LBFGS) passes the forward and backward pass to
+    ``step()`` as a closure: ordered before it, the step would wait for the copy before the very
+    work the copy should overlap. Every ``torch.optim`` optimizer calls the closure first and
+    updates only after it returns (LBFGS too: its later calls follow its first update), and a
+    closure changes no parameter or optimizer state (module buffers such as BatchNorm's are copied
+    before the save returns), so waiting at the end of its first call orders every update after
+    the copy. A foreign optimizer may update before calling it: it is ordered before, as without a
+    closure. Returns the ``(args, kwargs)`` to step with, or None where nothing is moved.
+    """
+    if not type(optimizer).__module__.startswith("torch.optim."):
+        return None
+    # torch's step wrapper hands hooks the bound call's args: ``(optimizer, closure?)``
+    closure = kwargs.get("closure") if isinstance(kwargs, dict) else None
+    positional = closure is None and len(args) > 1 and callable(args[1])
+    if positional:
+        closure = args[1]
+    if closure is None or not callable(closure):
+        return None
+    ordered = False
+
+    def closure_then_order(*a: Any, **k: Any) -> Any:
+        nonlocal ordered
+        try:
+            return closure(*a, **k)
+        finally:
+            if not ordered:
+                ordered = True
+                order()
+
+    if positional:
+        return (args[0], closure_then_order, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_order}
 
 
 GUARD = Guard()
