@@ -1,4 +1,8 @@
-"""The GPU tests need CUDA: without it they stop at once (they are never collected by ``make test``)."""
+"""The GPU tests need CUDA: without it they stop at once (they are never collected by ``make test``).
+
+``ZEROSTALL_GPUTEST_DEVICE=cpu`` dry-runs the file's own logic on CPU; deselect what only CUDA has:
+``-k "not page_locked and not cuda_graph"``.
+"""
 
 import os
 

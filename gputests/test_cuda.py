@@ -225,3 +225,35 @@ def test_memory_tier_holds_cuda_state(tmp_path: Path) -> None:
         ckpt.load_pytree(template={"model": m2, "optim0": o2})
         assert not _equal(_snapshot(m2, [o2]), snap)
         assert ckpt.stats()[-1].tiers == ("memory",)  # step 3: memory only (persisted every 2nd)
+
+
+def test_step_replayed_from_a_cuda_graph_never_tears(tmp_path: Path) -> None:
+    """capturable=True: the replay runs no hook and moves no version counter, so zerostall copies
+    that optimizer's tensors before the call returns (docs/guarantees.md)."""
+    model = _model(1024, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    x = torch.randn(64, 1024, device=DEV)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch's CUDA-graph recipe does
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(g):
+        model(x).square().mean().backward()
+        opt.step()
+    g.replay()
+    with zerostall.Checkpointer(str(tmp_path / "run"), keep_last=1) as ckpt:
+        for step in range(1, 4):
+            snap = _snapshot(model, [opt])
+            r = ckpt.save_pytree_async(step, {"model": model, "optim0": opt})
+            g.replay()  # at once: no hook runs here
+            g.replay()
+            m2 = _model(1024, 2)
+            o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, capturable=True)
+            zerostall.load_pytree(r.result().path, {"model": m2, "optim0": o2})
+            assert not _equal(_snapshot(m2, [o2]), snap)

@@ -395,6 +395,23 @@ def test_step_with_a_closure_orders_after_the_closure(ckdir, kind):
             _equal(expected["optim"]["state"], got["optim"]["state"], "optim")  # type: ignore[index]
 
 
+def test_capturable_optimizer_is_copied_before_return(ckdir):
+    """capturable=True means the step may be replayed from a CUDA graph: no hook, no version bump."""
+    model = _model()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    graphed = torch.optim.AdamW(_model().parameters(), lr=1e-2, capturable=True)
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        _gate(ckpt, delay=0.3)
+        r = ckpt.save_pytree_async(0, {"model": model, "optim": plain})
+        assert not r._staged.is_set()  # overlapped: the held copier has not copied it
+        r.result()
+        g_model = graphed.param_groups[0]["params"]
+        _gate(ckpt, delay=0.3)
+        r = ckpt.save_pytree_async(1, {"params": g_model, "optim": graphed})
+        assert r._staged.is_set()  # everything copied before the call returned
+        r.result()
+
+
 def test_free_function_and_process_writer(tmp_path):
     case = _Case("adamw_foreach")
     case.step()

@@ -196,12 +196,27 @@ def deferrable(items: Any, leaves: list[ArrayLeaf]) -> tuple[list[bool], list[An
     for o in optimizers:
         note_optimizer(o)
     owners = owners_of(leaves, optimizers)
-    defer = [o is not None and _copyable(leaf.value) and _version_of(leaf.value) is not None
+    graphed = [_graph_capturable(o) for o in optimizers]
+    defer = [o is not None and not graphed[o] and _copyable(leaf.value) and _version_of(leaf.value) is not None
              for o, leaf in zip(owners, leaves, strict=True)]
     if not any(defer):
         return None
     used = sorted({o for o, d in zip(owners, defer, strict=True) if d and o is not None})
     return defer, [optimizers[i] for i in used]
+
+
+def _graph_capturable(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is set up for CUDA-graph capture (``capturable=True`` in a group).
+
+    A step captured in a CUDA graph and replayed (``torch.cuda.graph``,
+    ``make_graphed_callables``) runs no Python, so no step hook orders it after the copy, and a
+    replay moves no version counter, so a tear could not even be detected. Such an optimizer's
+    tensors are therefore copied before the save returns, as with blocking staging.
+    """
+    try:
+        return any(isinstance(g, dict) and bool(g.get("capturable", False)) for g in optimizer.param_groups)
+    except Exception:  # noqa: BLE001 - a foreign optimizer-like object: it has no such flag
+        return False
 
 
 def _copyable(t: Any) -> bool:
