@@ -212,10 +212,6 @@ class Checkpointer:
             _refuse_a_checkpoint_as_run(self._storage, self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
             self.gc_report = collect_at_start(self._storage) if not self.read_only else None
-            if keeper is not None and not self.read_only:
-                # A keeper whose persist failed with no trainer to tell left a marker: report it once.
-                for failure in take_markers(self._storage, self.directory, keeper.rank):
-                    self._engine.writer.note_keeper_failure(failure)
         except BaseException:
             self._engine.close()
             raise
@@ -223,10 +219,14 @@ class Checkpointer:
         # Wait for the writer's hello so that no save waits for the writer to boot (the first
         # save's slot is released only once the writer has written it).
         try:
-            self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+            ready = self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
         except BaseException:  # our keeper found the memory tier held (KeeperBusy): leave nothing behind
             self._engine.close()
             raise
+        #: the keeper-failure markers of this directory and rank are still to be taken (see _take_markers)
+        self._markers_due = keeper is not None and not self.read_only
+        if ready:
+            self._take_markers()
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
         #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
@@ -289,6 +289,8 @@ class Checkpointer:
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
+            if getattr(self, "_markers_due", False) and self._engine.writer_ready(0):
+                self._take_markers()  # our keeper's Hello came after the constructor stopped waiting
             self._drop_premap()  # the keeper lets go of the step it held once this one is in memory
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -507,6 +509,18 @@ class Checkpointer:
         except ZerostallError as exc:
             _name_the_memory_step(exc, image.url, self._step_path(step))
             raise
+
+    def _take_markers(self) -> None:
+        """Report (once) and remove the markers a keeper whose persist failed with no trainer to
+        tell left for this directory and rank. Only once our keeper has said Hello: a trainer whose
+        keeper lost the name to another trainer's (KeeperBusy, raised by the constructor or the next
+        save) is not the one the failure is for, and must leave the markers to that one."""
+        if not self._markers_due:
+            return
+        self._markers_due = False
+        rank = self._engine.writer.keeper.rank if self._engine.writer.keeper is not None else 0
+        for failure in take_markers(self._storage, self.directory, rank):
+            self._engine.writer.note_keeper_failure(failure)
 
     def _drop_premap(self) -> None:
         premap, self._premap = getattr(self, "_premap", None), None
