@@ -496,9 +496,13 @@ class Checkpointer:
             # with no checksum to fail, what can still fail (a key, shape or dtype the template
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
-        premapped = self._premap.take(img, fds) if self._premap is not None else None
-        if premapped is not None:  # mapped (and pre-faulted) when we adopted the keeper: kept
-            return self._load_image(premapped, step, items, opts)
+        premap = self._premap  # a save on another thread may drop it meanwhile (premap.done)
+        premapped = premap.take(img, fds) if premap is not None else None
+        if premap is not None and premapped is not None:  # mapped (and pre-faulted) at adoption: kept
+            try:
+                return self._load_image(premapped, step, items, opts)
+            finally:
+                premap.done(premapped)
         with open_image(img.name, img.manifest.encode(), files) as image:
             return self._load_image(image, step, items, opts)
 
