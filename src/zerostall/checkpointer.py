@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from zerostall.errors import (
     StorageError,
     WriterError,
     ZerostallError,
+    ZerostallWarning,
 )
 from zerostall.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
@@ -227,6 +229,7 @@ class Checkpointer:
         self._markers_due = keeper is not None and not self.read_only
         if ready:
             self._take_markers()
+        self._warn_unadoptable(stacklevel=2)
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
         #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
@@ -289,8 +292,9 @@ class Checkpointer:
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
-            if getattr(self, "_markers_due", False) and self._engine.writer_ready(0):
+            if self._markers_due and self._engine.writer_ready(0):
                 self._take_markers()  # our keeper's Hello came after the constructor stopped waiting
+            self._warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
             self._drop_premap()  # the keeper lets go of the step it held once this one is in memory
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -513,6 +517,12 @@ class Checkpointer:
         except ZerostallError as exc:
             _name_the_memory_step(exc, image.url, self._step_path(step))
             raise
+
+    def _warn_unadoptable(self, stacklevel: int) -> None:
+        """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
+        after a crash (its Hello said why; it is also in :attr:`keeper_failures`)."""
+        for err in self._engine.writer.take_unadoptable():
+            warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
 
     def _take_markers(self) -> None:
         """Report (once) and remove the markers a keeper whose persist failed with no trainer to

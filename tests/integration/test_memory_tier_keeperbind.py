@@ -11,24 +11,29 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
 
-from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
+from zerostall import Checkpointer, InvalidArgumentError, KeeperUnadoptableError, MemoryTier, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError, to_wire
+from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.keeper import keeper_address
 from zerostall.persist.keeperfail import KeeperFailure, marker_key, write_marker
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import _assert_state
+from test_memory_tier import DEADLINE_S, TRAINER, _assert_state, _keeper_sockets, _running, _storage_steps, _wait
 
 TIER = MemoryTier(persist_interval_steps=1000, linger_s=5)
 
@@ -85,3 +90,103 @@ def test_a_trainer_refused_the_memory_tier_leaves_the_keeper_failure_markers(tmp
         assert not (d / marker_key(0)).exists()  # reported once
         ck.save_pytree(1, state(1))
         _assert_state(ck.load_pytree(1), state(1))
+
+
+# -- a keeper that serves but cannot be adopted after a crash ---------------------------------
+
+
+def _unadoptable(ck: Checkpointer, caught: list[warnings.WarningMessage], d: Path) -> KeeperUnadoptableError:
+    """The one warning and the one keeper failure a Checkpointer with an unadoptable keeper has."""
+    (w,) = [x for x in caught if issubclass(x.category, ZerostallWarning)]
+    assert w.filename == __file__  # raised on the training thread, pointing at the user's line
+    (err,) = ck.keeper_failures
+    assert isinstance(err, KeeperUnadoptableError) and isinstance(err, KeeperPersistError)
+    assert str(w.message) == str(err)
+    assert err.path == str(d) and err.rank == 0 and err.step is None
+    assert f"pid {ck._engine.writer.pid}" in str(err) and "cannot be adopted after a crash" in str(err)
+    return err
+
+
+def _still_serves(ck: Checkpointer, d: Path) -> None:
+    """Memory-only saves and loads work as with an adoptable keeper; no further warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZerostallWarning)
+        r = ck.save_pytree_async(1, state(1))
+        assert r.result().tiers == ("memory",)
+        _assert_state(ck.load_pytree(1), state(1))
+        ck.save_pytree(2, state(2))
+    assert len(ck.keeper_failures) == 1
+    ck.close()
+    assert _storage_steps(d) == [2]  # the clean close persisted what only memory held
+
+
+def test_a_keeper_that_cannot_bind_its_name_is_heard_by_its_trainer(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The keeper this Checkpointer starts inherits the fault: its bind fails with EACCES, as an LSM
+    # or seccomp policy refusing it would (an abstract name cannot be refused otherwise here).
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"keeper_bind": "raise:EACCES"}))
+    d = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = Checkpointer(d, memory_tier=TIER)
+    monkeypatch.delenv(FAULTS_ENV)
+    err = _unadoptable(ck, caught, d)
+    assert err.errno == errno.EACCES and "[EACCES]" in str(err)
+    assert keeper_address(str(d), 0) not in _keeper_sockets()  # no restart could find it
+    _still_serves(ck, d)
+
+
+def test_an_unadoptable_keeper_still_persists_after_its_trainer_dies(tmp_path: Path) -> None:
+    """What the warning promises: after a crash such a keeper persists the newest memory-only step
+    and exits (it has no name to linger on), so the restart finds it on storage."""
+    d = tmp_path / "run"
+    env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_bind": "raise:EACCES"})})
+    p = subprocess.run([sys.executable, TRAINER, str(d), "1", "2", "1000", "60", "kill"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=env, timeout=DEADLINE_S)
+    assert p.returncode == -signal.SIGKILL
+    assert "ZerostallWarning" in p.stderr and "cannot be adopted after a crash" in p.stderr
+    keeper = next(int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("KEEPER "))
+    _wait(lambda: not _running(keeper), "the unadoptable keeper to exit after its persist")  # linger_s is 60
+    assert _storage_steps(d) == [2]
+    with Checkpointer(d, memory_tier=TIER) as ck:
+        assert not ck._engine.writer.adopted and ck.keeper_failures == []
+        _assert_state(ck.load_pytree(), state(2))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="starting another user's process (the squatter) needs root")
+def test_a_keeper_whose_name_another_user_holds_is_heard_by_its_trainer(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    address = keeper_address(str(d), 0)  # this user's name for (d, rank 0), taken by someone else
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the squatter: another user (nobody) listening on our keeper's name
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(stop_w)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(address)
+            s.listen(8)
+            os.write(ready_w, b"x")
+            os.read(stop_r, 1)  # until the test closes its end
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(stop_r)
+    try:
+        assert os.read(ready_r, 1) == b"x", "the squatter did not start"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ck = Checkpointer(d, memory_tier=TIER)
+        err = _unadoptable(ck, caught, d)
+        assert err.errno == errno.EADDRINUSE and f"pid {pid}, uid 65534" in str(err)
+        _still_serves(ck, d)
+    finally:
+        os.close(stop_w)
+        os.close(ready_r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
