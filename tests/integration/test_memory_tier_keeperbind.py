@@ -141,8 +141,9 @@ def test_an_unadoptable_keeper_still_persists_after_its_trainer_dies(tmp_path: P
     and exits (it has no name to linger on), so the restart finds it on storage."""
     d = tmp_path / "run"
     env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_bind": "raise:EACCES"})})
-    p = subprocess.run([sys.executable, TRAINER, str(d), "1", "2", "1000", "60", "kill"], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, env=env, timeout=DEADLINE_S)
+    # (The keeper inherits the trainer's stderr and keeps it until its persist ends: run() returns then.)
+    p = subprocess.run([sys.executable, TRAINER, str(d), "1", "2", "1000", "60", "kill"], capture_output=True,
+                       text=True, env=env, timeout=DEADLINE_S)
     assert p.returncode == -signal.SIGKILL
     assert "ZerostallWarning" in p.stderr and "cannot be adopted after a crash" in p.stderr
     keeper = next(int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("KEEPER "))
