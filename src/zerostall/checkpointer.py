@@ -357,6 +357,12 @@ class Checkpointer:
         storage lacks it (a restart elsewhere gets an older step). See docs/guarantees.md,
         "When the keeper's persist fails".
 
+        A keeper that serves this trainer but cannot be adopted after a crash (it could not bind
+        its name, or another user's process holds it) is listed here too, as a
+        :class:`~zerostall.errors.KeeperUnadoptableError` (``step`` None), and warned of with a
+        :class:`~zerostall.errors.ZerostallWarning` instead of the log line (docs/guarantees.md,
+        "A keeper that cannot be adopted").
+
         Example::
 
             ckpt = Checkpointer(directory, memory_tier=MemoryTier(persist_interval_steps=10))
