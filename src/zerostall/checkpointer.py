@@ -227,9 +227,13 @@ class Checkpointer:
             raise
         #: the keeper-failure markers of this directory and rank are still to be taken (see _take_markers)
         self._markers_due = keeper is not None and not self.read_only
-        if ready:
-            self._take_markers()
-        self._warn_unadoptable(stacklevel=2)
+        try:
+            if ready:
+                self._take_markers()
+            self._warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
+        except BaseException:
+            self._engine.close()
+            raise
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
         #: an adopted keeper's step, mapped and pre-faulted in the background for the first load

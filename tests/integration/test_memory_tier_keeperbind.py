@@ -34,6 +34,7 @@ from zerostall.storage import open_storage
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
 from test_memory_tier import DEADLINE_S, TRAINER, _assert_state, _keeper_sockets, _running, _storage_steps, _wait
+from test_memory_tier_busy import _keeper_processes
 
 TIER = MemoryTier(persist_interval_steps=1000, linger_s=5)
 
@@ -191,3 +192,17 @@ def test_a_keeper_whose_name_another_user_holds_is_heard_by_its_trainer(tmp_path
         os.close(ready_r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_unadoptable_warning_as_an_error_leaves_nothing_running(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``filterwarnings("error")`` makes the warning fatal: the constructor raises it, and, as for any
+    error it raises, the keeper it started is gone (no process left on the directory)."""
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"keeper_bind": "raise:EPERM"}))
+    d = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZerostallWarning)
+        with pytest.raises(ZerostallWarning, match=r"\[EPERM\]"):
+            Checkpointer(d, memory_tier=TIER)
+    monkeypatch.delenv(FAULTS_ENV)
+    _wait(lambda: _keeper_processes(d) == [], "the keeper to exit")
