@@ -492,6 +492,18 @@ class Checkpointer:
         Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
         rank then restores the tree it saved from its own memory, with no collective traffic.
         """
+        # The held step may be this trainer's own staging slot: a save on another thread must not
+        # get it back to stage into while this load copies from it (persist.client.pin_held).
+        writer = self._engine.writer
+        writer.pin_held()
+        try:
+            return self._read_memory_step(step, items, collective=collective)
+        finally:
+            writer.unpin_held()
+
+    def _read_memory_step(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """:meth:`_load_from_memory`, with the held slots pinned."""
         if not collective and active(self._dist_options()):
             return None
         got = self._engine.writer.query_image() if not self._engine.closed else None

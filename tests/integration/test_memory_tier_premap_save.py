@@ -89,3 +89,51 @@ def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Pat
     _assert_state(ck.load_pytree(4), state(4))
     ck.close()
     _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+
+
+def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a restart the step the keeper holds is this trainer's own staging slot. A save on
+    another thread makes the keeper let go of it (once the new step is in memory), and the save
+    after that would stage into the very bytes the load copies from: the load then read a mix of
+    two steps (its checksum pass, when it made one, reported the held step corrupt). The slot now
+    goes back to the pool only when the load has ended; that next save waits for it meanwhile."""
+    ck = Checkpointer(tmp_path / "run", memory_tier=_memory(every=1000))  # 2 slots: one held, one free
+    ck.save_pytree(1, state(1))
+    copying, go = _gate_copies(monkeypatch)
+    got: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            got["out"] = ck.load_pytree(1, template=state(0))
+        except BaseException as exc:  # asserted on the main thread
+            got["err"] = exc
+
+    def save_more() -> None:
+        try:
+            ck.save_pytree(3, state(3))  # the slot step 1 was staged in is the only one left
+        except BaseException as exc:  # asserted on the main thread
+            got["save_err"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    saver = threading.Thread(target=save_more)
+    try:
+        assert copying.wait(DEADLINE_S), "the load never copied from the memory tier"
+        ck.save_pytree(2, state(2))  # in the free slot; on its commit the keeper lets go of step 1's
+        saver.start()
+        # Either that slot came back and the save of 3 is done (staged into the bytes being loaded),
+        # or it is kept for the load, and the save of 3 waits for it.
+        _wait(lambda: not saver.is_alive() or getattr(ck._engine.writer, "_deferred", []),
+              "the save of 3 to stage or to wait")
+    finally:
+        go.set()
+        loader.join(DEADLINE_S)
+    saver.join(DEADLINE_S)
+    assert not loader.is_alive() and not saver.is_alive()
+    assert "err" not in got and "save_err" not in got, got
+    _assert_state(got["out"], state(1))  # bit for bit: nothing was staged into it meanwhile
+    monkeypatch.undo()
+    assert ck.latest_step() == 3
+    _assert_state(ck.load_pytree(3), state(3))
+    ck.close()

@@ -137,6 +137,10 @@ class WriterClient:
         self._busy: InvalidArgumentError | None = None
         #: our keeper said in its Hello that it cannot be adopted: to be warned of on the training thread
         self._unadoptable: list[KeeperUnadoptableError] = []
+        #: loads from memory in progress (:meth:`pin_held`), and the slots the keeper let go of
+        #: meanwhile, handed back for staging only when the last of those loads has ended
+        self._pins = 0
+        self._deferred: list[Callable[[], None]] = []
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -155,6 +159,8 @@ class WriterClient:
         self._adopted_pid = None
         self._busy = None
         self._unadoptable = []
+        self._pins = 0
+        self._deferred = []
         self._image_waiter = None
         self._image_event = threading.Event()
         self._query_lock = threading.Lock()
@@ -364,6 +370,9 @@ class WriterClient:
                 with self._lock:
                     p = self._pending.get(msg.job)
                     hold = self._held.pop(msg.job, None)
+                    if hold is not None and self._pins:  # a load may be reading that slot: not yet
+                        self._deferred.append(hold)
+                        hold = None
                 if p is not None and not p.released:
                     p.released = True
                     p.on_released()
@@ -407,8 +416,27 @@ class WriterClient:
         """The keeper is gone (or closing): the slots it held may be staged into again."""
         with self._lock:
             held, self._held = self._held, {}
+            if self._pins:  # a load may be reading one of them: handed back when it ends
+                self._deferred += held.values()
+                held = {}
         for release in held.values():
             release()
+
+    def pin_held(self) -> None:
+        """Until the matching :meth:`unpin_held`, keep every slot the keeper lets go of from being
+        staged into again. A load from memory maps the step the keeper holds, which may be this
+        trainer's own staging slot: a save on another thread meanwhile would make the keeper let go
+        of it, and a later save would stage into the very bytes that load copies from."""
+        with self._lock:
+            self._pins += 1
+
+    def unpin_held(self) -> None:
+        """End a :meth:`pin_held`; the last one hands the slots let go of meanwhile back for staging."""
+        with self._lock:
+            self._pins -= 1
+            release, self._deferred = (self._deferred, []) if not self._pins else ([], self._deferred)
+        for r in release:
+            r()
 
     def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
         """Record a failed persist of the keeper (from its message or a marker) and log it."""
