@@ -28,6 +28,7 @@ from zerostall.errors import (
     DonatedArrayError,
     InvalidArgumentError,
     KeeperPersistError,
+    KeeperUnadoptableError,
     MetadataError,
     MetadataTypeError,
     MismatchError,
@@ -41,6 +42,7 @@ from zerostall.errors import (
     UnsupportedLeafError,
     WriterError,
     ZerostallError,
+    ZerostallWarning,
 )
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
@@ -63,6 +65,7 @@ __all__ = [
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
+    "KeeperUnadoptableError", "ZerostallWarning",
 ]
 
 import importlib as _importlib

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from zerostall.errors import (
     StorageError,
     WriterError,
     ZerostallError,
+    ZerostallWarning,
 )
 from zerostall.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
@@ -212,10 +214,6 @@ class Checkpointer:
             _refuse_a_checkpoint_as_run(self._storage, self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
             self.gc_report = collect_at_start(self._storage) if not self.read_only else None
-            if keeper is not None and not self.read_only:
-                # A keeper whose persist failed with no trainer to tell left a marker: report it once.
-                for failure in take_markers(self._storage, self.directory, keeper.rank):
-                    self._engine.writer.note_keeper_failure(failure)
         except BaseException:
             self._engine.close()
             raise
@@ -223,8 +221,17 @@ class Checkpointer:
         # Wait for the writer's hello so that no save waits for the writer to boot (the first
         # save's slot is released only once the writer has written it).
         try:
-            self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+            ready = self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
         except BaseException:  # our keeper found the memory tier held (KeeperBusy): leave nothing behind
+            self._engine.close()
+            raise
+        #: the keeper-failure markers of this directory and rank are still to be taken (see _take_markers)
+        self._markers_due = keeper is not None and not self.read_only
+        try:
+            if ready:
+                self._take_markers()
+            self._warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
+        except BaseException:
             self._engine.close()
             raise
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
@@ -289,6 +296,9 @@ class Checkpointer:
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
+            if self._markers_due and self._engine.writer_ready(0):
+                self._take_markers()  # our keeper's Hello came after the constructor stopped waiting
+            self._warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
             self._drop_premap()  # the keeper lets go of the step it held once this one is in memory
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
@@ -350,6 +360,12 @@ class Checkpointer:
         Nothing is raised: the step is still in memory for this trainer to resume from, but
         storage lacks it (a restart elsewhere gets an older step). See docs/guarantees.md,
         "When the keeper's persist fails".
+
+        A keeper that serves this trainer but cannot be adopted after a crash (it could not bind
+        its name, or another user's process holds it) is listed here too, as a
+        :class:`~zerostall.errors.KeeperUnadoptableError` (``step`` None), and warned of with a
+        :class:`~zerostall.errors.ZerostallWarning` instead of the log line (docs/guarantees.md,
+        "A keeper that cannot be adopted").
 
         Example::
 
@@ -476,6 +492,18 @@ class Checkpointer:
         Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
         rank then restores the tree it saved from its own memory, with no collective traffic.
         """
+        # The held step may be this trainer's own staging slot: a save on another thread must not
+        # get it back to stage into while this load copies from it (persist.client.pin_held).
+        writer = self._engine.writer
+        writer.pin_held()
+        try:
+            return self._read_memory_step(step, items, collective=collective)
+        finally:
+            writer.unpin_held()
+
+    def _read_memory_step(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """:meth:`_load_from_memory`, with the held slots pinned."""
         if not collective and active(self._dist_options()):
             return None
         got = self._engine.writer.query_image() if not self._engine.closed else None
@@ -494,9 +522,13 @@ class Checkpointer:
             # with no checksum to fail, what can still fail (a key, shape or dtype the template
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
-        premapped = self._premap.take(img, fds) if self._premap is not None else None
-        if premapped is not None:  # mapped (and pre-faulted) when we adopted the keeper: kept
-            return self._load_image(premapped, step, items, opts)
+        premap = self._premap  # a save on another thread may drop it meanwhile (premap.done)
+        premapped = premap.take(img, fds) if premap is not None else None
+        if premap is not None and premapped is not None:  # mapped (and pre-faulted) at adoption: kept
+            try:
+                return self._load_image(premapped, step, items, opts)
+            finally:
+                premap.done(premapped)
         with open_image(img.name, img.manifest.encode(), files) as image:
             return self._load_image(image, step, items, opts)
 
@@ -507,6 +539,24 @@ class Checkpointer:
         except ZerostallError as exc:
             _name_the_memory_step(exc, image.url, self._step_path(step))
             raise
+
+    def _warn_unadoptable(self, stacklevel: int) -> None:
+        """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
+        after a crash (its Hello said why; it is also in :attr:`keeper_failures`)."""
+        for err in self._engine.writer.take_unadoptable():
+            warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
+
+    def _take_markers(self) -> None:
+        """Report (once) and remove the markers a keeper whose persist failed with no trainer to
+        tell left for this directory and rank. Only once our keeper has said Hello: a trainer whose
+        keeper lost the name to another trainer's (KeeperBusy, raised by the constructor or the next
+        save) is not the one the failure is for, and must leave the markers to that one."""
+        if not self._markers_due:
+            return
+        self._markers_due = False
+        rank = self._engine.writer.keeper.rank if self._engine.writer.keeper is not None else 0
+        for failure in take_markers(self._storage, self.directory, rank):
+            self._engine.writer.note_keeper_failure(failure)
 
     def _drop_premap(self) -> None:
         premap, self._premap = getattr(self, "_premap", None), None

@@ -407,3 +407,26 @@ class KeeperPersistError(WriterError):
 
 _BY_NAME["KeeperPersistError"] = KeeperPersistError
 __all__ += ["KeeperPersistError"]
+
+
+class ZerostallWarning(UserWarning):
+    """Base of zerostall's warnings: what was asked for still works, but a guarantee is weaker
+    than documented (``warnings.filterwarnings("error", category=ZerostallWarning)`` makes them fatal)."""
+
+
+class KeeperUnadoptableError(KeeperPersistError):
+    """The memory tier's keeper serves its trainer but cannot be adopted after a crash.
+
+    It could not bind its name (``cause``: a ``StorageError`` with the bind's errno), or another
+    user's process holds that name (a squatter; ``cause`` says which pid and uid, errno
+    ``EADDRINUSE``). Not raised: the trainer's saves to memory and storage work as usual. What is
+    lost is the restart from memory: after a crash this keeper persists the newest memory-only
+    step and exits, and the restart resumes from storage. Warned (:class:`ZerostallWarning`) on the
+    training thread at the ``Checkpointer`` construction (or the first save after the keeper
+    started) and listed in :attr:`zerostall.Checkpointer.keeper_failures`; ``step`` is None
+    (docs/guarantees.md, "A keeper that cannot be adopted").
+    """
+
+
+_BY_NAME["KeeperUnadoptableError"] = KeeperUnadoptableError
+__all__ += ["ZerostallWarning", "KeeperUnadoptableError"]

@@ -147,6 +147,11 @@ class Hello:
     protocol: int
     library: str
     pid: int
+    #: a memory-tier keeper that could not take its name (the bind's error, or another user's
+    #: process holding it): it serves this trainer, but no restart can adopt it after a crash.
+    #: A default (None: adoptable, or no keeper), so either side of another version decodes it:
+    #: no protocol bump.
+    unadoptable: WireError | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -309,7 +309,8 @@ def test_public_api_is_frozen():
         "UnsupportedLeafError", "StorageError", "WriterError",
         "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
-        "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError"])
+        "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
+        "KeeperUnadoptableError", "ZerostallWarning"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):

@@ -182,3 +182,13 @@ def test_an_image_without_verified_decodes_as_not_verified() -> None:
     assert isinstance(old, Image) and old.verified is False
     assert decode(encode(Image(step=3, name="s", manifest="{}", files=(), verified=True))) == \
         Image(step=3, name="s", manifest="{}", files=(), verified=True)
+
+
+def test_a_keepers_hello_says_why_it_cannot_be_adopted_without_a_protocol_bump() -> None:
+    why = to_wire(StorageError("permission denied", errno=13, path="/r"))
+    hello = Hello(protocol=PROTOCOL, library="0.1.0", pid=5, unadoptable=why)
+    assert decode(encode(hello)) == hello
+    # An older keeper's Hello (no such field) is an adoptable keeper's; an older trainer ignores the field.
+    d = _doc(hello)
+    del d["unadoptable"]
+    assert decode(json.dumps(d).encode()) == Hello(protocol=PROTOCOL, library="0.1.0", pid=5, unadoptable=None)

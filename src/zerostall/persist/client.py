@@ -23,7 +23,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
 from zerostall.commit import is_committed
-from zerostall.errors import InvalidArgumentError, KeeperPersistError, WriterError, ZerostallError, from_wire
+from zerostall.errors import (
+    InvalidArgumentError,
+    KeeperPersistError,
+    KeeperUnadoptableError,
+    WriterError,
+    ZerostallError,
+    from_wire,
+)
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -46,7 +53,7 @@ from zerostall.messages import (
 )
 from zerostall.options import WriterKind
 from zerostall.persist.keeper import KeeperSpec, adopt, busy_error
-from zerostall.persist.keeperfail import KeeperFailure, as_error
+from zerostall.persist.keeperfail import KeeperFailure, as_error, unadoptable_error
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
@@ -128,6 +135,12 @@ class WriterClient:
         #: our keeper found the memory tier held by another trainer's keeper (:class:`KeeperBusy`
         #: instead of its Hello) and exited: raised by the next wait_ready(), start() or the jobs it had
         self._busy: InvalidArgumentError | None = None
+        #: our keeper said in its Hello that it cannot be adopted: to be warned of on the training thread
+        self._unadoptable: list[KeeperUnadoptableError] = []
+        #: loads from memory in progress (:meth:`pin_held`), and the slots the keeper let go of
+        #: meanwhile, handed back for staging only when the last of those loads has ended
+        self._pins = 0
+        self._deferred: list[Callable[[], None]] = []
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -145,6 +158,9 @@ class WriterClient:
         self._held = {}
         self._adopted_pid = None
         self._busy = None
+        self._unadoptable = []
+        self._pins = 0
+        self._deferred = []
         self._image_waiter = None
         self._image_event = threading.Event()
         self._query_lock = threading.Lock()
@@ -343,6 +359,8 @@ class WriterClient:
             if isinstance(msg, Hello):
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
+                if msg.unadoptable is not None and self.keeper is not None:  # before _ready: the constructor warns
+                    self._note_unadoptable(msg)
                 self._ready.set()
             elif isinstance(msg, KeeperBusy):  # our keeper lost the name to another trainer's; it exits
                 if self.keeper is not None:
@@ -352,6 +370,9 @@ class WriterClient:
                 with self._lock:
                     p = self._pending.get(msg.job)
                     hold = self._held.pop(msg.job, None)
+                    if hold is not None and self._pins:  # a load may be reading that slot: not yet
+                        self._deferred.append(hold)
+                        hold = None
                 if p is not None and not p.released:
                     p.released = True
                     p.on_released()
@@ -395,8 +416,27 @@ class WriterClient:
         """The keeper is gone (or closing): the slots it held may be staged into again."""
         with self._lock:
             held, self._held = self._held, {}
+            if self._pins:  # a load may be reading one of them: handed back when it ends
+                self._deferred += held.values()
+                held = {}
         for release in held.values():
             release()
+
+    def pin_held(self) -> None:
+        """Until the matching :meth:`unpin_held`, keep every slot the keeper lets go of from being
+        staged into again. A load from memory maps the step the keeper holds, which may be this
+        trainer's own staging slot: a save on another thread meanwhile would make the keeper let go
+        of it, and a later save would stage into the very bytes that load copies from."""
+        with self._lock:
+            self._pins += 1
+
+    def unpin_held(self) -> None:
+        """End a :meth:`pin_held`; the last one hands the slots let go of meanwhile back for staging."""
+        with self._lock:
+            self._pins -= 1
+            release, self._deferred = (self._deferred, []) if not self._pins else ([], self._deferred)
+        for r in release:
+            r()
 
     def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
         """Record a failed persist of the keeper (from its message or a marker) and log it."""
@@ -404,6 +444,23 @@ class WriterClient:
         self.keeper_failures.append(err)
         log.warning("zerostall: %s", err)
         return err
+
+    def _note_unadoptable(self, hello: Hello) -> None:
+        """Our keeper serves but cannot be adopted: list it with the keeper failures, and keep it
+        for the training thread to warn of (:meth:`take_unadoptable`)."""
+        assert self.keeper is not None and hello.unadoptable is not None
+        err = unadoptable_error(self.keeper.root, self.keeper.rank, hello.pid, hello.unadoptable)
+        self.keeper_failures.append(err)
+        with self._lock:
+            self._unadoptable.append(err)
+
+    def take_unadoptable(self) -> list[KeeperUnadoptableError]:
+        """The unadoptable keepers reported since the last call (each warned of once)."""
+        if not self._unadoptable:
+            return []
+        with self._lock:
+            out, self._unadoptable = self._unadoptable, []
+        return out
 
     def _image_reply(self, reply: tuple[Image, list[int]] | None) -> None:
         box = self._image_waiter

@@ -18,6 +18,8 @@ trainer's own saves never reach it, so ``raise:ENOSPC`` there fails only that pe
 And ``premap_populate``, in the restarted trainer itself (set it in its environment): after its
 background thread has mapped the adopted keeper's step and before it pre-faults it
 (:mod:`zerostall.persist.premap`), so a test can load while the pre-fault is still to run.
+And ``keeper_bind``, right before the keeper binds its name (``raise:EACCES`` there fails that
+bind as an LSM or seccomp policy would: the keeper then serves, unadoptable).
 
 Two more keys fail the real system calls underneath the storage backend, for every call made
 while the variable is set (they patch the ``os`` module of the writer process, so use them with

@@ -48,7 +48,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps
-from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, ZerostallError, to_wire
+from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, WireError, ZerostallError, to_wire
 from zerostall.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
@@ -288,6 +288,19 @@ def _holder(address: bytes) -> KeeperBusy | str | None:
     return KeeperBusy(pid=pid, pid_is_keeper=True)
 
 
+def _who(address: bytes) -> str:
+    """``"pid P, uid U"`` of the process listening on ``address`` (as far as it can be told)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address)
+        pid, uid, _ = peer_credentials(sock)
+    except OSError:
+        return "gone since"
+    finally:
+        sock.close()
+    return f"pid {pid}, uid {uid}"
+
+
 def _silence(fd: int) -> None:
     """Point ``fd`` at /dev/null (releasing the pipe or terminal it had)."""
     try:
@@ -421,6 +434,9 @@ class Keeper:
         self._failed: list[KeeperFailure] = []
         #: set by :meth:`listen` when a keeper of this user holds the name: what to tell the trainer
         self.busy: KeeperBusy | None = None
+        #: set by :meth:`listen` when this keeper serves but cannot be adopted (the bind failed, or
+        #: another user's process holds the name): told to the trainer in its Hello
+        self.unadoptable: WireError | None = None
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -432,7 +448,8 @@ class Keeper:
         (:class:`KeeperBusy`), never queued. When a keeper of this user holds the name (two
         trainers of one directory and rank started at once, before either keeper existed),
         :attr:`busy` is what to tell ``trainer`` instead of a Hello; a name taken by another
-        user (a squatter) leaves :attr:`busy` None: this keeper serves, not adoptable.
+        user (a squatter) leaves :attr:`busy` None: this keeper serves, not adoptable, and
+        :attr:`unadoptable` says why (as does any other bind error), for the trainer's Hello.
         """
         _silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
         if trainer is not None:
@@ -441,6 +458,7 @@ class Keeper:
         deadline = time.monotonic() + _BIND_RETRY_S
         while True:
             try:
+                faults.hit("keeper_bind")
                 sock.bind(self.address)
                 break
             except OSError as exc:
@@ -448,6 +466,7 @@ class Keeper:
                     sock.close()
                     print(f"zerostall keeper: cannot bind its name ({exc}); this one will not be adoptable "
                           "after a crash", file=sys.stderr, flush=True)
+                    self.unadoptable = to_wire(exc, path=self.spec.root)
                     return False
             # Who holds it? None: it went, or is not listening yet: try the name again.
             holder = _holder(self.address)
@@ -458,6 +477,8 @@ class Keeper:
             if holder == "other":
                 print("zerostall keeper: another user's process holds this directory and rank's name; this "
                       "keeper will not be adoptable after a crash", file=sys.stderr, flush=True)
+                self.unadoptable = WireError(cls="StorageError", errno=errno.EADDRINUSE, path=self.spec.root,
+                                             message=f"its name is held by another user's process ({_who(self.address)})")
                 return False
             # The trainer hears it instead of a Hello, and raises (see server.main).
             self.busy = holder if isinstance(holder, KeeperBusy) else KeeperBusy(pid=0, pid_is_keeper=True)

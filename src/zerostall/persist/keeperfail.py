@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zerostall.errors import KeeperPersistError, WireError, from_wire
+from zerostall.errors import KeeperPersistError, KeeperUnadoptableError, WireError, from_wire
 from zerostall.storage import Storage, local_path
 
 __all__ = ["KeeperFailure", "marker_key", "local_marker", "write_marker", "read_markers", "take_markers",
-           "as_error", "MARKER_PREFIX"]
+           "as_error", "MARKER_PREFIX", "unadoptable_error"]
 
 MARKER_PREFIX = ".zs-keeper-failed-r"
 
@@ -71,6 +71,18 @@ def as_error(f: KeeperFailure) -> KeeperPersistError:
     return KeeperPersistError(f"the memory tier's keeper (rank {f.rank}) could not persist {step}, which only its "
                               f"memory held, to storage: {type(cause).__name__}: {tag}{cause.message}", path=f.path, rank=f.rank, step=f.step,
                               cause=cause)
+
+
+def unadoptable_error(root: str, rank: int, keeper_pid: int, cause: WireError) -> KeeperUnadoptableError:
+    """The user-facing error of a keeper that serves but cannot be adopted (its Hello's
+    ``unadoptable``): names the directory, the rank, the keeper and the cause."""
+    err = from_wire(cause)
+    code = getattr(err, "errno", None)
+    tag = f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
+    return KeeperUnadoptableError(
+        f"the memory tier's keeper (pid {keeper_pid}, rank {rank}) serves this trainer but cannot be adopted after a "
+        f"crash: {tag}{err.message}. Saves work as usual; after a crash the keeper persists the newest memory-only "
+        "step and exits, so the restart resumes from storage, not from memory", path=root, rank=rank, cause=err)
 
 
 def marker_key(rank: int) -> str:

@@ -14,7 +14,9 @@ cores, 4 GiB: 1.56 s against 1.29 s for a fresh mapping) was slower than either.
 
 The mapping is released when a save is submitted (the keeper then lets go of the step, and a
 mapping here would keep its memory alive), when the ``Checkpointer`` closes, and on any
-failure of the background work (a load then maps the step itself, as without this).
+failure of the background work (a load then maps the step itself, as without this). A load
+on another thread that is copying out of the mapping at that moment keeps it: the mapping is
+released when that load ends (:meth:`Premap.done`), never under it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class Premap:
         self._last: ImageStorage | None = None  # kept for :attr:`populated` after close()
         #: how many loads used this mapping instead of mapping the step again
         self.reused = 0
+        #: loads copying out of the mapping now (:meth:`take` to :meth:`done`), and the mapping
+        #: a close() left for the last of them to unmap
+        self._users = 0
+        self._doomed: ImageStorage | None = None
         self._thread = threading.Thread(target=self._run, name="zerostall-premap", daemon=True)
         self._thread.start()
 
@@ -91,7 +97,8 @@ class Premap:
     def take(self, img: Image, fds: list[int]) -> ImageStorage | None:
         """The mapping of ``img`` if this holds it (``fds`` are then closed), else None (``fds``
         untouched). Waits for the thread to have mapped the step; stops its pre-fault if that
-        still runs (the load's copy threads fault what is left)."""
+        still runs (the load's copy threads fault what is left). A load that got the mapping
+        calls :meth:`done` when it has finished copying from it."""
         if self._closed or os.getpid() != self._pid:
             return None
         # The thread's query came first (the writer serialises queries) and its mapping is a
@@ -103,6 +110,7 @@ class Premap:
                     or _identity(fds) != image.identity):
                 return None
             self.reused += 1
+            self._users += 1
         image.stop_populating()
         for fd in fds:
             os.close(fd)
@@ -116,11 +124,26 @@ class Premap:
         with self._lock:
             self._closed = True
             image, self._image = self._image, None
+            if image is not None and self._users:
+                # A load on another thread copies from it (a save on this one): unmapping now would
+                # pull the views out from under it. The last such load's done() unmaps it.
+                self._doomed, image = image, None
         if image is not None:
             try:
                 image.close()
             except BufferError:  # a load on another thread still copies from it: unmapped when it lets go
                 log.debug("zerostall: the pre-mapped step is still in use; unmapped when the load ends")
+
+    def done(self, image: ImageStorage) -> None:
+        """A load that :meth:`take` gave ``image`` has finished with it: unmap it now if a
+        :meth:`close` came meanwhile and this was the last load using it."""
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0 and self._doomed is image
+            if last:
+                self._doomed = None
+        if last:
+            image.close()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the background thread to end (the pre-fault done or stopped); False on timeout."""

@@ -68,7 +68,8 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
     """
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
-    _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid()))
+    _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid(),
+                      unadoptable=keeper.unadoptable if keeper is not None else None))
     if keeper is not None:  # an adopting trainer hears first of what its predecessor's step lacks
         keeper.report_failed(conn)
     # Read on a thread of its own: a trainer sending while a job runs must never block (see intake).
