@@ -55,6 +55,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+#: "cuda"; "cpu" only for ``--cpu-dry-run`` (runs this script's own logic on a tiny model, no figures)
+DEV = "cuda"
+
+
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pin() -> bool:
+    return DEV == "cuda"
+
+
 SYSTEMS = ["floor_d2h", "floor_disk", "zerostall_overlap", "zerostall_blocking", "dcp_async", "torch_save"]
 TORN_SYSTEMS = ["zerostall_overlap", "zerostall_blocking", "dcp_async"]
 
@@ -101,16 +114,16 @@ class GPT(nn.Module):
 class Trainer:
     def __init__(self, args: argparse.Namespace) -> None:
         torch.manual_seed(0)
-        self.model = GPT(args.vocab, args.d, args.layers, args.seq).cuda()
+        self.model = GPT(args.vocab, args.d, args.layers, args.seq).to(DEV)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
-        self.x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
-        self.y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
+        self.x = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEV)
+        self.y = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEV)
         self.vocab = args.vocab
         #: called right before optimizer.step() (DCP's staging wait goes here)
         self.before_step: Any = None
 
     def forward_backward(self) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
             loss = F.cross_entropy(self.model(self.x).view(-1, self.vocab).float(), self.y.view(-1))
         loss.backward()
 
@@ -125,7 +138,7 @@ class Trainer:
             self.before_step = None
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync()
         return waited
 
     def tree(self) -> dict[str, Any]:
@@ -154,14 +167,14 @@ def timed_iterations(trainer: Trainer, n: int) -> list[float]:
 
 def floor_d2h(trainer: Trainer, repeats: int) -> dict[str, Any]:
     src = trainer.tensors()
-    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
+    dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=_pin()) for t in src]
     times = []
     for _ in range(repeats + 1):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for d, s in zip(dst, src):
             d.copy_(s, non_blocking=True)
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t)
     nbytes = sum(t.numel() * t.element_size() for t in src)
     med = statistics.median(times[1:])
@@ -171,7 +184,7 @@ def floor_d2h(trainer: Trainer, repeats: int) -> dict[str, Any]:
 def floor_disk(trainer: Trainer, directory: Path, repeats: int) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in trainer.tensors())
     chunk = 64 << 20
-    buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=True).numpy()
+    buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=_pin()).numpy()
     times = []
     for i in range(repeats):
         path = directory / f"floor-{i}.bin"
@@ -225,11 +238,11 @@ class Dcp:
         if not dist.is_initialized():
             store = tempfile.NamedTemporaryFile(prefix="zsgpu-pg-", delete=False).name
             os.unlink(store)
-            dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.FileStore(store, 1), rank=0, world_size=1)
+            dist.init_process_group("cpu:gloo,cuda:nccl" if DEV == "cuda" else "gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
         self.dcp = dcp
         self.dir = directory
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                   use_async_staging=True, use_non_blocking_copy=True))
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=_pin(), use_shared_memory=False,
+                                                   use_async_staging=True, use_non_blocking_copy=_pin()))
         self.n = 0
 
     def prepare(self, trainer: Trainer) -> None:
@@ -370,8 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--torn-systems", default=",".join(TORN_SYSTEMS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="run this script's logic on CPU with a tiny model (no figures): checks it before a GPU is lent")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    global DEV
+    if args.cpu_dry_run:
+        DEV = "cpu"
+        args.layers, args.d, args.vocab, args.batch, args.seq = 2, 128, 1000, 2, 64
+        args.saves, args.torn_saves = 2, 3
+    elif not torch.cuda.is_available():
         print("bench-gpu: no CUDA device on this machine; nothing measured. Run it where "
               "torch.cuda.is_available() is true (one GPU, >= 16 GB).")
         return 0
@@ -382,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in trainer.tensors())
     base = timed_iterations(trainer, 10)
     t0 = statistics.median(base)
-    log(f"{torch.cuda.get_device_name()}: state {nbytes / 1e9:.2f} GB, iteration {t0 * 1e3:.1f} ms")
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "state_bytes": nbytes, "iteration_s": t0,
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run: no figures)"
+    log(f"{device}: state {nbytes / 1e9:.2f} GB, iteration {t0 * 1e3:.1f} ms")
+    out: dict[str, Any] = {"device": device, "state_bytes": nbytes, "iteration_s": t0,
                            "args": vars(args), "systems": {}, "torn": {}}
     systems = [s for s in args.systems.split(",") if s]
     if "floor_d2h" in systems:
