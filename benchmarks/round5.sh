@@ -7,7 +7,6 @@ PY=${PY:-$C/.venv/bin/python}
 run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /proc/loadavg))" >> $O/index.txt; "$@" > $O/$name.log 2>&1; echo "[$(date -u +%T)] $name rc=$?" >> $O/index.txt; }
 # issue 13: restart restore from memory (loads now pin the held step: r5keeper)
 run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
-run restart_openfirst $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp --open-first
 # issue 14: overlapped vs blocking staging, the trainer on both cores (as every earlier round) and on one
 # (--threads 1: a core left to the copier, as a trainer whose compute runs elsewhere)
 S=overlap,blocking
