@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.errors import MismatchError, MissingKeyError, ZerostallError
+from zerostall.gcpause import paused_gc
 from zerostall.manifest import Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.files import DataFiles, read_manifest
@@ -42,11 +43,12 @@ def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: 
     opts = options or LoadOptions()
     path = f"{root_url.rstrip('/')}/{name}"
     storage = open_storage(root_url)
-    m = read_manifest(storage, name, path=path)
-    planner = new_planner(storage, name, m, path)
-    thunks = plan_items(planner, m.items, items)
-    execute_reads(storage, name, m, planner.reads, opts, path)
-    return assemble(thunks, path)
+    with paused_gc():  # a manifest of many leaves and its plan: see zerostall.gcpause
+        m = read_manifest(storage, name, path=path)
+        planner = new_planner(storage, name, m, path)
+        thunks = plan_items(planner, m.items, items)
+        execute_reads(storage, name, m, planner.reads, opts, path)
+        return assemble(thunks, path)
 
 
 def assemble(thunks: dict[str, Thunk], path: str) -> dict[str, Any]:

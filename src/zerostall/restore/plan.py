@@ -14,6 +14,7 @@ Templates of array types this module does not know (a ``DTensor``) plug in throu
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import math
 import sys
@@ -92,12 +93,23 @@ def _bytes_of(a: Any) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
+def _memory_of(t: Any, nbytes: int) -> memoryview:
+    """A writable uint8 view of a contiguous CPU tensor's ``nbytes`` bytes, from its address.
+
+    ``t.detach().reshape(-1).view(torch.uint8).numpy()`` builds three tensors and an array:
+    ~5 us, paid per leaf of a load (0.1 s at 20,000 leaves); this is ~0.6 us. The view does not
+    hold ``t``: the request that carries it keeps ``t`` (``ReadRequest.keep``), as does the thunk.
+    """
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
 @dataclass
 class ReadRequest:
     leaf: LeafEntry
     dest: memoryview  # uint8, exactly leaf.nbytes
     verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
     in_place: bool = False  # dest is a template's own memory: an all-or-nothing load writes it last
+    keep: Any = None  # what owns ``dest``'s memory when ``dest`` does not hold it itself (see _memory_of)
 
 
 class ReadPlanner:
@@ -139,6 +151,11 @@ class ReadPlanner:
         if tuple(t.shape) != leaf.shape:
             raise self.mismatch(key, "shape", list(leaf.shape), list(t.shape))
         if leaf.nbytes == 0:
+            return lambda: t
+        if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            # Read straight into the template's memory: no second full-size buffer. (A contiguous
+            # tensor is never an expand()ed view: those have a zero stride on a dimension > 1.)
+            self.reads.append(ReadRequest(leaf, _memory_of(t, leaf.nbytes), in_place=True, keep=t))
             return lambda: t
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
             # An expand()ed / broadcast view: torch refuses to write it only after every byte was
@@ -194,7 +211,7 @@ class ReadPlanner:
                 torch = torch_mod
                 t = torch.empty(leaf.shape, dtype=to_torch_dtype(leaf.dtype))
                 if leaf.nbytes:
-                    self.reads.append(ReadRequest(leaf, memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+                    self.reads.append(ReadRequest(leaf, _memory_of(t, leaf.nbytes), keep=t))
                 return lambda: t
         # numpy-kind bf16 / fp8 leaves come from JAX: back as the ml_dtypes types JAX uses
         a = np.empty(leaf.shape, dtype=numpy_dtype(leaf.dtype) if leaf.kind == "numpy" else to_numpy_dtype(leaf.dtype))
