@@ -338,7 +338,7 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
             nbytes = t.numel() * ITEMSIZE[name]
             if nbytes == 0:
                 _check_empty_shape(shape, ITEMSIZE[name], key)
-            leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t, shared))
+            leaves.append(_array_leaf(key, "torch", name, shape, nbytes, t, shared))
             return {"type": "array", "leaf": len(leaves) - 1}
     name = torch_dtype_name(t.dtype)
     if name is None:
@@ -357,6 +357,25 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
         _check_empty_shape(shape, ITEMSIZE[name], key)
     leaves.append(ArrayLeaf(key, "torch", name, shape, nbytes, t, shared))
     return {"type": "array", "leaf": len(leaves) - 1}
+
+
+_new_object = object.__new__
+
+
+def _array_leaf(key: str, kind: LeafKind, dtype: str, shape: tuple[int, ...], nbytes: int, value: Any,
+                shared: bool) -> ArrayLeaf:
+    """``ArrayLeaf(...)`` without the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per
+    field: ~1.1 us, against ~0.5 us here, paid per leaf at every save)."""
+    leaf = _new_object(ArrayLeaf)
+    d = leaf.__dict__
+    d["key"] = key
+    d["kind"] = kind
+    d["dtype"] = dtype
+    d["shape"] = shape
+    d["nbytes"] = nbytes
+    d["value"] = value
+    d["shared"] = shared
+    return leaf
 
 
 #: torch dtype -> safetensors name, filled as dtypes are met (``str(dtype)`` per leaf cost ~1 us)

@@ -48,12 +48,16 @@ def find_optimizers(items: Any) -> list[Any]:
     if torch is None:
         return []
     optimizer_type = torch.optim.Optimizer
+    # the leaves of a large state are mostly plain tensors: one set lookup each instead of three isinstance
+    plain = {torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)}
     found: list[Any] = []
     stack: list[Any] = [items]
     seen = 0
     while stack and seen < _MAX_WALK:
         obj = stack.pop()
         seen += 1
+        if type(obj) in plain:
+            continue
         if isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
