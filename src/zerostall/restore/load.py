@@ -40,15 +40,23 @@ def new_planner(storage: Storage, name: str, m: Manifest, path: str) -> ReadPlan
 def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None = None,
                ) -> dict[str, Any]:
     """Load ``{item name: template or None}`` (``None``: every item, as saved) from a checkpoint."""
+    # A manifest of many leaves and its plan allocate a few objects per leaf: see zerostall.gcpause.
+    # The pause ends once _load_items has returned, so that the manifest and the plan are freed by
+    # then and the collector's next pass does not walk them.
+    with paused_gc():
+        return _load_items(root_url, name, items, options)
+
+
+def _load_items(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None,
+                ) -> dict[str, Any]:
     opts = options or LoadOptions()
     path = f"{root_url.rstrip('/')}/{name}"
     storage = open_storage(root_url)
-    with paused_gc():  # a manifest of many leaves and its plan: see zerostall.gcpause
-        m = read_manifest(storage, name, path=path)
-        planner = new_planner(storage, name, m, path)
-        thunks = plan_items(planner, m.items, items)
-        execute_reads(storage, name, m, planner.reads, opts, path)
-        return assemble(thunks, path)
+    m = read_manifest(storage, name, path=path)
+    planner = new_planner(storage, name, m, path)
+    thunks = plan_items(planner, m.items, items)
+    execute_reads(storage, name, m, planner.reads, opts, path)
+    return assemble(thunks, path)
 
 
 def assemble(thunks: dict[str, Thunk], path: str) -> dict[str, Any]:
