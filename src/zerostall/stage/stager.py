@@ -131,6 +131,21 @@ def _batch_copy(torch: Any) -> Any:
     return getattr(torch, "_foreach_copy_", None) if torch is not None else None
 
 
+def _split(slot: Slot, plan: Plan, flat: FlatState) -> tuple[list[int], list[int]]:
+    """The indices of the layout's small torch leaves and of its other leaves with bytes, cached on
+    ``slot`` per layout (kinds and sizes are the layout's; nothing of the buffers is held)."""
+    cached = slot.batch
+    if cached is not None and cached[0] is plan.signature:
+        return cached[1], cached[2]
+    small: list[int] = []
+    rest: list[int] = []
+    for i, leaf in enumerate(flat.leaves):
+        if leaf.nbytes:
+            (small if leaf.kind == "torch" and leaf.nbytes <= _BATCH_MAX_BYTES else rest).append(i)
+    slot.batch = (plan.signature, small, rest)
+    return small, rest
+
+
 def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None, *,
           skip: list[bool] | None = None) -> list[Any]:
     """Copy every leaf of ``flat`` into ``slot`` (but those ``skip`` marks); returns when the copies
@@ -147,7 +162,17 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
         batch = _batch_copy(torch) if type(engine) is CpuCopyEngine else None
         dsts: list[Any] = []
         srcs: list[Any] = []
-        for i, (leaf, dst) in enumerate(zip(flat.leaves, views, strict=True)):
+        order: Any = enumerate(zip(flat.leaves, views, strict=True))
+        if batch is not None and skip is None:
+            # The layout's small torch leaves and their views are listed once per slot and layout:
+            # a save then gathers its sources and makes one call per batch, and walks only the rest.
+            small, rest = _split(slot, plan, flat)
+            leaves = flat.leaves
+            for k in range(0, len(small), _BATCH_LEN):
+                part = small[k:k + _BATCH_LEN]
+                batch([views[i] for i in part], [leaves[i].value for i in part])
+            order = ((i, (leaves[i], views[i])) for i in rest)
+        for i, (leaf, dst) in order:
             if dst is None or (skip is not None and skip[i]):
                 continue
             if leaf.kind == "torch":
