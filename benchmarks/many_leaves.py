@@ -4,7 +4,9 @@
                                      [--big 256M] [--profile save|load --profile-leaves 20000]
 
 For each N: a state of N three-element float32 tensors, and (``mixed``) the same plus four large
-tensors totalling ``--big`` bytes. Through a ``Checkpointer`` (a warm-up save first, so the
+tensors totalling ``--big`` bytes, and a ``torch.nn.Sequential`` of ``--model-layers`` tiny
+``Linear`` layers with its ``AdamW`` after one step (saved as Stateful objects, so the
+optimizer's tensors take the overlapped-staging path; loaded into themselves). Through a ``Checkpointer`` (a warm-up save first, so the
 buffers are allocated and the layout planned), each save's call on the training thread
 (``save_pytree_async`` returning: wall and CPU time of this process's threads during the call),
 then its time to durable (``result()`` returning, from the call). Then the load of the last step
@@ -48,7 +50,23 @@ def small_state(n: int, big: int = 0) -> dict[str, Any]:
     return state
 
 
-def template_of(state: dict[str, Any]) -> dict[str, Any]:
+def model_state(layers: int) -> dict[str, Any]:
+    """A model of ``layers`` tiny ``Linear`` layers, in blocks of 8 as a transformer's are, and its
+    AdamW after one step: 2 parameters a layer, 3 optimizer leaves a parameter (exp_avg,
+    exp_avg_sq, step): 8 leaves a layer. (Blocks: torch's ``Module.load_state_dict`` filters the
+    state dict once per child, so one flat Sequential of 1,000 children costs it ~1 s by itself.)"""
+    blocks = [torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(min(8, layers - b))])
+              for b in range(0, layers, 8)]
+    model = torch.nn.Sequential(*blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(1, 2)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def template_of(state: dict[str, Any]) -> Any:
+    if "optim" in state:
+        return state  # Stateful objects: loaded into their own state dicts
     return {k: torch.empty_like(v) for k, v in state.items()}
 
 
@@ -59,9 +77,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.perf_counter() - t, time.process_time() - c, out
 
 
-def measure(n: int, big: int, saves: int, loads: int, base: str | None) -> dict[str, float]:
-    state = small_state(n, big)
-    leaves = len(state)
+def measure(n: int, big: int, saves: int, loads: int, base: str | None, layers: int = 0) -> dict[str, float]:
+    state = model_state(layers) if layers else small_state(n, big)
+    leaves = layers * 8 if layers else len(state)
     d = tempfile.mkdtemp(dir=base)
     try:
         with zerostall.Checkpointer(d, keep_last=2) as ck:
@@ -123,6 +141,8 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, nargs="+", default=[1000, 5000, 20000])
     ap.add_argument("--big", default="256M", help="bytes of large tensors in the mixed case (0: no mixed case)")
     ap.add_argument("--mixed-leaves", type=int, default=5000, help="small tensors in the mixed case")
+    ap.add_argument("--model-layers", type=int, default=1000,
+                    help="a model of this many Linear(2, 2) layers + AdamW (8 leaves a layer; 0: no such case)")
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--loads", type=int, default=3)
     ap.add_argument("--dir", default=None)
@@ -144,10 +164,11 @@ def main() -> None:
            f"{'load ms':>8} {'cpu ms':>7} {'us/leaf':>7} | {'new ms':>8} {'cpu ms':>7} {'us/leaf':>7}")
     print(hdr)
     print("-" * len(hdr))
+    cases += [(-args.model_layers, 0)] if args.model_layers else []
     for n, b in cases:
-        m = measure(n, b, args.saves, args.loads, args.dir)
+        m = measure(max(n, 0), b, args.saves, args.loads, args.dir, layers=max(-n, 0))
         k = m["leaves"]
-        name = f"{n} x 12B" + (f" + {b >> 20}MiB" if b else "")
+        name = f"AdamW {-n} layers" if n < 0 else f"{n} x 12B" + (f" + {b >> 20}MiB" if b else "")
         print(f"{name:>16} {k:7d} | {m['call'] * 1e3:8.1f} {m['call_cpu'] * 1e3:7.1f} {m['call'] / k * 1e6:7.2f} | "
               f"{m['durable'] * 1e3:10.1f} | {m['load'] * 1e3:8.1f} {m['load_cpu'] * 1e3:7.1f} "
               f"{m['load'] / k * 1e6:7.2f} | {m['new'] * 1e3:8.1f} {m['new_cpu'] * 1e3:7.1f} {m['new'] / k * 1e6:7.2f}",
