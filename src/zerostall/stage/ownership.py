@@ -151,17 +151,25 @@ def optimizer_tensors(opt: Any) -> list[Any]:
 def owners_of(leaves: list[ArrayLeaf], optimizers: list[Any]) -> list[int | None]:
     """Per leaf: the index in ``optimizers`` of one whose parameter or state tensor holds its bytes."""
     owned = Spans()
+    # A leaf that is an optimizer's tensor itself (its state: exp_avg, ...) is owned without a
+    # span lookup (r5leaves: ~2 us a leaf at every save); the tensors live through this call.
+    by_id: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
         for t in optimizer_tensors(opt):
             sp = span(t)
             if sp is not None:
                 owned.add(sp, i)
+                by_id.setdefault(id(t), i)
     if not owned:
         return [None] * len(leaves)
     out: list[int | None] = []
     for leaf in leaves:
         owner = None
         if leaf.kind == "torch" and leaf.nbytes > 0:
+            owner = by_id.get(id(leaf.value))
+            if owner is not None:
+                out.append(owner)
+                continue
             sp = span(leaf.value)
             if sp is not None:
                 owner = owned.containing(sp)
