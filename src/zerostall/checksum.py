@@ -124,14 +124,23 @@ def split_even(sizes: Sequence[int], parts: int) -> list[list[Span]]:
 def join_crcs(parts: Sequence[tuple[Span, int]], count: int) -> list[int | None]:
     """Each request's CRC32C from the checksums of its spans (any order); None for a request with
     no span (an empty leaf has none: its checksum is 0)."""
-    by_item: list[list[tuple[int, int, int]]] = [[] for _ in range(count)]
+    # Most leaves have one span: their CRC is that span's, with no list per leaf (this runs per leaf).
+    first: list[tuple[int, int, int] | None] = [None] * count
+    more: dict[int, list[tuple[int, int, int]]] = {}
     for (i, lo, hi), crc in parts:
-        by_item[i].append((lo, hi, crc))
+        if first[i] is None:
+            first[i] = (lo, hi, crc)
+        else:
+            more.setdefault(i, []).append((lo, hi, crc))
     out: list[int | None] = []
-    for spans in by_item:
-        if not spans:
+    for i, one in enumerate(first):
+        if one is None:
             out.append(None)
             continue
+        if one[0] == 0 and i not in more:
+            out.append(one[2])
+            continue
+        spans = [one, *more.get(i, ())]
         spans.sort()
         pos, crc = 0, 0
         for lo, hi, c in spans:

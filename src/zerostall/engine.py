@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from zerostall.commit import exists_error
 from zerostall.errors import BackgroundSaveError, WriterError
+from zerostall.gcpause import paused_gc
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
 from zerostall.options import RetentionPolicy, SaveOptions, Staging
 from zerostall.persist.client import OnDone, WriterClient
@@ -192,8 +193,9 @@ class Engine:
         coordinator = self._coordinator if self._collective() else None
         info = coordinator.begin(root_url, name) if coordinator is not None else None
         try:
-            return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention,
-                                    memory=memory, persist=persist)
+            with paused_gc():  # see zerostall.gcpause: a state of many leaves made the collector walk it all
+                return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention,
+                                        memory=memory, persist=persist)
         except BaseException as exc:
             if coordinator is not None and info is not None:
                 # the other ranks' writers learn of it now, not at their timeout

@@ -151,8 +151,9 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
     if not isinstance(raw_leaves, list):
         raise _bad("'leaves' must be a list", path)
     leaves: list[LeafEntry] = []
+    sizes = [f.size for f in files]
     for i, lf in enumerate(raw_leaves):
-        leaves.append(_leaf(lf, i, files, path))
+        leaves.append(_plain_leaf(lf, sizes) or _leaf(lf, i, files, path))
     _check_overlaps(leaves, path)
 
     items = doc.get("items")
@@ -207,6 +208,46 @@ def _ranks(doc: dict[str, Any], n_leaves: int, path: str) -> tuple[dict[str, Any
             _check_node(node, name, bytearray(n_leaves), path, 0)  # a leaf backs one node per rank tree
         out.append(rank_items)
     return tuple(out)
+
+
+_new_object = object.__new__
+
+
+def _plain_leaf(lf: Any, sizes: list[int]) -> LeafEntry | None:
+    """``lf`` as a :class:`LeafEntry` when it passes every check of :func:`_leaf`, else None (then
+    :func:`_leaf` runs and says what is wrong).
+
+    The same checks in fewer steps: a manifest of 20,000 leaves spent ~8 us a leaf in
+    :func:`_leaf`'s helper calls. The entry is built without the frozen dataclass's ``__init__``
+    (one ``object.__setattr__`` per field).
+    """
+    if type(lf) is not dict:
+        return None
+    key, kind, dtype, shape = lf.get("key"), lf.get("kind"), lf.get("dtype"), lf.get("shape")
+    nbytes, fi, offset, crc = lf.get("nbytes"), lf.get("file"), lf.get("offset"), lf.get("crc32c")
+    if (type(key) is not str or type(kind) is not str or kind not in LEAF_KINDS or type(dtype) is not str
+            or type(shape) is not list or len(shape) > MAX_NDIM or type(nbytes) is not int
+            or type(fi) is not int or type(offset) is not int or not 0 <= fi < len(sizes)
+            or not 0 <= offset <= MAX_SIZE):
+        return None
+    itemsize = ITEMSIZE.get(dtype)
+    if itemsize is None:
+        return None
+    n = itemsize
+    bound = itemsize
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_SIZE:
+            return None
+        n *= d
+        bound *= d or 1
+    if nbytes != n or bound > MAX_SIZE or offset + nbytes > sizes[fi]:
+        return None
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
+        return None
+    entry = _new_object(LeafEntry)
+    entry.__dict__.update(key=key, kind=kind, dtype=dtype, shape=tuple(shape), file=fi, offset=offset,
+                          nbytes=nbytes, crc32c=crc)
+    return entry
 
 
 def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:

@@ -283,6 +283,8 @@ _OP_OF = {cls: op for op, cls in _OPS.items()}
 
 def encode(msg: Message) -> bytes:
     """One message as UTF-8 JSON bytes."""
+    if type(msg) is SaveJob:
+        return _encode_job(msg)
     doc = _to_json(msg)
     assert isinstance(doc, dict)
     return json.dumps({"v": PROTOCOL, "op": _OP_OF[type(msg)], **doc}, separators=(",", ":"),
@@ -346,6 +348,37 @@ def _encoded_rows(rows: tuple[LeafRow, ...]) -> list[Any]:
     _ROWS[id(rows)] = (rows, out)  # holds the tuple, so its id cannot be reused while cached
     while len(_ROWS) > _ROWS_KEEP:
         _ROWS.popitem(last=False)
+    return out
+
+
+_ROWS_JSON: OrderedDict[int, tuple[tuple[LeafRow, ...], bytes]] = OrderedDict()
+
+
+def _encode_job(job: SaveJob) -> bytes:
+    """A ``SaveJob`` as :func:`encode` makes it, with its leaf rows' JSON text made once per rows tuple.
+
+    The rows are ~170 bytes of JSON per leaf and the same at every save of a layout (the engine
+    hands the plan's own tuple): serialising them again was ~3 us per leaf on the training thread
+    (70 ms a save at 20,000 leaves). The rest of the job is encoded as usual and the cached text
+    is spliced in as the object's last member (the decoder does not care about member order).
+    """
+    doc = _to_json(job)
+    assert isinstance(doc, dict)
+    doc.pop("leaves")
+    head = json.dumps({"v": PROTOCOL, "op": _OP_OF[SaveJob], **doc}, separators=(",", ":"), allow_nan=False)
+    return b"".join((head[:-1].encode(), b',"leaves":', _rows_json(job.leaves), b"}"))
+
+
+def _rows_json(rows: tuple[LeafRow, ...]) -> bytes:
+    """The JSON text of a tuple of leaf rows, computed once per tuple object (like :func:`_encoded_rows`)."""
+    hit = _ROWS_JSON.get(id(rows))
+    if hit is not None and hit[0] is rows:
+        _ROWS_JSON.move_to_end(id(rows))
+        return hit[1]
+    out = json.dumps(_encoded_rows(rows), separators=(",", ":"), allow_nan=False).encode()
+    _ROWS_JSON[id(rows)] = (rows, out)  # holds the tuple, so its id cannot be reused while cached
+    while len(_ROWS_JSON) > _ROWS_KEEP:
+        _ROWS_JSON.popitem(last=False)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.errors import MismatchError, MissingKeyError, ZerostallError
+from zerostall.gcpause import paused_gc
 from zerostall.manifest import Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.files import DataFiles, read_manifest
@@ -39,6 +40,15 @@ def new_planner(storage: Storage, name: str, m: Manifest, path: str) -> ReadPlan
 def load_items(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None = None,
                ) -> dict[str, Any]:
     """Load ``{item name: template or None}`` (``None``: every item, as saved) from a checkpoint."""
+    # A manifest of many leaves and its plan allocate a few objects per leaf: see zerostall.gcpause.
+    # The pause ends once _load_items has returned, so that the manifest and the plan are freed by
+    # then and the collector's next pass does not walk them.
+    with paused_gc():
+        return _load_items(root_url, name, items, options)
+
+
+def _load_items(root_url: str, name: str, items: dict[str, Any] | None, options: LoadOptions | None,
+                ) -> dict[str, Any]:
     opts = options or LoadOptions()
     path = f"{root_url.rstrip('/')}/{name}"
     storage = open_storage(root_url)

@@ -532,11 +532,18 @@ def _copy_checked(mf: Any, offset: int, dest: memoryview, want: bool) -> int:
 
 def _extents(reqs: list[ReadRequest]) -> list[tuple[int, int, int]]:
     """``(file, start, end)``: the range each data file's requests span (in file order)."""
-    out: dict[int, tuple[int, int]] = {}
-    for q in reqs:
+    out: dict[int, list[int]] = {}
+    for q in reqs:  # comparisons, not min/max calls and tuples: this runs per leaf, twice a load
         lf = q.leaf
-        lo, hi = out.get(lf.file, (lf.offset, lf.offset + lf.nbytes))
-        out[lf.file] = (min(lo, lf.offset), max(hi, lf.offset + lf.nbytes))
+        lo, hi = lf.offset, lf.offset + lf.nbytes
+        span = out.get(lf.file)
+        if span is None:
+            out[lf.file] = [lo, hi]
+        else:
+            if lo < span[0]:
+                span[0] = lo
+            if hi > span[1]:
+                span[1] = hi
     return [(f, lo, hi) for f, (lo, hi) in out.items()]
 
 

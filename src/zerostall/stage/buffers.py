@@ -122,6 +122,8 @@ class Slot:
         self.buffers: list[HostBuffer] = []
         self.signature: tuple[object, ...] | None = None
         self.views: list[Any] = []  # per leaf: a typed destination view, built lazily by the stager
+        #: the stager's grouping of a layout's leaves for batched copies (stager._split): indices only
+        self.batch: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -383,7 +383,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         sp = span(t)
         if sp is not None:
             task.spans.add(sp)
-        if t.device.type == "cuda":
+        if t.is_cuda:  # not device.type: a device object per leaf costs ~0.5 us (r5leaves)
             by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
         else:
             task.cpu.append(_CpuCopy(leaf.key, t, storage, int(t.data_ptr()), int(dst.data_ptr()), leaf.nbytes,

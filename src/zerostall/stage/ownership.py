@@ -48,12 +48,16 @@ def find_optimizers(items: Any) -> list[Any]:
     if torch is None:
         return []
     optimizer_type = torch.optim.Optimizer
+    # the leaves of a large state are mostly plain tensors: one set lookup each instead of three isinstance
+    plain = {torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)}
     found: list[Any] = []
     stack: list[Any] = [items]
     seen = 0
     while stack and seen < _MAX_WALK:
         obj = stack.pop()
         seen += 1
+        if type(obj) in plain:
+            continue
         if isinstance(obj, dict):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
@@ -147,17 +151,25 @@ def optimizer_tensors(opt: Any) -> list[Any]:
 def owners_of(leaves: list[ArrayLeaf], optimizers: list[Any]) -> list[int | None]:
     """Per leaf: the index in ``optimizers`` of one whose parameter or state tensor holds its bytes."""
     owned = Spans()
+    # A leaf that is an optimizer's tensor itself (its state: exp_avg, ...) is owned without a
+    # span lookup (r5leaves: ~2 us a leaf at every save); the tensors live through this call.
+    by_id: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
         for t in optimizer_tensors(opt):
             sp = span(t)
             if sp is not None:
                 owned.add(sp, i)
+                by_id.setdefault(id(t), i)
     if not owned:
         return [None] * len(leaves)
     out: list[int | None] = []
     for leaf in leaves:
         owner = None
         if leaf.kind == "torch" and leaf.nbytes > 0:
+            owner = by_id.get(id(leaf.value))
+            if owner is not None:
+                out.append(owner)
+                continue
             sp = span(leaf.value)
             if sp is not None:
                 owner = owned.containing(sp)
@@ -220,6 +232,7 @@ def _graph_capturable(optimizer: Any) -> bool:
 
 
 def _copyable(t: Any) -> bool:
-    if t.device.type == "cuda":
+    # is_cuda / is_cpu rather than device.type: no device object per leaf (~0.5 us each, r5leaves)
+    if t.is_cuda:
         return True
-    return bool(t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg())
+    return bool(t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg())

@@ -70,7 +70,9 @@ def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None
     torch = sys.modules.get("torch")
     if torch is None:
         return CpuCopyEngine()
-    cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.device.type == "cuda"), None)
+    # ``is_cuda`` rather than ``device.type``: this scans every leaf at every save, and building
+    # a device object costs ~0.5 us a leaf
+    cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.is_cuda), None)
     if cuda_leaf is None:
         return CpuCopyEngine()
     if cuda_available is None:
@@ -116,6 +118,34 @@ def prepare_slot(flat: FlatState, plan: Plan, slot: Slot) -> list[Any]:
     return _views(slot, plan, flat)
 
 
+#: small CPU tensors are copied by one ``torch._foreach_copy_`` call per this many (one dispatch
+#: from Python instead of one per tensor: ~1.2 us a tensor down to ~0.7 us here); large ones keep
+#: their own ``copy_`` (the per-call cost is nothing next to their bytes, and torch's copy of a
+#: large tensor may use several threads, which the foreach fallback does not promise)
+_BATCH_LEN = 4096
+_BATCH_MAX_BYTES = 1 << 16
+
+
+def _batch_copy(torch: Any) -> Any:
+    """``torch._foreach_copy_`` where this torch has it (2.1 and later), else None."""
+    return getattr(torch, "_foreach_copy_", None) if torch is not None else None
+
+
+def _split(slot: Slot, plan: Plan, flat: FlatState) -> tuple[list[int], list[int]]:
+    """The indices of the layout's small torch leaves and of its other leaves with bytes, cached on
+    ``slot`` per layout (kinds and sizes are the layout's; nothing of the buffers is held)."""
+    cached = slot.batch
+    if cached is not None and cached[0] is plan.signature:
+        return cached[1], cached[2]
+    small: list[int] = []
+    rest: list[int] = []
+    for i, leaf in enumerate(flat.leaves):
+        if leaf.nbytes:
+            (small if leaf.kind == "torch" and leaf.nbytes <= _BATCH_MAX_BYTES else rest).append(i)
+    slot.batch = (plan.signature, small, rest)
+    return small, rest
+
+
 def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None, *,
           skip: list[bool] | None = None) -> list[Any]:
     """Copy every leaf of ``flat`` into ``slot`` (but those ``skip`` marks); returns when the copies
@@ -129,15 +159,38 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
     if grad_off is not None:
         grad_off.__enter__()
     try:
-        for i, (leaf, dst) in enumerate(zip(flat.leaves, views, strict=True)):
+        batch = _batch_copy(torch) if type(engine) is CpuCopyEngine else None
+        dsts: list[Any] = []
+        srcs: list[Any] = []
+        order: Any = enumerate(zip(flat.leaves, views, strict=True))
+        if batch is not None and skip is None:
+            # The layout's small torch leaves and their views are listed once per slot and layout:
+            # a save then gathers its sources and makes one call per batch, and walks only the rest.
+            small, rest = _split(slot, plan, flat)
+            leaves = flat.leaves
+            for k in range(0, len(small), _BATCH_LEN):
+                part = small[k:k + _BATCH_LEN]
+                batch([views[i] for i in part], [leaves[i].value for i in part])
+            order = ((i, (leaves[i], views[i])) for i in rest)
+        for i, (leaf, dst) in order:
             if dst is None or (skip is not None and skip[i]):
                 continue
             if leaf.kind == "torch":
-                engine.copy(dst, leaf.value)
+                if batch is not None and leaf.nbytes <= _BATCH_MAX_BYTES:
+                    dsts.append(dst)
+                    srcs.append(leaf.value)
+                    if len(dsts) == _BATCH_LEN:
+                        batch(dsts, srcs)
+                        dsts, srcs = [], []
+                else:
+                    engine.copy(dst, leaf.value)
             elif leaf.kind in ("numpy", "numpy_scalar"):
                 np.copyto(dst, leaf.value, casting="no")
             else:
                 dst[:] = np.frombuffer(leaf.value, dtype=np.uint8)
+        if dsts:
+            assert batch is not None
+            batch(dsts, srcs)
         engine.finish()
     finally:
         if grad_off is not None:
