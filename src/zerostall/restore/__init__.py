@@ -19,6 +19,7 @@ from zerostall.restore.plan import (
     TemplateBox,
     Thunk,
     register_node_reader,
+    register_stateful_template,
     register_template_box,
 )
 from zerostall.restore.read import execute_reads, prepare_reads
@@ -30,4 +31,5 @@ __all__ = [
     "execute_reads", "plan_items", "new_planner", "assemble",
     "prepare_reads",
     "NodeReader", "register_node_reader",
+    "register_stateful_template",
 ]

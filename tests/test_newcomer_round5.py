@@ -1,0 +1,39 @@
+"""Newcomer round 5 (docs/newcomer-run.md, "Round 5"): what a first-time user hit, as regression tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = str(Path(__file__).parents[1] / "src")
+FSDP = Path(__file__).parent / "_newcomer5_fsdp.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(n: int, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(FSDP), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_fsdp2_resume_into_a_fresh_optimizer_on_another_world_size_gets_sharded_moments(tmp_path: Path) -> None:
+    # docs/distributed.md: DTensors (FSDP2) reshard N -> M. Loading into a freshly built optimizer
+    # (no state yet) used to give every rank the whole global moments as plain tensors, and the
+    # next step() failed: "aten.lerp_.Scalar got mixed torch.Tensor and DTensor".
+    _torchrun(2, str(tmp_path), "save")
+    _torchrun(3, str(tmp_path), "resume")
+    for rank in range(3):
+        res = json.loads((tmp_path / f"result-resume-{rank}.json").read_text())
+        assert "error" not in res, res.get("tb")
+        assert res == {"moments_are_dtensors": True, "moments_equal_saved": True, "stepped": True}
