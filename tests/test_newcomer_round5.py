@@ -37,3 +37,28 @@ def test_fsdp2_resume_into_a_fresh_optimizer_on_another_world_size_gets_sharded_
         res = json.loads((tmp_path / f"result-resume-{rank}.json").read_text())
         assert "error" not in res, res.get("tb")
         assert res == {"moments_are_dtensors": True, "moments_equal_saved": True, "stepped": True}
+
+
+_FSIZE_SCRIPT = """
+import resource, sys, torch, zerostall
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # what `ulimit -f 1024` does
+try:
+    zerostall.save_pytree(sys.argv[1], {"w": torch.zeros(1 << 21)})  # 8 MiB
+except zerostall.StorageError as exc:
+    print("ZS", exc.errno, exc.path, str(exc))
+except OSError as exc:
+    print("RAW", exc.errno, str(exc))
+"""
+
+
+def test_a_file_size_limit_refusing_the_staging_buffers_names_the_checkpoint_and_ulimit(tmp_path: Path) -> None:
+    # The staging buffers are memfd files: RLIMIT_FSIZE refused them with a bare
+    # "OSError: [Errno 27] File too large" from stage/buffers.py, no path, not a ZerostallError.
+    target = str(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_SCRIPT, target], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": SRC})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip()
+    assert out.startswith("ZS 27 " + target), out
+    assert "staging buffers" in out and "ulimit -f" in out, out
+    assert not os.path.exists(target)
