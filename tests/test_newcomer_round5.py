@@ -62,3 +62,28 @@ def test_a_file_size_limit_refusing_the_staging_buffers_names_the_checkpoint_and
     assert out.startswith("ZS 27 " + target), out
     assert "staging buffers" in out and "ulimit -f" in out, out
     assert not os.path.exists(target)
+
+
+def test_a_jax_eval_shape_template_restores_a_python_step_counter(tmp_path: Path) -> None:
+    # The Orbax way to build a restore template, jax.eval_shape(lambda: state), turns the state's
+    # Python `step` into a 0-d ShapeDtypeStruct; the load refused it ("checkpoint has a int here
+    # but the template has an array"). It now comes back as an array of the template's dtype.
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    import zerostall
+    from zerostall.errors import MismatchError
+
+    state = {"w": jnp.arange(4.0), "step": 7, "lr": 0.5, "done": True}
+    zerostall.save_pytree(tmp_path / "c", state)
+    out = zerostall.load_pytree(tmp_path / "c", jax.eval_shape(lambda: state))
+    assert isinstance(out["step"], jax.Array) and int(out["step"]) == 7 and out["step"].dtype == jnp.int32
+    assert float(out["lr"]) == 0.5 and bool(out["done"]) is True
+    assert bool(jnp.array_equal(out["w"], state["w"]))
+    with pytest.raises(MismatchError, match="float 0.5") as err:  # never truncated silently
+        zerostall.load_pytree(tmp_path / "c", {"lr": jax.ShapeDtypeStruct((), jnp.int32)})
+    assert err.value.key == "pytree/lr"
+    with pytest.raises(MismatchError, match="does not fit"):
+        zerostall.save_pytree(tmp_path / "d", {"step": 2**40})
+        zerostall.load_pytree(tmp_path / "d", {"step": jax.ShapeDtypeStruct((), jnp.int32)})
