@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 SRC = str(Path(__file__).parents[1] / "src")
 FSDP = Path(__file__).parent / "_newcomer5_fsdp.py"
 
@@ -87,3 +89,28 @@ def test_a_jax_eval_shape_template_restores_a_python_step_counter(tmp_path: Path
     with pytest.raises(MismatchError, match="does not fit"):
         zerostall.save_pytree(tmp_path / "d", {"step": 2**40})
         zerostall.load_pytree(tmp_path / "d", {"step": jax.ShapeDtypeStruct((), jnp.int32)})
+
+
+def test_lightning_last_ckpt_left_empty_by_a_kill_names_the_checkpoints_to_resume_from(tmp_path: Path) -> None:
+    # A trainer SIGKILLed during a checkpoint event: epoch=0-step=7.ckpt committed, last.ckpt made
+    # (the plugin makes the path at once) while its save still waited for the first one's slot.
+    # fit(ckpt_path="last") then picks last.ckpt and failed with only "no committed zerostall
+    # checkpoint in this directory", at every restart.
+    import pytest
+
+    from zerostall.errors import CheckpointNotFoundError
+    from zerostall.lightning import ZerostallCheckpointIO
+
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0, "global_step": 7},
+                       tmp_path / "epoch=0-step=7.ckpt")
+    io.teardown()
+    (tmp_path / "last.ckpt").mkdir()
+    with pytest.raises(CheckpointNotFoundError) as err:
+        io.load_checkpoint(tmp_path / "last.ckpt")
+    msg = str(err.value)
+    assert "first save never committed" in msg and "epoch=0-step=7.ckpt" in msg and "ckpt_path" in msg, msg
+    assert io.load_checkpoint(tmp_path / "epoch=0-step=7.ckpt")["global_step"] == 7
+    (tmp_path / "epoch=0-step=7.ckpt").rename(tmp_path / ".gone")
+    with pytest.raises(CheckpointNotFoundError, match="nothing beside it holds a committed save"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
