@@ -114,3 +114,26 @@ def test_lightning_last_ckpt_left_empty_by_a_kill_names_the_checkpoints_to_resum
     (tmp_path / "epoch=0-step=7.ckpt").rename(tmp_path / ".gone")
     with pytest.raises(CheckpointNotFoundError, match="nothing beside it holds a committed save"):
         io.load_checkpoint(tmp_path / "last.ckpt")
+
+
+_FSIZE_LEAK_SCRIPT = """
+import os, resource, sys, torch, zerostall
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+def memfds():
+    return sum(1 for f in os.listdir("/proc/self/fd") if "memfd" in os.path.realpath(f"/proc/self/fd/{f}"))
+before = memfds()
+for i in range(5):
+    try:
+        zerostall.save_pytree(os.path.join(sys.argv[1], str(i)), {"w": torch.zeros(1 << 21)})
+    except OSError:
+        pass
+print(memfds() - before)
+"""
+
+
+def test_staging_buffers_refused_by_the_os_leak_no_memfd(tmp_path: Path) -> None:
+    # Each refused HostBuffer kept its memfd descriptor open (5 failed saves: 5 leaked fds).
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_LEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": SRC})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "0", proc.stdout
