@@ -137,3 +137,24 @@ def test_staging_buffers_refused_by_the_os_leak_no_memfd(tmp_path: Path) -> None
                           timeout=120, env={**os.environ, "PYTHONPATH": SRC})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "0", proc.stdout
+
+
+def test_cli_given_a_file_says_what_it_is_and_what_to_pass(tmp_path: Path, capsys: object) -> None:
+    # `zerostall inspect model.pt` / `verify CKPT/data/rank-00000.safetensors` answered only
+    # "[ENOTDIR] cannot stat the manifest manifest.json: Not a directory".
+    import zerostall
+    from zerostall.cli import main
+
+    ckpt = tmp_path / "ck"
+    zerostall.save_pytree(ckpt, {"w": torch.ones(2)})
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    data = next((ckpt / "data").iterdir())
+    assert main(["verify", str(data)]) == 1
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "is a file, not a checkpoint" in err and f"data file of the checkpoint {ckpt}" in err, err
+    assert main(["inspect", str(tmp_path / "model.pt")]) == 1
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "is a file, not a checkpoint" in err and "zerostall import FILE DST" in err, err
+    assert main(["inspect", "--json", str(tmp_path / "model.pt")]) == 1
+    doc = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
+    assert doc["error"]["class"] == "StorageError" and doc["error"]["errno"] == 20

@@ -473,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("ZEROSTALL_DEBUG"):
             raise
         exc = _as_zerostall_error(exc, args)
+        exc = _hint_file_given(exc, args)
         if args.json:
             print(json.dumps({"ok": False, "error": _error_doc(exc)}))
         else:
@@ -723,6 +724,26 @@ def _hint_missing_path(url: str, exc: CheckpointNotFoundError) -> CheckpointNotF
                                        path=exc.path)
     return CheckpointNotFoundError(f"{exc.message}: no such file or directory (pass a checkpoint: the directory "
                                    "holding manifest.json; zerostall list DIR shows those in DIR)", path=exc.path)
+
+
+def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
+    """A file given where a checkpoint directory goes (newcomer round 5: ``zerostall inspect
+    model.pt``, ``zerostall verify CKPT/data/rank-00000.safetensors``) says what it is and what to
+    pass, instead of only "[ENOTDIR] cannot stat the manifest manifest.json: Not a directory"."""
+    given = getattr(args, "path", None) or getattr(args, "checkpoint", None)
+    if not isinstance(exc, StorageError) or exc.errno != errno.ENOTDIR or not isinstance(given, str):
+        return exc
+    local = local_path(_url(given))
+    if local is None or not os.path.isfile(local):
+        return exc
+    folder = os.path.dirname(os.path.abspath(local))
+    ckpt = os.path.dirname(folder)
+    if os.path.basename(folder) == "data" and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
+        what = f"it is a data file of the checkpoint {ckpt}: pass that directory"
+    else:
+        what = (f"a checkpoint is a directory holding {MANIFEST_NAME} (a torch.save file: zerostall import FILE DST "
+                "makes a checkpoint of it)")
+    return StorageError(f"{local} is a file, not a checkpoint: {what}", errno=exc.errno, path=exc.path)
 
 
 def _check_export_suffix(args: argparse.Namespace) -> None:
