@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerostall.dtypes import to_torch_dtype
 from zerostall.errors import UnsupportedLeafError
-from zerostall.restore import TemplateBox, register_stateful_template, register_template_box
+from zerostall.restore import TemplateBox, register_template_box
 from zerostall.tree import ArrayLeaf, add_torch_leaf, register_flattener
 
 __all__ = ["flatten_dtensor", "local_box", "is_dtensor_type"]
@@ -62,53 +61,5 @@ def _template_box(dt: Any) -> TemplateBox:
     return TemplateBox(offset=offset, shape=shape, local=dt.to_local())
 
 
-def _is_torch_optimizer(obj: Any) -> bool:
-    return any(c.__name__ == "Optimizer" and c.__module__ == "torch.optim.optimizer" for c in type(obj).__mro__)
-
-
-def _fields(node: Any) -> dict[Any, Any] | None:
-    return dict(zip(node["keys"], node["values"], strict=True)) if isinstance(node, dict) and \
-        node.get("type") == "dict" else None
-
-
-def optimizer_template(target: Any, node: dict[str, Any]) -> dict[str, Any] | None:
-    """The template to restore a torch optimizer over DTensor parameters through (None: not one).
-
-    A freshly built optimizer (the usual resume) has no state yet, so its ``state_dict()`` asks
-    for no moments: they would come back as whole global tensors, which ``load_state_dict``
-    keeps as plain tensors beside DTensor parameters (every rank holding the full moments, and
-    the next ``step()`` failing in DTensor dispatch). Here each saved DTensor state entry whose
-    parameter is a DTensor of its global shape gets an uninitialized DTensor placed like that
-    parameter, so each rank reads only its box, resharded. The optimizer is not touched before
-    the load (unlike DCP's ``set_optimizer_state_dict``, which steps it once with zero grads).
-    """
-    if not _is_torch_optimizer(target):
-        return None
-    params = [p for group in target.param_groups for p in group["params"]]
-    if not any(is_dtensor_type(type(p)) for p in params):
-        return None
-    saved = _fields(node)
-    state = _fields(saved.get("state")) if saved is not None else None
-    if state is None:
-        return None
-    import torch
-
-    tmpl: dict[str, Any] = target.state_dict()
-    for index, entry in state.items():
-        fields = _fields(entry)
-        if fields is None or not isinstance(index, int) or not 0 <= index < len(params) or index in tmpl["state"]:
-            continue
-        param = params[index]
-        if not is_dtensor_type(type(param)):
-            continue
-        boxes = {name: torch.empty_like(param, dtype=to_torch_dtype(sub["dtype"]))
-                 for name, sub in fields.items()
-                 if isinstance(sub, dict) and sub.get("type") == "sharded" and tuple(sub["shape"]) == tuple(param.shape)}
-        if boxes:
-            tmpl["state"][index] = boxes
-    return tmpl
-
-
 register_flattener(is_dtensor_type, flatten_dtensor)
 register_template_box(is_dtensor_type, _template_box)
-register_stateful_template(optimizer_template)

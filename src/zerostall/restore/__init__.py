@@ -10,6 +10,7 @@ collective load in :mod:`zerostall.distributed` uses the same public planning an
 :func:`verify_checkpoint` checks a whole checkpoint and reports every problem, not the first.
 """
 
+from zerostall.restore import optim as _optim  # noqa: F401 - registers the torch optimizer template
 from zerostall.restore.files import DataFiles, check_local_file, read_manifest
 from zerostall.restore.load import assemble, load_items, new_planner, plan_items
 from zerostall.restore.plan import (

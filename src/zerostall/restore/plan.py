@@ -87,8 +87,8 @@ def register_node_reader(reader: NodeReader) -> None:
         _READERS.insert(0, reader)
 
 
-#: ``fn(target, node)``: the template tree to restore a Stateful ``target`` through, or None
-StatefulTemplate = Callable[[Any, dict[str, Any]], Any]
+#: ``fn(planner, target, node)``: the template tree to restore a Stateful ``target`` through, or None
+StatefulTemplate = Callable[["ReadPlanner", Any, dict[str, Any]], Any]
 _STATEFUL_TEMPLATES: list[StatefulTemplate] = []
 
 
@@ -96,18 +96,19 @@ def register_stateful_template(fn: StatefulTemplate) -> None:
     """Let ``fn`` give the template a Stateful object is restored through, in place of its ``state_dict()``.
 
     For objects whose ``state_dict()`` lacks what the checkpoint holds in a form the object needs
-    back: a fresh torch optimizer over DTensor parameters has no state yet, so without a template
-    its moments would come back as whole global tensors (:mod:`zerostall.distributed.dtensor`
-    registers one). ``fn`` returns None for objects it leaves to the next one or ``state_dict()``.
+    back: a fresh torch optimizer has no state yet, so without a template its moments would come
+    back as new contiguous tensors (whole global tensors for DTensor parameters), not laid out
+    like its parameters (:mod:`zerostall.restore.optim` registers one). ``fn`` returns None for
+    objects it leaves to the next one or ``state_dict()``.
     """
     with _BOX_LOCK:
         _STATEFUL_TEMPLATES.insert(0, fn)
 
 
-def stateful_template(target: Any, node: dict[str, Any]) -> Any:
+def stateful_template(planner: ReadPlanner, target: Any, node: dict[str, Any]) -> Any:
     """The template tree to restore the Stateful ``target`` through (see :func:`register_stateful_template`)."""
     for fn in _STATEFUL_TEMPLATES:
-        tmpl = fn(target, node)
+        tmpl = fn(planner, target, node)
         if tmpl is not None:
             return tmpl
     return target.state_dict()
@@ -244,7 +245,7 @@ class ReadPlanner:
         ``follow_checkpoint``, the structure (keys absent from the template are not read)."""
         if tmpl is not None and is_stateful(tmpl):
             target = tmpl
-            inner = self.build(node, stateful_template(target, node), key, follow_checkpoint=True)
+            inner = self.build(node, stateful_template(self, target, node), key, follow_checkpoint=True)
 
             def load() -> Any:
                 try:
