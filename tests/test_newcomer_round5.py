@@ -193,3 +193,20 @@ def test_a_fresh_fused_adamw_over_a_channels_last_cnn_resumes_bit_for_bit(tmp_pa
         step(mb, ob, i)
     for k, v in ma.state_dict().items():
         assert torch.equal(v, mb.state_dict()[k]), k
+
+
+def test_inspect_of_an_fsdp2_checkpoint_shows_where_each_shard_lies(tmp_path: Path, capsys: object) -> None:
+    # `zerostall inspect` listed "pytree/model/0.weight F32 19x13" and "... 18x13": nothing said
+    # they are the two halves of one 37x13 tensor.
+    from zerostall.cli import main
+
+    _torchrun(2, str(tmp_path), "save")
+    step = str(tmp_path / "run" / "step_00000003")
+    assert main(["inspect", "--json", step]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["leaves"]  # type: ignore[attr-defined]
+            if r["key"] == "pytree/model/0.weight"]
+    assert sorted((r["shard"]["offset"], r["shape"]) for r in rows) == [([0, 0], [19, 13]), ([19, 0], [18, 13])]
+    assert all(r["shard"]["global"] == [37, 13] for r in rows)
+    assert main(["inspect", step]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "19x13 @0,0 of 37x13" in out and "18x13 @19,0 of 37x13" in out, out
