@@ -187,11 +187,15 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
         m = read_manifest(storage, name, path=path)
     except CheckpointNotFoundError as exc:
         raise _hint_run_directory(_url(args.path), exc) from exc
-    leaves = [{"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "nbytes": lf.nbytes,
-               "file": m.files[lf.file].path, "offset": lf.offset, "crc32c": lf.crc32c} for lf in m.leaves]
+    leaves: list[dict[str, Any]] = [
+        {"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "nbytes": lf.nbytes,
+         "file": m.files[lf.file].path, "offset": lf.offset, "crc32c": lf.crc32c} for lf in m.leaves]
     ranks = _leaf_ranks(m.ranks, len(m.leaves))
     for row, rk in zip(leaves, ranks, strict=True):
         row["ranks"] = rk
+    shards = _leaf_shards(m.items, m.ranks)
+    for i, row in enumerate(leaves):
+        row["shard"] = shards.get(i)
     by_dtype: Counter[str] = Counter()
     for lf in m.leaves:
         by_dtype[lf.dtype] += lf.nbytes
@@ -341,6 +345,9 @@ def _print_inspect(r: dict[str, Any]) -> None:
         _out(f"  {'key':<{width}} {'dtype':<8} {'shape':<18} {'size':>10}{rank_head}")
         for lf in r["leaves"]:
             shape = "x".join(map(str, lf["shape"])) or "()"
+            if lf.get("shard"):  # one box of a sharded (DTensor / jax) array: where it lies, in what
+                sh = lf["shard"]
+                shape += f" @{','.join(map(str, sh['offset']))} of {'x'.join(map(str, sh['global'])) or '()'}"
             rank_col = f" {_rank_label(lf.get('ranks'), r['saving_ranks']):<8}" if per_rank else ""
             _out(f"  {lf['key']:<{width}} {lf['dtype']:<8} {shape:<18} {_size(lf['nbytes']):>10}{rank_col}")
     _print_values(r.get("values", []), r.get("saving_ranks"))
@@ -473,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("ZEROSTALL_DEBUG"):
             raise
         exc = _as_zerostall_error(exc, args)
+        exc = _hint_file_given(exc, args)
         if args.json:
             print(json.dumps({"ok": False, "error": _error_doc(exc)}))
         else:
@@ -610,6 +618,28 @@ def _usage(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message, argument="rm")
 
 
+def _leaf_shards(items: dict[str, Any], rank_trees: tuple[dict[str, Any], ...]) -> dict[int, dict[str, Any]]:
+    """For each leaf that is one box of a ``sharded`` node: its offset and the global shape.
+
+    Without it, ``inspect`` of an FSDP2 checkpoint listed ``0.weight 19x13`` and ``0.weight 18x13``
+    with nothing saying they are the two halves of one 37x13 tensor (newcomer round 5).
+    """
+    out: dict[int, dict[str, Any]] = {}
+    stack: list[Any] = list(items.values())
+    for tree in rank_trees:
+        stack.extend(tree.values())
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if node.get("type") == "sharded":
+            for sh in node.get("shards") or []:
+                if isinstance(sh, dict) and type(sh.get("leaf")) is int:
+                    out[sh["leaf"]] = {"offset": list(sh.get("offset") or []), "global": list(node.get("shape") or [])}
+        stack.extend(node.get("values") or [])
+    return out
+
+
 def _leaf_ranks(rank_trees: tuple[dict[str, Any], ...], n_leaves: int) -> list[list[int] | None]:
     """For a collective save, which saving ranks' trees use each leaf (None for a one-process save)."""
     if not rank_trees:
@@ -723,6 +753,26 @@ def _hint_missing_path(url: str, exc: CheckpointNotFoundError) -> CheckpointNotF
                                        path=exc.path)
     return CheckpointNotFoundError(f"{exc.message}: no such file or directory (pass a checkpoint: the directory "
                                    "holding manifest.json; zerostall list DIR shows those in DIR)", path=exc.path)
+
+
+def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
+    """A file given where a checkpoint directory goes (newcomer round 5: ``zerostall inspect
+    model.pt``, ``zerostall verify CKPT/data/rank-00000.safetensors``) says what it is and what to
+    pass, instead of only "[ENOTDIR] cannot stat the manifest manifest.json: Not a directory"."""
+    given = getattr(args, "path", None) or getattr(args, "checkpoint", None)
+    if not isinstance(exc, StorageError) or exc.errno != errno.ENOTDIR or not isinstance(given, str):
+        return exc
+    local = local_path(_url(given))
+    if local is None or not os.path.isfile(local):
+        return exc
+    folder = os.path.dirname(os.path.abspath(local))
+    ckpt = os.path.dirname(folder)
+    if os.path.basename(folder) == "data" and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
+        what = f"it is a data file of the checkpoint {ckpt}: pass that directory"
+    else:
+        what = (f"a checkpoint is a directory holding {MANIFEST_NAME} (a torch.save file: zerostall import FILE DST "
+                "makes a checkpoint of it)")
+    return StorageError(f"{local} is a file, not a checkpoint: {what}", errno=exc.errno, path=exc.path)
 
 
 def _check_export_suffix(args: argparse.Namespace) -> None:

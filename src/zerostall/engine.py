@@ -12,6 +12,7 @@ provides the coordinator.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import sys
 import threading
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from zerostall.commit import exists_error
-from zerostall.errors import BackgroundSaveError, WriterError
+from zerostall.errors import BackgroundSaveError, StorageError, WriterError, ZerostallError
 from zerostall.gcpause import paused_gc
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
 from zerostall.options import RetentionPolicy, SaveOptions, Staging
@@ -159,7 +160,7 @@ class Engine:
                 pass
         try:
             for slot in slots:
-                self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
+                fit_slot(self.pool, slot, plan, None)
                 prepare_slot(flat, plan, slot)
                 total += slot.nbytes
         finally:
@@ -217,7 +218,7 @@ class Engine:
         slot = self.pool.acquire()
         task: OverlapTask | None = None
         try:
-            self.pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
+            fit_slot(self.pool, slot, plan, path)
             t_copy = time.perf_counter()
             views = stage(flat, plan, slot, skip=defer)
             if split is not None:
@@ -392,3 +393,35 @@ def _warn_unreceived() -> None:
         if err is not None:
             # explicit location: the warning is about the saves, not about this line of code
             warnings.warn_explicit(f"{err}", RuntimeWarning, filename="zerostall", lineno=0)
+
+
+_FIT_HINTS = {
+    errno.EFBIG: "the process's file-size limit (ulimit -f, RLIMIT_FSIZE) applies to them: raise it "
+                 "(ulimit -f unlimited) for the trainer",
+    errno.ENOMEM: "not enough memory: each save in flight needs a full-size copy of the state in host "
+                  "memory (README, \"Host memory\")",
+    errno.ENOSPC: "not enough memory: each save in flight needs a full-size copy of the state in host "
+                  "memory (README, \"Host memory\")",
+}
+
+
+def fit_slot(pool: BufferPool, slot: Slot, plan: Plan, path: str | None) -> None:
+    """``pool.fit`` with the operating system's refusal named (newcomer round 5).
+
+    The staging buffers are memfd files, so a file-size limit (``ulimit -f``) refuses them with a
+    bare ``OSError: [Errno 27] File too large`` that names no checkpoint and says nothing of what
+    was being allocated.
+
+    Raises:
+        StorageError: the buffers could not be created (``errno`` kept), naming the checkpoint.
+    """
+    try:
+        pool.fit(slot, [f.alloc for f in plan.files], signature=plan.signature)
+    except OSError as exc:
+        if isinstance(exc, ZerostallError):
+            raise
+        nbytes = sum(f.alloc for f in plan.files)
+        hint = _FIT_HINTS.get(exc.errno or 0)
+        raise StorageError(f"cannot allocate this save's staging buffers ({nbytes} bytes of shared memory, "
+                           f"memfd): {exc.strerror or exc}" + (f"; {hint}" if hint else ""),
+                           errno=exc.errno, path=path) from exc

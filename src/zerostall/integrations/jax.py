@@ -330,9 +330,33 @@ def _into_key(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -
     return build
 
 
+def _scalar_into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+    """A saved Python number where the template has a 0-d array: what ``jax.eval_shape`` makes of
+    a state's step counter (newcomer round 5: the Orbax way to build a restore template). It comes
+    back as an array of the template's dtype; a value that dtype cannot hold exactly is refused."""
+    t = node["type"]
+    value = float.fromhex(node["value"]) if t == "float" else node["value"]
+    dtype = np.dtype(tmpl.dtype)
+    sharding = getattr(tmpl, "sharding", None)
+    if t == "float" and dtype.kind in "iub":
+        raise MismatchError(f"checkpoint has the float {value!r} here but the template has a {dtype} array",
+                            path=planner.path, key=key)
+
+    def build() -> Any:
+        try:
+            arr = jnp.asarray(value, dtype=dtype)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise MismatchError(f"the saved {t} {value!r} does not fit the template's {dtype}: {exc}",
+                                path=planner.path, key=key) from exc
+        return jax.device_put(arr, sharding) if sharding is not None else arr
+    return build
+
+
 def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
     t = node["type"]
     if isinstance(tmpl, (jax.Array, jax.ShapeDtypeStruct)):
+        if t in ("int", "float", "bool") and tuple(tmpl.shape) == () and not _is_key_dtype(tmpl.dtype):
+            return _scalar_into_jax(planner, node, tmpl, key)
         if t not in ("array", "sharded"):
             raise MismatchError(f"checkpoint has a {t} here but the template has an array",
                                 path=planner.path, key=key)

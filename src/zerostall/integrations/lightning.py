@@ -342,6 +342,33 @@ def _numbers(container: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _never_committed(container: str) -> str:
+    """Why a plugin directory holds no committed checkpoint, and where to resume from instead.
+
+    The directory is made when its first save starts (Lightning expects the path at once), so a
+    trainer killed during that save leaves it empty, and ``fit(ckpt_path="last")`` picks it
+    (newcomer round 5): the user is told which sibling checkpoints hold committed saves.
+    """
+    siblings = []
+    try:
+        with os.scandir(os.path.dirname(container) or ".") as it:
+            for entry in sorted(it, key=lambda e: e.name):
+                if entry.is_dir() and entry.path != container and not entry.name.startswith("."):
+                    try:
+                        if _numbers(entry.path):
+                            siblings.append(entry.path)
+                    except OSError:
+                        continue
+    except OSError:
+        pass
+    why = ": its first save never committed (the trainer was killed, or the save failed, before the commit)"
+    if siblings:
+        return (f"{why}; these hold committed ones: {', '.join(repr(s) for s in siblings[:8])} (pass one as "
+                "ckpt_path), and delete this directory (Lightning's ckpt_path='last' picks it while it exists)")
+    return (f"{why}; nothing beside it holds a committed save either: delete this directory and start without "
+            "ckpt_path (Lightning's ckpt_path='last' picks it while it exists)")
+
+
 def _is_container(path: str) -> bool:
     """A directory this plugin made: only ``step_*`` checkpoints and hidden entries inside."""
     with os.scandir(path) as it:
@@ -529,7 +556,8 @@ class ZerostallCheckpointIO(CheckpointIO):
         except OSError as exc:
             raise _storage_error(exc, p, "cannot list the checkpoint directory") from exc
         if not numbers:
-            raise CheckpointNotFoundError("no committed zerostall checkpoint in this directory", path=p)
+            raise CheckpointNotFoundError("no committed zerostall checkpoint in this directory" + _never_committed(container),
+                                          path=p)
         where = os.path.join(container, numbers[-1][1])
         out = zerostall.load_checkpointables(where, options=self.load_options)
         if ITEM not in out:

@@ -10,6 +10,7 @@ collective load in :mod:`zerostall.distributed` uses the same public planning an
 :func:`verify_checkpoint` checks a whole checkpoint and reports every problem, not the first.
 """
 
+from zerostall.restore import optim as _optim  # noqa: F401 - registers the torch optimizer template
 from zerostall.restore.files import DataFiles, check_local_file, read_manifest
 from zerostall.restore.load import assemble, load_items, new_planner, plan_items
 from zerostall.restore.plan import (
@@ -19,6 +20,7 @@ from zerostall.restore.plan import (
     TemplateBox,
     Thunk,
     register_node_reader,
+    register_stateful_template,
     register_template_box,
 )
 from zerostall.restore.read import execute_reads, prepare_reads
@@ -30,4 +32,5 @@ __all__ = [
     "execute_reads", "plan_items", "new_planner", "assemble",
     "prepare_reads",
     "NodeReader", "register_node_reader",
+    "register_stateful_template",
 ]

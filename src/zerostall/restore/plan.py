@@ -38,7 +38,7 @@ from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_int
 
 __all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
            "register_node_reader", "Shard", "saved_shards", "plan_box", "numpy_dtype",
-           "ML_DTYPE_NAMES"]
+           "ML_DTYPE_NAMES", "register_stateful_template", "stateful_template"]
 
 Thunk = Callable[[], Any]
 
@@ -106,6 +106,33 @@ def register_node_reader(reader: NodeReader, *, plain: bool = False) -> None:
         _READERS.insert(0, reader)
         if plain:
             _READERS_FOR_PLAIN.append(reader)
+
+
+#: ``fn(planner, target, node)``: the template tree to restore a Stateful ``target`` through, or None
+StatefulTemplate = Callable[["ReadPlanner", Any, dict[str, Any]], Any]
+_STATEFUL_TEMPLATES: list[StatefulTemplate] = []
+
+
+def register_stateful_template(fn: StatefulTemplate) -> None:
+    """Let ``fn`` give the template a Stateful object is restored through, in place of its ``state_dict()``.
+
+    For objects whose ``state_dict()`` lacks what the checkpoint holds in a form the object needs
+    back: a fresh torch optimizer has no state yet, so without a template its moments would come
+    back as new contiguous tensors (whole global tensors for DTensor parameters), not laid out
+    like its parameters (:mod:`zerostall.restore.optim` registers one). ``fn`` returns None for
+    objects it leaves to the next one or ``state_dict()``.
+    """
+    with _BOX_LOCK:
+        _STATEFUL_TEMPLATES.insert(0, fn)
+
+
+def stateful_template(planner: ReadPlanner, target: Any, node: dict[str, Any]) -> Any:
+    """The template tree to restore the Stateful ``target`` through (see :func:`register_stateful_template`)."""
+    for fn in _STATEFUL_TEMPLATES:
+        tmpl = fn(planner, target, node)
+        if tmpl is not None:
+            return tmpl
+    return target.state_dict()
 
 
 def _bytes_of(a: Any) -> memoryview:
@@ -267,7 +294,7 @@ class ReadPlanner:
             return self.array(node, tmpl, key)
         if tmpl is not None and is_stateful(tmpl):
             target = tmpl
-            inner = self.build(node, target.state_dict(), key, follow_checkpoint=True)
+            inner = self.build(node, stateful_template(self, target, node), key, follow_checkpoint=True)
 
             def load() -> Any:
                 try:

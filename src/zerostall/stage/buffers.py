@@ -36,8 +36,12 @@ class HostBuffer:
         else:  # pragma: no cover - non-Linux: an unlinked file in shared memory
             with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
                 self.fd = os.dup(f.fileno())
-        os.ftruncate(self.fd, size)
-        self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.ftruncate(self.fd, size)  # EFBIG under a file-size limit (ulimit -f): memfds count
+            self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)  # nobody else holds it: each failed save would leak one
+            raise
         self._prefault()
         self.view = memoryview(self.mmap)
         self.pinned = False
