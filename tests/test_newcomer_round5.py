@@ -210,3 +210,46 @@ def test_inspect_of_an_fsdp2_checkpoint_shows_where_each_shard_lies(tmp_path: Pa
     assert main(["inspect", step]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "19x13 @0,0 of 37x13" in out and "18x13 @19,0 of 37x13" in out, out
+
+
+def test_nested_tensor_is_refused_by_key_not_by_a_torch_internal_error(tmp_path: Path) -> None:
+    # A strided nested tensor reached `tuple(t.shape)`: torch's RuntimeError ("NestedTensorImpl
+    # doesn't support sizes"), no key, not a ZerostallError.
+    import zerostall
+    from zerostall.errors import UnsupportedLeafError
+
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    try:
+        zerostall.save_pytree(tmp_path / "n", {"batch": nt})
+    except UnsupportedLeafError as exc:
+        assert exc.key == "pytree/batch" and "unbind" in str(exc)
+    else:  # pragma: no cover - the assertion below says what went wrong
+        raise AssertionError("a nested tensor was saved")
+
+
+def test_random_generators_are_told_what_to_save_and_that_works(tmp_path: Path) -> None:
+    # The refusal said "save its state_dict()", which none of these has.
+    import random
+
+    import numpy as np
+
+    import zerostall
+    from zerostall.errors import UnsupportedLeafError
+
+    r, g, t = random.Random(5), np.random.default_rng(7), torch.Generator().manual_seed(3)
+    for obj, advice in ((t, "get_state()"), (g, "bit_generator.state"), (r, "getstate()")):
+        try:
+            zerostall.save_pytree(tmp_path / "bad", {"rng": obj})
+        except UnsupportedLeafError as exc:
+            assert advice in str(exc) and "state_dict()" not in str(exc), str(exc)
+        else:  # pragma: no cover
+            raise AssertionError(f"{type(obj)} was saved")
+    # what the message says to do round-trips
+    zerostall.save_pytree(tmp_path / "ok", {"r": r.getstate(), "g": g.bit_generator.state, "t": t.get_state()})
+    d = zerostall.load_pytree(tmp_path / "ok")
+    r2, g2, t2 = random.Random(), np.random.default_rng(), torch.Generator()
+    r2.setstate(d["r"])
+    g2.bit_generator.state = d["g"]
+    t2.set_state(d["t"])
+    assert r2.random() == r.random() and g2.random() == g.random()
+    assert torch.equal(torch.rand(3, generator=t2), torch.rand(3, generator=t))

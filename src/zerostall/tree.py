@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 import threading
 from collections.abc import Callable
@@ -309,8 +310,20 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         state = obj.state_dict()
         return _flatten(state, key, leaves, depth + 1)
     raise UnsupportedLeafError(
-        f"cannot save a leaf of type {t.__module__}.{t.__qualname__}; save its state_dict(), "
+        f"cannot save a leaf of type {t.__module__}.{t.__qualname__}; {_leaf_hint(obj)}, "
         "or register a handler with zerostall.register_handler", key=key)
+
+
+def _leaf_hint(obj: Any) -> str:
+    """What to save instead of ``obj``: random generators have a state, not a ``state_dict()``."""
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if name == "torch._C.Generator":
+        return "save its state, g.get_state() (a uint8 tensor), and restore it with g.set_state(t)"
+    if name == "numpy.random._generator.Generator":
+        return "save its state, g.bit_generator.state (a dict), and restore it by assigning that attribute"
+    if isinstance(obj, random.Random):
+        return "save its state, r.getstate() (a tuple), and restore it with r.setstate(state)"
+    return "save its state_dict()"
 
 
 def flatten_child(obj: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
@@ -333,7 +346,7 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
             name = torch_dtype_name(t.dtype)
             if name is not None:
                 _TORCH_DTYPE_NAME[t.dtype] = name
-        if name is not None and t.layout is torch.strided and not t.is_quantized and not t.is_meta:
+        if name is not None and t.layout is torch.strided and not t.is_quantized and not t.is_meta and not t.is_nested:
             shape = tuple(t.shape)  # torch.Size holds ints
             nbytes = t.numel() * ITEMSIZE[name]
             if nbytes == 0:
@@ -347,6 +360,9 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
         raise UnsupportedLeafError(f"tensor dtype {t.dtype} has no safetensors equivalent: {fix}", key=key)
     if t.layout != torch.strided:
         raise UnsupportedLeafError(f"only dense (strided) tensors can be saved, got layout {t.layout}", key=key)
+    if t.is_nested:  # strided nested tensors have no single shape (torch raises on .shape)
+        raise UnsupportedLeafError("cannot save a nested tensor: save t.unbind() (a tuple of dense tensors) and "
+                                   "rebuild it with torch.nested.nested_tensor(...)", key=key)
     if t.is_quantized or t.device.type == "meta":
         raise UnsupportedLeafError(f"cannot save a {'quantized' if t.is_quantized else 'meta'} tensor", key=key)
     if type(t).__name__ == "DTensor":  # pragma: no cover - zerostall.distributed registers a flattener
