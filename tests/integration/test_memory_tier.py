@@ -6,15 +6,18 @@ itself plays the restarted trainer, so it adopts the keeper the dead trainer lef
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,36 +223,50 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
         assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
 
 
+@contextlib.contextmanager
+def squatter(address: str) -> Iterator[int]:
+    """Another user's process (nobody, uid 65534; needs root) listening on ``address`` while the
+    block runs; yields its pid and checks that it ended cleanly."""
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(stop_w)
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(address)
+            s.listen(8)
+            os.write(ready_w, b"x")
+            os.read(stop_r, 1)  # until the block ends
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(stop_r)
+    try:
+        assert os.read(ready_r, 1) == b"x", "the squatter did not start"
+        yield pid
+    finally:
+        os.close(stop_w)
+        os.close(ready_r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_trainer_does_not_adopt_another_users_socket(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a process as another user")
     d = tmp_path / "run"
-    address = keeper_address(str(d), 0)
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child: squats on our keeper's name
-        import socket
-        os.close(r)
-        os.setgid(65534)
-        os.setuid(65534)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(address)
-        s.listen(8)
-        os.write(w, b"x")
-        time.sleep(60)
-        os._exit(0)
-    os.close(w)
-    try:
-        assert os.read(r, 1) == b"x"
-        # (r5keeper: the trainer is told; test_memory_tier_keeperbind.py checks what it is told)
-        with pytest.warns(ZerostallWarning, match="cannot be adopted"), Checkpointer(d, memory_tier=_memory()) as ck:
-            assert not ck._engine.writer.adopted
-            ck.save_pytree(1, state(1))
-            assert ck.memory_step() == 1  # the memory tier works; only adoption after a crash is lost
-    finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
-        os.close(r)
+    # (r5keeper: the trainer is told; test_memory_tier_keeperbind.py checks what it is told)
+    with (squatter(keeper_address(str(d), 0)), pytest.warns(ZerostallWarning, match="cannot be adopted"),
+          Checkpointer(d, memory_tier=_memory()) as ck):
+        assert not ck._engine.writer.adopted
+        ck.save_pytree(1, state(1))
+        assert ck.memory_step() == 1  # the memory tier works; only adoption after a crash is lost
 
 
 def test_memory_tier_options_are_checked(tmp_path: Path) -> None:

@@ -33,7 +33,16 @@ from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import DEADLINE_S, TRAINER, _assert_state, _keeper_sockets, _running, _storage_steps, _wait
+from test_memory_tier import (
+    DEADLINE_S,
+    TRAINER,
+    _assert_state,
+    _keeper_sockets,
+    _running,
+    _storage_steps,
+    _wait,
+    squatter,
+)
 from test_memory_tier_busy import _keeper_processes
 
 TIER = MemoryTier(persist_interval_steps=1000, linger_s=5)
@@ -158,40 +167,14 @@ def test_an_unadoptable_keeper_still_persists_after_its_trainer_dies(tmp_path: P
 @pytest.mark.skipif(os.getuid() != 0, reason="starting another user's process (the squatter) needs root")
 def test_a_keeper_whose_name_another_user_holds_is_heard_by_its_trainer(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    address = keeper_address(str(d), 0)  # this user's name for (d, rank 0), taken by someone else
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the squatter: another user (nobody) listening on our keeper's name
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(stop_w)
-            os.setgid(65534)
-            os.setuid(65534)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(address)
-            s.listen(8)
-            os.write(ready_w, b"x")
-            os.read(stop_r, 1)  # until the test closes its end
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(stop_r)
-    try:
-        assert os.read(ready_r, 1) == b"x", "the squatter did not start"
+    # this user's name for (d, rank 0), taken by someone else
+    with squatter(keeper_address(str(d), 0)) as pid:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ck = Checkpointer(d, memory_tier=TIER)
         err = _unadoptable(ck, caught, d)
         assert err.errno == errno.EADDRINUSE and f"pid {pid}, uid 65534" in str(err)
         _still_serves(ck, d)
-    finally:
-        os.close(stop_w)
-        os.close(ready_r)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_the_unadoptable_warning_as_an_error_leaves_nothing_running(tmp_path: Path,

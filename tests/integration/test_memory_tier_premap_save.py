@@ -50,6 +50,21 @@ def _gate_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, thre
     return copying, go
 
 
+def _load_on_thread(ck: Checkpointer, step: int, got: dict[str, Any]) -> threading.Thread:
+    """Start ``ck.load_pytree(step)`` into a fresh template on a thread; its result or error goes to
+    ``got["out"]`` / ``got["err"]`` (asserted on the main thread)."""
+
+    def load() -> None:
+        try:
+            got["out"] = ck.load_pytree(step, template=state(0))
+        except BaseException as exc:  # asserted on the main thread
+            got["err"] = exc
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    return loader
+
+
 def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     d = tmp_path / "run"
@@ -60,15 +75,7 @@ def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Pat
     inodes = _held_inodes(ck)
     copying, go = _gate_copies(monkeypatch)
     got: dict[str, Any] = {}
-
-    def load() -> None:
-        try:
-            got["out"] = ck.load_pytree(3, template=state(0))
-        except BaseException as exc:  # asserted on the main thread
-            got["err"] = exc
-
-    loader = threading.Thread(target=load)
-    loader.start()
+    loader = _load_on_thread(ck, 3, got)
     try:
         assert copying.wait(DEADLINE_S), "the load never copied from the memory tier"
         assert premap.reused == 1  # it copies out of the mapping made at adoption
@@ -103,20 +110,13 @@ def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
     copying, go = _gate_copies(monkeypatch)
     got: dict[str, Any] = {}
 
-    def load() -> None:
-        try:
-            got["out"] = ck.load_pytree(1, template=state(0))
-        except BaseException as exc:  # asserted on the main thread
-            got["err"] = exc
-
     def save_more() -> None:
         try:
             ck.save_pytree(3, state(3))  # the slot step 1 was staged in is the only one left
         except BaseException as exc:  # asserted on the main thread
             got["save_err"] = exc
 
-    loader = threading.Thread(target=load)
-    loader.start()
+    loader = _load_on_thread(ck, 1, got)
     saver = threading.Thread(target=save_more)
     try:
         assert copying.wait(DEADLINE_S), "the load never copied from the memory tier"
