@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench bench-gpu stress lint typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/zerostall/_memcopy.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"

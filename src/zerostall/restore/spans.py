@@ -5,33 +5,28 @@ it holds back: a checksum pass and a copy pass. Both are bound by memory bandwid
 split by *bytes*, not by leaf: one large leaf must not leave every thread but one idle. A leaf
 cut between threads is checksummed in parts and the parts joined with
 :func:`~zerostall.checksum.checksum_combine`, so every leaf is still checked against its own
-CRC32C. Each thread copies its share with one large copy per contiguous range (a C library
-``memmove`` of many MiB uses non-temporal stores; many small copies do not, and cost up to 1.8x
-as much, measured here).
+CRC32C. Each thread copies its share with one large copy per contiguous range, with streaming
+stores (:mod:`zerostall.memcopy`: glibc's ``memmove`` uses them only for copies of hundreds of
+MiB; cached stores cost up to 1.8x as much, measured here).
 
-The threads come from one pool per process, made on first use: starting threads costs
-milliseconds per load on a busy machine.
+The threads come from one pool per process (:func:`zerostall.cpus.shared_pool`), made on first
+use: starting threads costs milliseconds per load on a busy machine.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 # The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
 # sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
-from zerostall.cpus import usable_cpus
+from zerostall.cpus import shared_pool, usable_cpus
 
 __all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
-_pool_lock = threading.Lock()
 
 
 def workers(io_threads: int) -> int:
@@ -56,23 +51,12 @@ def split_chunks(groups: Sequence[Sequence[tuple[int, int]]], chunk: int) -> lis
     return out
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        pid = os.getpid()  # a forked child has none of its parent's threads: a pool of its own
-        if _pool is None or _pool[0] != pid or _pool[1] < n:
-            if _pool is not None and _pool[0] == pid:
-                _pool[2].shutdown(wait=False)  # outgrown (a cold pass asks for more threads): its idle threads exit
-            _pool = (pid, n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="zerostall-pass"))
-        return _pool[2]
-
-
 def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_R]:
     """``fn`` over ``items`` on up to ``threads`` pooled threads, results in order; every item
     runs to its end before the first error (in item order) is raised."""
     if threads <= 1 or len(items) <= 1:
         return [fn(t) for t in items]
-    pool = _executor(threads)
+    pool = shared_pool(threads)
     futures = [pool.submit(fn, t) for t in items]
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None), None)

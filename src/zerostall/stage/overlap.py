@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import logging
 import os
 import sys
@@ -49,6 +48,7 @@ from typing import Any, Literal, Protocol, cast
 
 from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
+from zerostall.memcopy import copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
@@ -119,7 +119,7 @@ class _Pieces:
                 self._next += 1
                 self._running += 1
             try:
-                ctypes.memmove(dst, src, n)  # a CFUNCTYPE call: the GIL is released for the copy
+                copy(dst, src, n)  # streaming stores; the GIL is released for the copy
                 copied += n
             except BaseException as exc:  # noqa: BLE001 - fails the save through the task
                 with self._cond:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+import zerostall.memcopy as memcopy
 from zerostall.dtypes import to_numpy_dtype, to_torch_dtype
 from zerostall.stage.buffers import Slot
 from zerostall.stage.plan import Plan
@@ -29,11 +30,42 @@ class CopyEngine(Protocol):
 
 
 class CpuCopyEngine:
+    """CPU copies. A large contiguous tensor is queued and copied at :meth:`finish` by
+    :func:`~zerostall.memcopy.copy_many`: streaming stores, on every usable core (the caller waits
+    for the copy anyway); 0.057-0.071 s per GiB on two threads against 0.084-0.104 s for
+    ``copy_``'s cached stores on this machine (zerostall.memcopy). The rest go through ``copy_``,
+    which gathers strided sources and resolves conjugate and negative views."""
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[int, int, int]] = []
+
     def copy(self, dst: Any, src: Any) -> None:
-        dst.copy_(src)
+        n = _streamable(dst, src)
+        if n:
+            self._queued.append((dst.data_ptr(), src.data_ptr(), n))
+        else:
+            dst.copy_(src)
 
     def finish(self) -> None:
-        return None
+        if self._queued:
+            items, self._queued = self._queued, []
+            memcopy.copy_many(items)
+
+
+def _streamable(dst: Any, src: Any) -> int:
+    """The bytes of ``src`` if it may be copied into ``dst`` as raw bytes by address: a plain
+    contiguous CPU tensor of ``dst``'s dtype and size, at least :data:`~zerostall.memcopy.MIN_STREAM`
+    bytes, with no lazy conjugate or negation; else 0."""
+    if not memcopy.STREAMING:
+        return 0
+    torch = sys.modules["torch"]
+    if src.__class__ is not torch.Tensor and src.__class__ is not torch.nn.Parameter:
+        return 0  # a subclass may keep its bytes elsewhere
+    n = src.numel() * src.element_size()
+    if (n < memcopy.MIN_STREAM or src.device.type != "cpu" or src.dtype != dst.dtype or src.numel() != dst.numel()
+            or not src.is_contiguous() or not dst.is_contiguous() or src.is_conj() or src.is_neg()):
+        return 0
+    return int(n)
 
 
 class CudaCopyEngine:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from zerostall.memcopy import copy_array
 from zerostall.storage import register_scheme
 from zerostall.storage.release import unmap_later
 
@@ -152,7 +153,7 @@ class ImageStorage:
             raise EOFError(f"{key}: object ends before byte {offset + len(buf)}")
         # numpy copies without holding the GIL (a memoryview assignment holds it): the load's
         # threads copy side by side.
-        np.copyto(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(v, dtype=np.uint8, count=len(buf), offset=offset))
+        copy_array(np.frombuffer(buf, dtype=np.uint8), np.frombuffer(v, dtype=np.uint8, count=len(buf), offset=offset))
 
     def map_file(self, key: str) -> ImageMap | None:
         """The data file's bytes where they lie, for a load that verifies before it copies.
@@ -289,7 +290,7 @@ class ImageMap:
     def copy_into(self, offset: int, dest: memoryview) -> None:
         """Copy the bytes at ``offset`` into ``dest`` (numpy: without holding the GIL)."""
         out = np.frombuffer(dest, dtype=np.uint8)
-        np.copyto(out, self._arr[offset:offset + len(out)])
+        copy_array(out, self._arr[offset:offset + len(out)])
 
     def close(self) -> None:
         del self._arr

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from zerostall.memcopy import copy_array
 from zerostall.storage.release import unmap_later
 
 # lstat errors that do not mean "not there" (exists() raises them instead of answering False)
@@ -396,7 +397,7 @@ class MappedFile:
     def copy_into(self, offset: int, dest: memoryview) -> None:
         """Copy the bytes at ``offset`` into ``dest`` (numpy: without holding the GIL)."""
         out = np.frombuffer(dest, dtype=np.uint8)
-        np.copyto(out, self._arr[offset:offset + len(out)])
+        copy_array(out, self._arr[offset:offset + len(out)])
 
     def close(self) -> None:
         self.view.release()
@@ -580,7 +581,7 @@ def _read_direct(fd: int, offset: int, buf: memoryview, key: str,
             raise EOFError(f"{key}: object ends before byte {end}")
         for a in range(lo, hi, _PIECE):
             b = min(a + _PIECE, hi)
-            np.copyto(dest[a - offset:b - offset], arr[a - pos:b - pos])
+            np.copyto(dest[a - offset:b - offset], arr[a - pos:b - pos])  # on_piece reads it from cache
             if on_piece is not None:
                 on_piece(buf[a - offset:b - offset])
         if got < want and hi < end:

@@ -1,0 +1,138 @@
+"""Large copies of checkpoint bytes, with streaming (non-temporal) stores where the CPU has them.
+
+Every copy zerostall makes of tensor bytes writes many MiB that nothing reads again soon: a
+staging buffer is read by the writer process, a restored template by the next training step,
+long after the copy has pushed it out of every cache. Ordinary stores first read each destination
+cache line (read-for-ownership) and write it back later; streaming stores write it once. glibc's
+``memmove`` switches to them only above ``x86_non_temporal_threshold`` (192 MiB on the machine
+measured), and checkpoints are copied a tensor at a time. Measured on that machine (AMD EPYC,
+2 vCPUs, 1 GiB in 1-32 MiB pieces, ``benchmarks/memcopy_probe.py``): 0.129-0.134 s per GiB with
+``memmove`` on one thread, 0.077-0.080 s with streaming stores; 0.084-0.104 s and 0.057-0.071 s
+on two threads.
+
+The streaming copy is a small C extension (``zerostall._memcopy``, built at install where a C
+compiler is found; an optional build). Without it, or on a CPU without streaming stores, every
+copy is ``memmove``: the same bytes, only slower. :data:`STREAMING` says which; the environment
+variable ``ZEROSTALL_STREAMING_COPY=0`` turns it off (for A/B measurements).
+
+A bottom-layer module: ``stage`` (the staging copies) and ``restore`` / ``storage`` (the load's
+copies) use the same copy without importing one another.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from zerostall.cpus import shared_pool, usable_cpus
+
+__all__ = ["STREAMING", "MIN_STREAM", "copy", "copy_array", "copy_many"]
+
+
+def _load() -> ModuleType | None:
+    try:
+        ext = importlib.import_module("zerostall._memcopy")
+    except ImportError:  # not built (no C compiler at install): memmove does every copy
+        return None
+    return ext if ext.NONTEMPORAL else None
+
+
+_ext = _load()
+#: Whether large copies use streaming stores (the extension is built and the CPU has them).
+#: Read at every copy, so a benchmark may switch it for a paired A/B.
+STREAMING: bool = _ext is not None and os.environ.get("ZEROSTALL_STREAMING_COPY", "1") != "0"
+#: Copies smaller than this use ``memmove``: a small destination may well be read again while
+#: still cached, and the fence that ends a streaming copy is a fixed cost.
+MIN_STREAM = 256 << 10
+#: A :func:`copy_many` piece: large enough to run at memory bandwidth, small enough to share a
+#: tensor between threads evenly.
+PIECE = 16 << 20
+
+
+def copy(dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (the ranges must not overlap),
+    without holding the GIL.
+
+    Example::
+
+        >>> a, b = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+        >>> copy(b.ctypes.data, a.ctypes.data, 8); b.tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    if STREAMING and n >= MIN_STREAM:
+        assert _ext is not None
+        _ext.copy(dst, src, n)
+    else:
+        ctypes.memmove(dst, src, n)  # a CFUNCTYPE call: the GIL is released for the copy
+
+
+def _address(a: np.ndarray[Any, Any]) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def copy_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+    """``np.copyto(dst, src)`` for two byte arrays of the same length, with streaming stores when
+    both are contiguous and large (numpy's copy holds no GIL either).
+
+    Example::
+
+        >>> a, b = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+        >>> copy_array(b, a); b.tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    n = dst.nbytes
+    if (STREAMING and n >= MIN_STREAM and n == src.nbytes and dst.flags.c_contiguous
+            and src.flags.c_contiguous and dst.flags.writeable):
+        assert _ext is not None
+        _ext.copy(_address(dst), _address(src), n)
+    else:
+        np.copyto(dst, src)
+
+
+def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None) -> None:
+    """Copy every ``(dst, src, n)`` of ``items`` (addresses; no range overlaps another), cut into
+    :data:`PIECE`-byte pieces shared by the calling thread and up to ``threads - 1`` pooled ones
+    (default: one per usable CPU). Returns once every piece is copied; the first error is raised
+    after every piece has run.
+
+    For a copy the caller waits for anyway (blocking staging): every core it may use copies.
+    """
+    pieces = [(d + o, s + o, min(PIECE, n - o)) for d, s, n in items for o in range(0, n, PIECE)]
+    if threads is None:
+        threads = usable_cpus()
+    threads = max(1, min(threads, len(pieces)))
+    if threads == 1:
+        for d, s, n in pieces:
+            copy(d, s, n)
+        return
+    lock = threading.Lock()
+    nxt = [0]
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(pieces):
+                return
+            d, s, n = pieces[i]
+            try:
+                copy(d, s, n)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller below
+                errors.append(exc)
+
+    pool = shared_pool(threads - 1)
+    futures = [pool.submit(worker) for _ in range(threads - 1)]
+    worker()
+    for f in futures:
+        f.result()
+    if errors:
+        raise errors[0]

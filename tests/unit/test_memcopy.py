@@ -1,0 +1,103 @@
+"""zerostall.memcopy: streaming-store copies, byte for byte what memmove gives, and built where it can be."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import zerostall.memcopy as memcopy
+from zerostall.stage.stager import CpuCopyEngine, _streamable
+
+_SIZES = [0, 1, 15, 16, 63, 64, 65, 4095, memcopy.MIN_STREAM - 1, memcopy.MIN_STREAM, memcopy.MIN_STREAM + 13,
+          (3 << 20) + 7]
+
+
+@pytest.fixture(params=[True, False], ids=["streaming", "memmove"])
+def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param and memcopy._ext is None:
+        pytest.fail("the streaming copy is not built here (see test_the_extension_is_built_where_it_can_be)")
+    monkeypatch.setattr(memcopy, "STREAMING", request.param)
+    return bool(request.param)
+
+
+def test_the_extension_is_built_where_it_can_be() -> None:
+    # The build is optional (an install without a C compiler still works, only slower); where a
+    # compiler exists on x86-64 it must have been built, or every copy silently falls back.
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None:
+        assert memcopy._ext is None or memcopy._ext.NONTEMPORAL
+        return
+    ext = importlib.import_module("zerostall._memcopy")
+    assert ext.NONTEMPORAL == 1
+    assert memcopy._ext is ext
+
+
+@pytest.mark.parametrize("n", _SIZES)
+def test_copy_is_memmove_at_every_alignment(streaming: bool, n: int) -> None:
+    rng = np.random.default_rng(n)
+    src_buf = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    for so, do in [(0, 0), (1, 0), (0, 3), (7, 9), (16, 1), (33, 48)]:
+        dst_buf = np.zeros(n + 64, dtype=np.uint8)
+        memcopy.copy(dst_buf.ctypes.data + do, src_buf.ctypes.data + so, n)
+        assert np.array_equal(dst_buf[do:do + n], src_buf[so:so + n])
+        assert not dst_buf[:do].any() and not dst_buf[do + n:].any()  # not a byte outside the range
+
+
+def test_copy_array_falls_back_for_what_it_cannot_stream(streaming: bool) -> None:
+    n = memcopy.MIN_STREAM * 2
+    src = np.arange(n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    memcopy.copy_array(dst, src)
+    assert np.array_equal(dst, src)
+    strided = np.zeros(2 * n, dtype=np.uint8)[::2]  # not contiguous: numpy's copy
+    memcopy.copy_array(strided, src)
+    assert np.array_equal(strided, src)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_many_cuts_items_into_pieces_on_every_thread(streaming: bool, threads: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memcopy, "PIECE", 4096 * 3 + 5)  # pieces that end anywhere
+    rng = np.random.default_rng(threads)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 70_000, memcopy.MIN_STREAM + 1, 0, 123_457)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    memcopy.copy_many([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs, strict=True)], threads)
+    for d, s in zip(dsts, srcs, strict=True):
+        assert np.array_equal(d, s)
+
+
+def test_the_extension_refuses_bad_arguments() -> None:
+    ext = importlib.import_module("zerostall._memcopy")
+    with pytest.raises(ValueError, match="null address"):
+        ext.copy(0, 0, 5)
+    with pytest.raises(TypeError):
+        ext.copy(1, 2)
+    with pytest.raises(OverflowError):
+        ext.copy(1, 2, -1)
+
+
+def test_the_cpu_engine_streams_plain_tensors_and_leaves_the_rest_to_copy_(streaming: bool) -> None:
+    big = memcopy.MIN_STREAM // 4 + 3
+    plain = torch.randn(big)
+    param = torch.nn.Parameter(torch.randn(big))
+    cplx = torch.randn(big, dtype=torch.complex64)
+    conj = cplx.conj()  # a lazy conjugate: its bytes are cplx's, its values are not
+    neg = torch.randn(big, dtype=torch.complex64).conj().imag  # a lazy negation
+    strided = torch.randn(big, 2).t()
+    small = torch.randn(7)
+    srcs = [plain, param, conj, neg, strided, small]
+    dsts = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    expected = [0 if not streaming else plain.nbytes, 0 if not streaming else param.nbytes, 0, 0, 0, 0]
+    assert [_streamable(d, s) for d, s in zip(dsts, srcs, strict=True)] == expected
+    engine = CpuCopyEngine()
+    with torch.no_grad():
+        for d, s in zip(dsts, srcs, strict=True):
+            engine.copy(d, s)
+        engine.finish()
+    for d, s in zip(dsts, srcs, strict=True):
+        assert torch.equal(d, s.resolve_conj().resolve_neg())
+    assert not engine._queued
