@@ -77,9 +77,10 @@ def _address(a: np.ndarray[Any, Any]) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def copy_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    """``np.copyto(dst, src)`` for two byte arrays of the same length, with streaming stores when
-    both are contiguous and large (numpy's copy holds no GIL either).
+def copy_array(dst: np.ndarray[Any, Any], src: Any) -> None:
+    """``np.copyto(dst, src, casting="no")``, with streaming stores when ``src`` is an array as
+    large as ``dst``, of its dtype and shape, and both are contiguous (numpy's copy holds no GIL
+    either).
 
     Example::
 
@@ -88,12 +89,12 @@ def copy_array(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
     n = dst.nbytes
-    if (STREAMING and n >= MIN_STREAM and n == src.nbytes and dst.flags.c_contiguous
-            and src.flags.c_contiguous and dst.flags.writeable):
+    if (STREAMING and n >= MIN_STREAM and isinstance(src, np.ndarray) and dst.shape == src.shape and dst.dtype == src.dtype
+            and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         assert _ext is not None
         _ext.copy(_address(dst), _address(src), n)
     else:
-        np.copyto(dst, src)
+        np.copyto(dst, src, casting="no")
 
 
 def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None) -> None:

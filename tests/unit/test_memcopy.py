@@ -101,3 +101,21 @@ def test_the_cpu_engine_streams_plain_tensors_and_leaves_the_rest_to_copy_(strea
     for d, s in zip(dsts, srcs, strict=True):
         assert torch.equal(d, s.resolve_conj().resolve_neg())
     assert not engine._queued
+
+
+def test_copy_array_casts_nothing_and_takes_array_likes(streaming: bool) -> None:
+    n = memcopy.MIN_STREAM
+    dst = np.zeros(n, dtype=np.float32)
+    with pytest.raises(TypeError):
+        memcopy.copy_array(dst, np.ones(n, dtype=np.float64))  # same shape, another dtype: refused
+
+    class Like:
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            return np.full(n, 3, dtype=np.float32)
+
+    memcopy.copy_array(dst, Like())
+    assert (dst == 3).all()
+    src = np.arange(n, dtype=np.float32).reshape(64, -1)
+    out = np.zeros_like(src)
+    memcopy.copy_array(out, src)
+    assert np.array_equal(out, src)

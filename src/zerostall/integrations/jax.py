@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+import zerostall.memcopy as memcopy
 from zerostall.errors import MissingDependencyError
 
 try:
@@ -159,7 +160,7 @@ class _HostView:
         host, self.host = self.host, None
         # A view taken here (not held) is an external reference too, so once it exists the
         # buffer cannot be donated under the copy; an array donated before that raises instead.
-        np.copyto(dst, self.__array__() if host is None else host, casting="no")
+        memcopy.copy_array(dst, self.__array__() if host is None else host)
         # the view is dropped at return: later steps may donate the buffer again
 
 

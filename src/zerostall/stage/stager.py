@@ -217,7 +217,7 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
                 else:
                     engine.copy(dst, leaf.value)
             elif leaf.kind in ("numpy", "numpy_scalar"):
-                np.copyto(dst, leaf.value, casting="no")
+                memcopy.copy_array(dst, leaf.value)
             else:
                 dst[:] = np.frombuffer(leaf.value, dtype=np.uint8)
         if dsts:
