@@ -28,11 +28,11 @@ out=${OUT:-/tmp/zerostall-gpu}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zs-site .whl/*.whl || exit 1
 # the streaming-copy extension (zerostall.memcopy), built in place when a C compiler is there; without
 # it every host copy is memmove (env.txt says which)
-python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "build_ext failed: see build_ext.log" | tee -a "$out/env.txt"
+python3 setup.py -q build_ext --inplace > "$out/build_ext.log" 2>&1 || echo "build_ext failed: see build_ext.log"
 export PYTHONPATH=$PWD/src:$PWD:/tmp/zs-site PYTHONUNBUFFERED=1
-python3 -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" | tee -a "$out/env.txt"
 python3 -c "import torch, zerostall; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$out/env.txt"
 nvidia-smi >> "$out/env.txt" 2>&1
+python3 -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" | tee -a "$out/env.txt"
 if [ "$what" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
 else
