@@ -1,0 +1,29 @@
+#!/bin/bash
+# usage: benchmarks/round6.sh CLONE OUT  -- the sixth round's benchmarks from a fresh clone, one after another
+# (run on a quiet machine; docs/performance.md, "Sixth round", quotes OUT/*.log). The streaming-copy
+# extension is built into the clone first; the *_memmove runs set ZEROSTALL_STREAMING_COPY=0 (the same
+# code with every copy a memmove: the paired "before").
+C=$1; O=$2; mkdir -p $O; cd $C
+export PYTHONPATH=$C/src:$C
+PY=${PY:-$C/.venv/bin/python}
+$PY setup.py -q build_ext --inplace > $O/build_ext.log 2>&1
+$PY -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" >> $O/index.txt
+run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /proc/loadavg))" >> $O/index.txt; "$@" > $O/$name.log 2>&1; echo "[$(date -u +%T)] $name rc=$?" >> $O/index.txt; }
+off() { ZEROSTALL_STREAMING_COPY=0 "$@"; }
+# issue 13: restart restore from memory, README order
+run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
+run restart_memmove off $PY benchmarks/memory_restart.py --gib 1 --repeats 3 --dir /tmp
+# the stall: blocking staging (and overlapped), trainer on both cores
+S=overlap,blocking
+run overlap_1G $PY -m benchmarks.overlap --size 1G --saves 5 --dir /tmp/zsov --systems $S
+run overlap_1G_memmove off $PY -m benchmarks.overlap --size 1G --saves 3 --dir /tmp/zsov --systems $S
+run overlap_4G $PY -m benchmarks.overlap --size 4G --saves 3 --dir /tmp/zsov --systems $S
+rm -rf /tmp/zsov
+# issue 16.2: restores, warm and cold
+run restore_256M $PY -m benchmarks.restore_ab --size 256M --repeats 5 --dir /tmp --cold
+run restore_1G $PY -m benchmarks.restore_ab --size 1G --repeats 5 --dir /tmp --cold
+run restore_1G_memmove off $PY -m benchmarks.restore_ab --size 1G --repeats 3 --dir /tmp --cold
+# issue 16.1: the training dip, 1 GiB
+for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip_$s $PY -m benchmarks.dip --system $s --size 1G --dir /tmp/zsb --repeats 3; done
+rm -rf /tmp/zsb
+echo "[$(date -u +%T)] done" >> $O/index.txt
