@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import zerostall.memcopy as memcopy
+from zerostall.cpus import usable_cpus
 from zerostall.dtypes import to_numpy_dtype, to_torch_dtype
 from zerostall.stage.buffers import Slot
 from zerostall.stage.plan import Plan
@@ -31,8 +32,8 @@ class CopyEngine(Protocol):
 
 class CpuCopyEngine:
     """CPU copies. A large contiguous tensor is queued and copied at :meth:`finish` by
-    :func:`~zerostall.memcopy.copy_many`: streaming stores, on every usable core (the caller waits
-    for the copy anyway); 0.057-0.071 s per GiB on two threads against 0.084-0.104 s for
+    :func:`~zerostall.memcopy.copy_many`: streaming stores, on as many threads as torch's intra-op
+    setting gives ``copy_`` (the caller waits for the copy anyway); 0.057-0.071 s per GiB on two threads against 0.084-0.104 s for
     ``copy_``'s cached stores on this machine (zerostall.memcopy). The rest go through ``copy_``,
     which gathers strided sources and resolves conjugate and negative views."""
 
@@ -49,7 +50,8 @@ class CpuCopyEngine:
     def finish(self) -> None:
         if self._queued:
             items, self._queued = self._queued, []
-            memcopy.copy_many(items)
+            # as many threads as torch's own copy_ would use (the trainer's intra-op setting)
+            memcopy.copy_many(items, min(usable_cpus(), sys.modules["torch"].get_num_threads()))
 
 
 def _streamable(dst: Any, src: Any) -> int:
