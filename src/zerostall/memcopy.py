@@ -118,27 +118,36 @@ def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None)
         for d, s, n in pieces:
             copy(d, s, n)
         return
-    lock = threading.Lock()
-    nxt = [0]
+    cond = threading.Condition()
+    claimed = running = 0
     errors: list[BaseException] = []
 
     def worker() -> None:
+        nonlocal claimed, running
         while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= len(pieces):
-                return
-            d, s, n = pieces[i]
+            with cond:
+                if claimed >= len(pieces):
+                    return
+                d, s, n = pieces[claimed]
+                claimed += 1
+                running += 1
             try:
                 copy(d, s, n)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller below
                 errors.append(exc)
+            finally:
+                with cond:
+                    running -= 1
+                    cond.notify_all()
 
     pool = shared_pool(threads - 1)
-    futures = [pool.submit(worker) for _ in range(threads - 1)]
+    for _ in range(threads - 1):
+        pool.submit(worker)
     worker()
-    for f in futures:
-        f.result()
+    # Every piece is claimed once the caller's own worker returns: wait for those still being
+    # copied, not for pool tasks that have not started (the pool may be busy with a load's pass;
+    # such a task finds nothing left and returns).
+    with cond:
+        cond.wait_for(lambda: running == 0)
     if errors:
         raise errors[0]

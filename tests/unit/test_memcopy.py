@@ -134,3 +134,26 @@ def test_loads_copy_the_same_bytes_either_way(streaming: bool, verify: bool, ato
     got = zerostall.load_pytree(str(tmp_path / "c"), tmpl, options=zerostall.LoadOptions(verify=verify, atomic=atomic))
     for k, v in state.items():
         assert torch.equal(got[k], v) and torch.equal(tmpl[k], v)
+
+
+def test_copy_many_does_not_wait_for_a_busy_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pool is shared with the load's passes: a copy must not queue behind their tasks.
+    import threading
+
+    from zerostall.cpus import shared_pool
+
+    release = threading.Event()
+    busy = shared_pool(1).submit(release.wait, 30)
+    try:
+        src = np.arange(1 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        monkeypatch.setattr(memcopy, "PIECE", 1 << 16)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (memcopy.copy_many([(dst.ctypes.data, src.ctypes.data, src.nbytes)], 2),
+                                             done.set()))
+        t.start()
+        assert done.wait(10), "copy_many waited for the pool's other task"
+        assert np.array_equal(dst, src)
+    finally:
+        release.set()
+        busy.result()
