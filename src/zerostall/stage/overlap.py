@@ -4,7 +4,7 @@ Nothing modifies an optimizer's parameters and state until its next ``step()``, 
 can run while the next forward and backward passes do. Two parts make that safe:
 
 * **The copy** (:class:`Copier`, one background thread per engine). A CPU tensor is copied with
-  one ``memmove`` per 64 MiB piece: no torch kernel, so none of torch's intra-op (OpenMP)
+  one :func:`zerostall.memcopy.copy` (streaming stores) per 64 MiB piece: no torch kernel, so none of torch's intra-op (OpenMP)
   threads, and the GIL is released during each piece. The copy is cut into pieces that any
   thread may claim: the guard copies whatever the background has not started (see below), so
   a step never waits on a thread that did not get a core. :data:`COPIER_POLICY` ``"idle"`` (or
@@ -56,7 +56,7 @@ __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CH
 
 log = logging.getLogger("zerostall")
 
-#: bytes per memmove call: large enough to run at memory bandwidth, small enough that the GIL
+#: bytes per copy call: large enough to run at memory bandwidth, small enough that the GIL
 #: is taken back often (other Python threads are never held up for long)
 CHUNK = 64 << 20
 #: Who copies a CPU save's pieces in the background. ``"normal"`` (default): the copier thread, at
