@@ -101,7 +101,8 @@ def main() -> None:
             return run
 
         def fill(threads: int, piece: int, crc: bool = False, copy: bool = False,
-                 fresh_fd: bool = True, willneed: bool = False, willneed_piece: bool = False) -> Callable[[], None]:
+                 fresh_fd: bool = True, willneed: bool = False, willneed_piece: bool = False,
+                 sequential: bool = False) -> Callable[[], None]:
             def run() -> None:
                 m = mmap.mmap(os.open(path, os.O_RDONLY), size, prot=mmap.PROT_READ) if crc or copy else None
                 shared = os.open(path, os.O_RDONLY)
@@ -114,6 +115,8 @@ def main() -> None:
                         pos, end = r[0], r[0] + r[1]
                         if willneed_piece:  # the piece's readahead submitted whole, at once
                             os.posix_fadvise(fd, pos, end - pos, os.POSIX_FADV_WILLNEED)
+                        if sequential:  # a fresh descriptor's readahead window doubled from the start
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                         while pos < end:
                             pos += os.sendfile(_DEVNULL, fd, pos, end - pos)
                     finally:
@@ -155,6 +158,9 @@ def main() -> None:
             "fill_4x32M_crc": fill(4, 32 << 20, crc=True),
             "fill_4x32M_crc_copy": fill(4, 32 << 20, crc=True, copy=True),
             "fill_4x16M": fill(4, 16 << 20),
+            "fill_4x32M_seq": fill(4, 32 << 20, sequential=True),
+            "fill_4x64M": fill(4, 64 << 20),
+            "fill_2x128M_seq": fill(2, 128 << 20, sequential=True),
             "fill_4x16M_willneed_piece": fill(4, 16 << 20, willneed_piece=True),
             "fill_2x32M_shared_willneed": fill(2, 32 << 20, fresh_fd=False, willneed=True),
             "fill_2x8M_shared": fill(2, 8 << 20, fresh_fd=False),

@@ -209,7 +209,11 @@ def test_a_read_error_in_the_verify_pass_leaves_templates_untouched(ckpt: Path, 
     real = getattr(LocalStorage, via)
 
     def failing(self: Any, key: str, offset: int, length: int, *a: Any, **kw: Any) -> None:
-        if length < 4 * MiB:  # the run after the large leaf fails, the large one verifies
+        if via == "scan" and length < 4 * MiB:  # the run after the large leaf fails, the large one verifies
+            raise OSError(errno.EIO, "injected read error")
+        if via == "fill_cache" and offset + length > 8 * MiB:  # one 32 MiB piece: fails 8 MiB in
+            if offset < 8 * MiB:
+                real(self, key, offset, 8 * MiB - offset)
             raise OSError(errno.EIO, "injected read error")
         real(self, key, offset, length, *a, **kw)
         fd = os.open(data_file(ckpt), os.O_RDONLY)  # what readahead brought in past it: out again
