@@ -50,6 +50,7 @@ import re
 import shutil
 import threading
 import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar, Union
@@ -73,6 +74,7 @@ from zerostall import (
     UnsupportedFormatError,
     UnsupportedLeafError,
     ZerostallError,
+    ZerostallWarning,
 )
 from zerostall.errors import MissingDependencyError
 
@@ -369,6 +371,40 @@ def _never_committed(container: str) -> str:
             "ckpt_path (Lightning's ckpt_path='last' picks it while it exists)")
 
 
+def _newest_committed_sibling(container: str) -> tuple[str, int | None] | None:
+    """The newest committed checkpoint of the plugin directories beside ``container``:
+    ``(its step directory, its Lightning global step)``, or None when there is none.
+
+    "Newest" is the highest ``global_step`` in the manifest's metadata (what Lightning's own
+    resume continues from), then the highest save number, then the newest manifest; a sibling
+    whose manifest cannot be read is passed over (the load of the one chosen verifies it).
+    """
+    best: tuple[tuple[int, int, float], str, int | None] | None = None
+    try:
+        with os.scandir(os.path.dirname(container) or ".") as it:
+            entries = [e for e in it if not e.name.startswith(".")]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            if entry.path == container or not entry.is_dir(follow_symlinks=False) or not _is_container(entry.path):
+                continue
+            numbers = _numbers(entry.path)
+            if not numbers:
+                continue
+            where = os.path.join(entry.path, numbers[-1][1])
+            meta = zerostall.load_metadata(where).get("lightning", {})
+            mtime = os.stat(os.path.join(where, MANIFEST)).st_mtime
+        except (OSError, ZerostallError):
+            continue
+        step = meta.get("global_step") if isinstance(meta, dict) else None
+        step = step if type(step) is int else None
+        key = (-1 if step is None else step, numbers[-1][0], mtime)
+        if best is None or key > best[0]:
+            best = (key, where, step)
+    return None if best is None else (best[1], best[2])
+
+
 def _is_container(path: str) -> bool:
     """A directory this plugin made: only ``step_*`` checkpoints and hidden entries inside."""
     with os.scandir(path) as it:
@@ -555,10 +591,22 @@ class ZerostallCheckpointIO(CheckpointIO):
             numbers = _numbers(container)
         except OSError as exc:
             raise _storage_error(exc, p, "cannot list the checkpoint directory") from exc
-        if not numbers:
-            raise CheckpointNotFoundError("no committed zerostall checkpoint in this directory" + _never_committed(container),
-                                          path=p)
-        where = os.path.join(container, numbers[-1][1])
+        if numbers:
+            where = os.path.join(container, numbers[-1][1])
+        else:
+            # The directory is made when its first save starts (Lightning wants the path at once),
+            # so a trainer killed during that save leaves it empty, and fit(ckpt_path="last") picks
+            # it at every restart. Resume from the newest committed save beside it, and say so.
+            sibling = _newest_committed_sibling(container)
+            if sibling is None:
+                raise CheckpointNotFoundError("no committed zerostall checkpoint in this directory"
+                                              + _never_committed(container), path=p)
+            where, step = sibling
+            msg = (f"zerostall: {p} holds no committed checkpoint (its first save never committed: the trainer "
+                   f"was killed, or the save failed, before the commit); loading the newest committed one beside "
+                   f"it instead: {where}" + (f" (global step {step})" if step is not None else ""))
+            log.warning("%s", msg)
+            warnings.warn(msg, ZerostallWarning, stacklevel=2)
         out = zerostall.load_checkpointables(where, options=self.load_options)
         if ITEM not in out:
             raise MissingKeyError("not a Lightning checkpoint (no 'lightning' item)", path=where, key=ITEM)
