@@ -356,7 +356,10 @@ def add_torch_leaf(t: Any, key: str, leaves: list[ArrayLeaf], *, shared: bool = 
     name = torch_dtype_name(t.dtype)
     if name is None:
         fix = ("save t.dequantize(), or t.int_repr() with t.q_scale() and t.q_zero_point()" if t.is_quantized
-               else "convert it first (t.to(torch.complex64) for complex32, say) or register a handler")
+               else "save t.to(torch.complex64) (it holds every complex32 value exactly), or register a handler"
+               if t.dtype == torch.complex32
+               else f"save its bytes, t.view(torch.uint8), and view them back with .view({t.dtype}) after loading, "
+                    "or register a handler")
         raise UnsupportedLeafError(f"tensor dtype {t.dtype} has no safetensors equivalent: {fix}", key=key)
     if t.layout != torch.strided:
         raise UnsupportedLeafError(f"only dense (strided) tensors can be saved, got layout {t.layout}", key=key)

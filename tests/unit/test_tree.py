@@ -102,3 +102,16 @@ def test_handler_returning_non_json_is_refused():
 def test_every_torch_dtype_has_a_name(dtype):
     flat = flatten({"p": torch.zeros(3, dtype=dtype)})
     assert flat.leaves[0].nbytes == 3 * torch.zeros(1, dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float4_e2m1fn_x2, torch.uint3, torch.int4, torch.bits16])
+def test_a_packed_or_shell_dtype_is_told_to_save_its_bytes_and_that_round_trips(dtype, tmp_path):
+    # The refusal used to suggest "t.to(torch.complex64) for complex32" for these too.
+    t = torch.arange(8, dtype=torch.uint8).view(dtype)
+    with pytest.raises(UnsupportedLeafError, match=r"t\.view\(torch\.uint8\)") as info:
+        flatten({"p": {"t": t}})
+    msg = str(info.value)
+    assert "complex" not in msg and f".view({dtype})" in msg and info.value.key == "p/t"
+    zerostall.save_pytree(tmp_path / "c", {"t": t.view(torch.uint8)})  # what it says to do
+    back = zerostall.load_pytree(tmp_path / "c")["t"].view(dtype)
+    assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
