@@ -458,10 +458,11 @@ def _add_interop_parsers(sub: Any) -> None:
     ex.add_argument("--format", choices=("safetensors", "torch"), help="default: from OUT's suffix")
     ex.add_argument("--item", help="export this item only (default: all)")
     ex.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    im = sub.add_parser("import", help="save a torch.save file or a DCP checkpoint as a zerostall checkpoint")
-    im.add_argument("src", help="a torch.save file (read weights_only) or a DCP directory (trusted only)")
+    im = sub.add_parser("import", help="save a torch.save or safetensors file, or a DCP checkpoint, as a zerostall checkpoint")
+    im.add_argument("src", help="a torch.save file (read weights_only), a .safetensors file, or a DCP directory (trusted only)")
     im.add_argument("dst", help="the checkpoint to create")
-    im.add_argument("--format", choices=("torch", "dcp"), help="default: dcp for a directory, else torch")
+    im.add_argument("--format", choices=("torch", "safetensors", "dcp"),
+                    help="default: dcp for a directory, safetensors for *.safetensors, else torch")
     for sp in (ex, im):
         sp.add_argument("--json", action="store_true", help="print one JSON document")
 

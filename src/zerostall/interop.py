@@ -7,8 +7,9 @@
 - a **torch.save** file of nested state dicts that ``torch.load(path, weights_only=True)`` reads.
 
 :func:`import_checkpoint` brings in a ``torch.save`` file (read with ``weights_only=True``: no
-arbitrary pickle) or a PyTorch DCP checkpoint directory, and saves it with
-:func:`zerostall.save_pytree`.
+arbitrary pickle), a ``.safetensors`` file (read by zerostall itself: a JSON header and raw bytes,
+no pickle and no ``safetensors`` package), or a PyTorch DCP checkpoint directory, and saves it
+with :func:`zerostall.save_pytree`.
 
 What is exported (both formats) is what a template-less load returns: for a checkpoint written by
 ``save_pytree``, its tree; for one written by ``save_checkpointables``, ``{item name: tree}``; with
@@ -53,6 +54,7 @@ import numpy as np
 
 from zerostall.api import PYTREE, load_checkpointables, save_pytree_async
 from zerostall.checksum import checksum
+from zerostall.dtypes import ITEMSIZE, to_torch_dtype
 from zerostall.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -75,7 +77,7 @@ __all__ = ["ExportReport", "ImportReport", "ProgressCallback", "export_checkpoin
 #: ``progress(phase, done, total)``: bytes of ``phase`` ("copy", "read", "write") done so far (0 of 0: unknown)
 ProgressCallback = Callable[[str, int, int], None]
 ExportFormat = Literal["safetensors", "torch"]
-ImportFormat = Literal["torch", "dcp"]
+ImportFormat = Literal["torch", "dcp", "safetensors"]
 
 _CHUNK = 8 << 20
 _ALIGN = 64  # the data section starts at a multiple of this (as in zerostall's own data files)
@@ -115,7 +117,7 @@ class ImportReport:
     Attributes:
         source: the file or directory read.
         path: the zerostall checkpoint written.
-        format: ``"torch"`` or ``"dcp"``.
+        format: ``"torch"``, ``"dcp"`` or ``"safetensors"``.
         tensors: tensors saved.
         nbytes: their bytes.
     """
@@ -594,12 +596,15 @@ def import_checkpoint(
     metadata: dict[str, Any] | None = None, options: SaveOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> ImportReport:
-    """Save a ``torch.save`` file or a PyTorch DCP checkpoint directory as the zerostall checkpoint ``dst``.
+    """Save a ``torch.save`` file, a ``.safetensors`` file or a PyTorch DCP checkpoint directory as
+    the zerostall checkpoint ``dst``.
 
     Args:
-        src: a local ``torch.save`` file, or a local DCP checkpoint directory (with ``.metadata``).
+        src: a local ``torch.save`` or ``.safetensors`` file, or a local DCP checkpoint directory
+            (with ``.metadata``).
         dst: the checkpoint to create (a path or storage URL); it must not exist.
-        format: ``"torch"`` or ``"dcp"``; default: ``"dcp"`` for a directory, ``"torch"`` for a file.
+        format: ``"torch"``, ``"safetensors"`` or ``"dcp"``; default: ``"dcp"`` for a directory,
+            ``"safetensors"`` for a file named ``*.safetensors``, else ``"torch"``.
         metadata: JSON stored in the manifest, beside ``imported_from`` (``{"path", "format"}``).
         options: how ``dst`` is saved; ``distributed`` defaults to disabled (an import is one
             process's work even when torch.distributed is initialized).
@@ -610,7 +615,11 @@ def import_checkpoint(
     gives it back; a template (``{"model": model}``) restores only part of it, in place. torch
     files are read with ``torch.load(src, weights_only=True, mmap=True, map_location="cpu")``:
     tensor bytes stay in the page cache until saved, and nothing but weights-only pickle runs
-    (files in the legacy, non-zip format are read without ``mmap``). DCP checkpoints are read by
+    (files in the legacy, non-zip format are read without ``mmap``). A safetensors file is mapped
+    and read by zerostall (its 8-byte header length, JSON header, then raw bytes; nothing is
+    unpickled and the ``safetensors`` package is not needed): its tensors are saved as one flat
+    dict under their names as they are (``"layers.0.weight"``), and its ``__metadata__`` goes into
+    the manifest's metadata as ``"safetensors_metadata"``. DCP checkpoints are read by
     DCP's own loader (the calls behind ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``,
     without a process group), into memory; **that loader unpickles the checkpoint's ``.metadata``
     and its non-tensor values, so import only DCP checkpoints you trust.** DCP itself turns int
@@ -621,7 +630,8 @@ def import_checkpoint(
         CheckpointNotFoundError: ``src`` does not exist.
         CheckpointExistsError: ``dst`` already holds a checkpoint (checked before reading ``src``).
         UnsupportedFormatError: ``src`` needs pickle beyond what ``weights_only`` allows, is not a
-            torch.save file, or is a directory without DCP's ``.metadata``.
+            torch.save file, is a malformed safetensors file (names what is wrong), or is a
+            directory without DCP's ``.metadata``.
         CorruptCheckpointError: DCP's loader failed on ``src``.
         UnsupportedLeafError: the loaded object holds a value zerostall cannot save (names the key).
         StorageError: reading ``src`` or writing ``dst`` failed.
@@ -641,24 +651,30 @@ def import_checkpoint(
         raise CheckpointNotFoundError("no such file or directory to import", path=source)
     fmt: ImportFormat
     if format is None:
-        fmt = "dcp" if os.path.isdir(source) else "torch"
-    elif format in ("torch", "dcp"):
+        fmt = "dcp" if os.path.isdir(source) else "safetensors" if source.endswith(".safetensors") else "torch"
+    elif format in ("torch", "dcp", "safetensors"):
         fmt = format
     else:
-        raise UnsupportedFormatError(f"format must be 'torch' or 'dcp', got {format!r}", path=source)
+        raise UnsupportedFormatError(f"format must be 'torch', 'safetensors' or 'dcp', got {format!r}", path=source)
     root, name = split_url(_url(dst))
     target = f"{root.rstrip('/')}/{name}"
     _check_dst(root, name, target)
     if progress is not None:
         progress("read", 0, 0)
-    tree = _load_dcp(source) if fmt == "dcp" else _load_torch(source)
+    extra: dict[str, Any] = {}
+    if fmt == "safetensors":
+        tree, st_meta = _load_safetensors(source)
+        if st_meta:
+            extra["safetensors_metadata"] = st_meta
+    else:
+        tree = _load_dcp(source) if fmt == "dcp" else _load_torch(source)
     counts = _count_tensors(tree)
     if progress is not None:
         progress("write", 0, counts[1])
     opts = options if options is not None else SaveOptions()
     if opts.distributed is None:
         opts = dataclasses.replace(opts, distributed=_SINGLE)
-    meta = {"imported_from": {"path": source, "format": fmt}, **(metadata or {})}
+    meta = {"imported_from": {"path": source, "format": fmt}, **extra, **(metadata or {})}
     save_pytree_async(target, tree, metadata=meta, options=opts).result()
     if progress is not None:
         progress("write", counts[1], counts[1])
@@ -701,6 +717,55 @@ def _load_torch(source: str) -> Any:
                 path=source) from exc
         raise UnsupportedFormatError(f"not a readable torch.save file ({type(exc).__name__}: {(why or text)[:200]})",
                                      path=source) from exc
+
+
+def _load_safetensors(source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The tensors of a safetensors file as one flat dict (views of a copy-on-write mapping of the
+    file: no read until saved), and its ``__metadata__``; every header field checked."""
+    torch = _torch()
+
+    def bad(why: str) -> UnsupportedFormatError:
+        return UnsupportedFormatError(f"not a readable safetensors file: {why}", path=source)
+    try:
+        size = os.path.getsize(source)
+        with open(source, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if not 2 <= n <= min(_MAX_HEADER, size - 8):
+                raise bad(f"a header of {n} bytes in a file of {size}")
+            raw = f.read(n)
+        data = np.memmap(source, dtype=np.uint8, mode="c") if size > 8 + n else np.zeros(0, dtype=np.uint8)
+    except OSError as exc:
+        raise StorageError(f"cannot read the file: {exc.strerror or exc}", errno=exc.errno, path=source) from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"the header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise bad("__metadata__ is not a map of strings to strings")
+    start, tree = 8 + n, {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise bad(f"the entry of {name!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in ITEMSIZE:
+            raise bad(f"{name!r} has the dtype {dtype!r}, which zerostall does not read")
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)):
+            raise bad(f"{name!r} has no valid shape and data_offsets")
+        lo, hi = offsets
+        if not 0 <= lo <= hi <= size - start or hi - lo != math.prod(shape) * ITEMSIZE[dtype]:
+            raise bad(f"{name!r}: its bytes {lo}..{hi} do not hold {shape} of {dtype} inside the file")
+        t = torch.from_numpy(data[start + lo:start + hi]) if hi > lo else torch.zeros(0, dtype=torch.uint8)
+        if (start + lo) % ITEMSIZE[dtype]:
+            t = t.clone()  # a view as a wider type needs an aligned start
+        tree[name] = t.view(to_torch_dtype(dtype)).reshape(shape)
+    return tree, meta
 
 
 def _load_dcp(source: str) -> Any:

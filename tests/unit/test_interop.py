@@ -431,3 +431,73 @@ def test_import_dcp_checkpoint_without_a_process_group(tmp_path: Path) -> None:
     # DCP itself turns int dict keys into strings
     _same({"model": state["model"], "optim": {"state": {"0": {"exp_avg": torch.full((3,), 0.5)}}, "lr": 0.01},
            "step": 7}, got)
+
+
+# -- import of a safetensors file (read by zerostall itself) ----------------------------------------
+
+
+def _st_file(path: Path, header: dict[str, Any], data: bytes, pad_to: int = 8) -> Path:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % pad_to)
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def test_import_of_a_safetensors_file_keeps_every_tensor_and_its_metadata(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"layers.0.weight": torch.randn(3, 5), "layers.0.bias": torch.randn(5).to(torch.bfloat16),
+               "emb": torch.arange(12, dtype=torch.int64).reshape(2, 6), "mask": torch.tensor([True, False]),
+               "empty": torch.zeros(0, 4), "f8": torch.randn(4).to(torch.float8_e4m3fn)}
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={"format": "pt", "note": "hi"})
+    report = import_checkpoint(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert report.format == "safetensors" and report.tensors == len(tensors)
+    got = zerostall.load_pytree(tmp_path / "ck")
+    assert got.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert torch.equal(got[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+    meta = zerostall.load_metadata(tmp_path / "ck")
+    assert meta["safetensors_metadata"] == {"format": "pt", "note": "hi"}
+    assert meta["imported_from"]["format"] == "safetensors"
+
+
+def test_import_of_safetensors_needs_neither_pickle_nor_the_safetensors_package(tmp_path: Path) -> None:
+    # torch 2.14 reads .safetensors through torch.load only with the package installed; zerostall
+    # reads the format itself. An odd data offset (legal in the format) is read too.
+    f32 = np.arange(6, dtype=np.float32).tobytes()
+    _st_file(tmp_path / "odd.safetensors", {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                                            "w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [1, 25]}},
+             b"\x07" + f32)
+    script = ("import sys; sys.modules['safetensors'] = None; import pickle; pickle.loads = None\n"
+              "from zerostall.interop import import_checkpoint; import zerostall, torch\n"
+              f"import_checkpoint({str(tmp_path / 'odd.safetensors')!r}, {str(tmp_path / 'ck')!r})\n"
+              f"t = zerostall.load_pytree({str(tmp_path / 'ck')!r})\n"
+              "assert t['a'].tolist() == [7] and t['w'].tolist() == [[0, 1, 2], [3, 4, 5]], t\nprint('ok')\n")
+    src = os.path.join(os.path.dirname(zerostall.__file__), "..")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.path.abspath(src)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: p.write_bytes(b"\x01\x02"), "shorter than the 8-byte header length"),
+    (lambda p: p.write_bytes((10**9).to_bytes(8, "little") + b"{}"), "a header of 1000000000 bytes"),
+    (lambda p: p.write_bytes((4).to_bytes(8, "little") + b"{no}"), "the header is not JSON"),
+    (lambda p: _st_file(p, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+     "'w': its bytes 0..16 do not hold"),
+    (lambda p: _st_file(p, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16),
+     "'w': its bytes 0..16 do not hold"),
+    (lambda p: _st_file(p, {"w": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}, b"\0"),
+     "dtype 'Q4'"),
+    (lambda p: _st_file(p, {"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0"),
+     "no valid shape"),
+    (lambda p: _st_file(p, {"__metadata__": {"a": 1}}, b""), "not a map of strings"),
+])
+def test_a_malformed_safetensors_file_is_refused_saying_what_is_wrong(tmp_path: Path, make: Any, why: str) -> None:
+    p = tmp_path / "bad.safetensors"
+    make(p)
+    with pytest.raises(UnsupportedFormatError, match="not a readable safetensors file") as info:
+        import_checkpoint(p, tmp_path / "ck")
+    assert why in str(info.value) and info.value.path == str(p)
+    assert not (tmp_path / "ck").exists()
