@@ -110,7 +110,8 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
             row.update(ok=False, error=str(exc))
         rows.append(row)
     # The memory tier: steps a keeper on this host holds that storage does not (yet) have.
-    memory_only = [{"name": step_name(img.step), "step": img.step, "rank": rank}
+    # A held step that reached storage once and is gone from it now was removed by retention.
+    memory_only = [{"name": step_name(img.step), "step": img.step, "rank": rank, "persisted": img.persisted}
                    for rank, img in held_steps(storage.url)
                    if img.step is not None and img.step not in steps]
     # Failed persists of keepers that no trainer adopted (reported, and removed, by the next
@@ -311,7 +312,11 @@ def _print_list(r: dict[str, Any]) -> None:
         else:
             _out(f"{row['name']:<24} UNREADABLE: {row['error']}")
     for row in r.get("memory_only", ()):
-        _out(f"{row['name']:<24} in memory only (the memory tier's keeper of rank {row['rank']} on this host)")
+        if row.get("persisted"):
+            _out(f"{row['name']:<24} held in memory by the memory tier's keeper of rank {row['rank']} on this host; "
+                 "it was persisted, and storage no longer has it (retention removed it)")
+        else:
+            _out(f"{row['name']:<24} in memory only (the memory tier's keeper of rank {row['rank']} on this host)")
     for row in r.get("keeper_failed", ()):
         _out(f"KEEPER PERSIST FAILED: step {row['step']} (rank {row['rank']}) never reached storage: {row['error']}")
     for marker in sorted({row["marker"] for row in r.get("keeper_failed", ()) if row.get("marker")}):

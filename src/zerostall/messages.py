@@ -238,6 +238,10 @@ class Image:
     #: lost the race for the name can tell its own trainer who holds it (:class:`KeeperBusy`).
     #: A default for the same reason as ``verified``.
     trainer_pid: int | None = None
+    #: the step also reached storage (its save persisted it, or the keeper did after a crash):
+    #: ``zerostall list`` then does not call a step that retention has since removed from storage
+    #: "in memory only". A default for the same reason as ``verified``.
+    persisted: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -305,12 +305,29 @@ def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.Capture
         assert main(["list", "--json", str(tmp_path)]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert [r["step"] for r in doc["checkpoints"]] == [2]
-        assert doc["memory_only"] == [{"name": step_name(3), "step": 3, "rank": 0}]
+        assert doc["memory_only"] == [{"name": step_name(3), "step": 3, "rank": 0, "persisted": False}]
         assert main(["list", str(tmp_path)]) == 0
         assert "in memory only" in capsys.readouterr().out
     assert main(["list", "--json", str(tmp_path)]) == 0  # closed: step 3 persisted, the keeper gone
     doc = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in doc["checkpoints"]] == [2, 3] and doc["memory_only"] == []
+
+
+def test_cli_list_does_not_call_a_persisted_step_gone_from_storage_memory_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Newcomer round 5: a lingering keeper held step 6, which had been persisted and later removed
+    # by retention, and `zerostall list` said "step_00000006 in memory only": as if unsaved.
+    import shutil
+
+    from zerostall.cli import main
+
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=1, linger_s=0)) as ck:
+        ck.save_pytree(1, state(1))
+        assert [s.tiers for s in ck.stats()] == [("memory", "storage")]
+        shutil.rmtree(tmp_path / step_name(1))  # what retention does to it later
+        assert main(["list", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "in memory only" not in out and "was persisted" in out and "retention" in out, out
 
 
 def _torchrun(d: Path, steps: int, every: int, kill_step: int) -> list[str]:

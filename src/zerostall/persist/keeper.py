@@ -380,7 +380,7 @@ class _Held:
         return Image(step=self.job.step, name=self.job.name, manifest=self.manifest.decode(),
                      files=tuple(ImageFile(name=f.name, length=f.length, size=s)
                                  for f, s in zip(self.job.files, self.sizes, strict=True)) if with_files else (),
-                     verified=self.verified)
+                     verified=self.verified, persisted=self.persisted)
 
     def close(self) -> None:
         for v in self.views.values():
