@@ -33,7 +33,7 @@ import numpy as np
 
 from zerostall.cpus import shared_pool, usable_cpus
 
-__all__ = ["STREAMING", "MIN_STREAM", "address", "copy", "copy_array", "copy_many"]
+__all__ = ["STREAMING", "MIN_STREAM", "copy", "copy_array", "copy_many"]
 
 
 def _load() -> ModuleType | None:
@@ -75,11 +75,6 @@ def copy(dst: int, src: int, n: int) -> None:
 
 def _address(a: np.ndarray[Any, Any]) -> int:
     return int(a.__array_interface__["data"][0])
-
-
-def address(buf: memoryview) -> int:
-    """The address of a contiguous buffer's first byte (read-only buffers too)."""
-    return _address(np.frombuffer(buf, dtype=np.uint8))
 
 
 def copy_array(dst: np.ndarray[Any, Any], src: Any) -> None:

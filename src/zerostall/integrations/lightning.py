@@ -597,7 +597,9 @@ class ZerostallCheckpointIO(CheckpointIO):
             # The directory is made when its first save starts (Lightning wants the path at once),
             # so a trainer killed during that save leaves it empty, and fit(ckpt_path="last") picks
             # it at every restart. Resume from the newest committed save beside it, and say so.
-            sibling = _newest_committed_sibling(container)
+            # Only for a "last" checkpoint (what Lightning's "last" resolves to): a path asked for by
+            # name (a top-k one, or one whose save failed) stays an error naming the siblings.
+            sibling = _newest_committed_sibling(container) if "last" in os.path.basename(container) else None
             if sibling is None:
                 raise CheckpointNotFoundError("no committed zerostall checkpoint in this directory"
                                               + _never_committed(container), path=p)

@@ -530,20 +530,10 @@ def _copy_checked(mf: Any, offset: int, dest: memoryview, want: bool) -> int:
         mf.copy_into(offset, dest)
         return 0
     crc = 0
-    n = len(dest)
-    if dest.readonly:  # refused by the copy below (a raw copy would fault)
-        for b in range(0, n, _FUSE):
-            part = mf.view[offset + b:offset + min(b + _FUSE, n)]
-            crc = checksum(part, crc)
-            mf.copy_into(offset + b, dest[b:b + len(part)])
-        return crc
-    src = mf.view[offset:offset + n]
-    # addresses once: a piece's copy is then one call (numpy arrays per piece cost ~2 us each)
-    src_at, dst_at = memcopy.address(src), memcopy.address(dest)
-    for b in range(0, n, _FUSE):
-        e = min(b + _FUSE, n)
-        crc = checksum(src[b:e], crc)
-        memcopy.copy(dst_at + b, src_at + b, e - b)
+    for b in range(0, len(dest), _FUSE):
+        part = mf.view[offset + b:offset + min(b + _FUSE, len(dest))]
+        crc = checksum(part, crc)
+        mf.copy_into(offset + b, dest[b:b + len(part)])
     return crc
 
 
