@@ -23,7 +23,11 @@ rm -rf /tmp/zsov
 run restore_256M $PY -m benchmarks.restore_ab --size 256M --repeats 5 --dir /tmp --cold
 run restore_1G $PY -m benchmarks.restore_ab --size 1G --repeats 5 --dir /tmp --cold
 run restore_1G_memmove off $PY -m benchmarks.restore_ab --size 1G --repeats 3 --dir /tmp --cold
+run restore_4G $PY -m benchmarks.restore_ab --size 4G --repeats 3 --dir /tmp --cold
 # issue 16.1: the training dip, 1 GiB
 for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip_$s $PY -m benchmarks.dip --system $s --size 1G --dir /tmp/zsb --repeats 3; done
+rm -rf /tmp/zsb; run dip_zerostall_memtier10 $PY -m benchmarks.dip --system zerostall_memtier10 --size 1G --dir /tmp/zsb --repeats 4
+# ... and 4 GiB
+for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip4G_$s $PY -m benchmarks.dip --system $s --size 4G --dir /tmp/zsb --repeats 2; done
 rm -rf /tmp/zsb
 echo "[$(date -u +%T)] done" >> $O/index.txt

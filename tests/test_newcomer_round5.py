@@ -210,6 +210,8 @@ def test_inspect_of_an_fsdp2_checkpoint_shows_where_each_shard_lies(tmp_path: Pa
             if r["key"] == "pytree/model/0.weight"]
     assert sorted((r["shard"]["offset"], r["shape"]) for r in rows) == [([0, 0], [19, 13]), ([19, 0], [18, 13])]
     assert all(r["shard"]["global"] == [37, 13] for r in rows)
+    # Each box was saved by one rank; every rank's tree lists both boxes, which made both "all".
+    assert sorted((r["shard"]["offset"], r["ranks"]) for r in rows) == [([0, 0], [0]), ([19, 0], [1])]
     assert main(["inspect", step]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "19x13 @0,0 of 37x13" in out and "18x13 @19,0 of 37x13" in out, out

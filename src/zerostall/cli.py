@@ -197,6 +197,10 @@ def cmd_inspect(args: argparse.Namespace) -> dict[str, Any]:
     shards = _leaf_shards(m.items, m.ranks)
     for i, row in enumerate(leaves):
         row["shard"] = shards.get(i)
+        if i in shards and m.ranks:
+            # Every rank's sharded node lists every saved box (for resharding), so the trees say
+            # nothing of who holds one: name the rank that saved it (its data file is that rank's).
+            row["ranks"] = [m.leaves[i].file]
     by_dtype: Counter[str] = Counter()
     for lf in m.leaves:
         by_dtype[lf.dtype] += lf.nbytes

@@ -748,7 +748,7 @@ def _load_safetensors(source: str) -> tuple[dict[str, Any], dict[str, str]]:
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise bad("__metadata__ is not a map of strings to strings")
-    start, tree = 8 + n, {}
+    start, tree, spans = 8 + n, {}, []
     for name, entry in header.items():
         if not isinstance(entry, dict):
             raise bad(f"the entry of {name!r} is not an object")
@@ -761,10 +761,21 @@ def _load_safetensors(source: str) -> tuple[dict[str, Any], dict[str, str]]:
         lo, hi = offsets
         if not 0 <= lo <= hi <= size - start or hi - lo != math.prod(shape) * ITEMSIZE[dtype]:
             raise bad(f"{name!r}: its bytes {lo}..{hi} do not hold {shape} of {dtype} inside the file")
+        spans.append((lo, hi, name))
         t = torch.from_numpy(data[start + lo:start + hi]) if hi > lo else torch.zeros(0, dtype=torch.uint8)
         if (start + lo) % ITEMSIZE[dtype]:
             t = t.clone()  # a view as a wider type needs an aligned start
         tree[name] = t.view(to_torch_dtype(dtype)).reshape(shape)
+    # As the format's reference loader requires: the tensors tile the data area, no overlap and no
+    # hole (two names over the same bytes, or bytes no name covers, make a file that is not one).
+    end = 0
+    for lo, hi, name in sorted(spans):
+        if lo != end:
+            raise bad(f"{name!r} starts at byte {lo} of the data, not at {end} where the tensor before it ends"
+                      " (tensors overlap or leave a hole)")
+        end = hi
+    if end != size - start:
+        raise bad(f"the tensors cover {end} bytes of a data area of {size - start}")
     return tree, meta
 
 

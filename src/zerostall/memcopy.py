@@ -13,7 +13,7 @@ on two threads.
 The streaming copy is a small C extension (``zerostall._memcopy``, built at install where a C
 compiler is found; an optional build). Without it, or on a CPU without streaming stores, every
 copy is ``memmove``: the same bytes, only slower. :data:`STREAMING` says which; the environment
-variable ``ZEROSTALL_STREAMING_COPY=0`` turns it off (for A/B measurements).
+variable ``ZEROSTALL_STREAMING_COPY=0`` (or ``false``, ``no``, ``off``) turns it off (for A/B measurements).
 
 A bottom-layer module: ``stage`` (the staging copies) and ``restore`` / ``storage`` (the load's
 copies) use the same copy without importing one another.
@@ -25,6 +25,7 @@ import ctypes
 import importlib
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from zerostall.cpus import shared_pool, usable_cpus
+from zerostall.errors import ZerostallWarning
 
 __all__ = ["STREAMING", "MIN_STREAM", "copy", "copy_array", "copy_many"]
 
@@ -44,10 +46,22 @@ def _load() -> ModuleType | None:
     return ext if ext.NONTEMPORAL else None
 
 
+def _switch() -> bool:
+    """``ZEROSTALL_STREAMING_COPY``: unset or on by default; a value that is neither on nor off is
+    warned about (a typo must not leave an A/B measuring the same copy twice unnoticed)."""
+    value = os.environ.get("ZEROSTALL_STREAMING_COPY", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("1", "true", "yes", "on", ""):
+        warnings.warn(f"ZEROSTALL_STREAMING_COPY={value!r} is neither on (1, true, yes, on) nor off "
+                      "(0, false, no, off): streaming copies stay on", ZerostallWarning, stacklevel=2)
+    return True
+
+
 _ext = _load()
 #: Whether large copies use streaming stores (the extension is built and the CPU has them).
 #: Read at every copy, so a benchmark may switch it for a paired A/B.
-STREAMING: bool = _ext is not None and os.environ.get("ZEROSTALL_STREAMING_COPY", "1") != "0"
+STREAMING: bool = _ext is not None and _switch()
 #: Copies smaller than this use ``memmove``: a small destination may well be read again while
 #: still cached, and the fence that ends a streaming copy is a fixed cost.
 MIN_STREAM = 256 << 10

@@ -493,6 +493,14 @@ def test_import_of_safetensors_needs_neither_pickle_nor_the_safetensors_package(
     (lambda p: _st_file(p, {"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"\0"),
      "no valid shape"),
     (lambda p: _st_file(p, {"__metadata__": {"a": 1}}, b""), "not a map of strings"),
+    # two names over the same bytes, and bytes no name covers: the reference loader refuses both
+    (lambda p: _st_file(p, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+     "'b' starts at byte 4 of the data, not at 8"),
+    (lambda p: _st_file(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+     "'a' starts at byte 4 of the data, not at 0"),
+    (lambda p: _st_file(p, {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 8),
+     "the tensors cover 4 bytes of a data area of 8"),
 ])
 def test_a_malformed_safetensors_file_is_refused_saying_what_is_wrong(tmp_path: Path, make: Any, why: str) -> None:
     p = tmp_path / "bad.safetensors"

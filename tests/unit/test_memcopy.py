@@ -157,3 +157,26 @@ def test_copy_many_does_not_wait_for_a_busy_pool(monkeypatch: pytest.MonkeyPatch
     finally:
         release.set()
         busy.result()
+
+
+@pytest.mark.parametrize("value, on, warned", [
+    ("0", False, False), ("off", False, False), ("False", False, False), ("1", True, False), ("yes", True, False),
+    ("of", True, True),
+])
+def test_the_switch_reads_on_and_off_and_warns_about_anything_else(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                                   on: bool, warned: bool) -> None:
+    from zerostall.errors import ZerostallWarning
+
+    monkeypatch.setenv("ZEROSTALL_STREAMING_COPY", value)
+    with pytest.warns(ZerostallWarning, match="ZEROSTALL_STREAMING_COPY='of'") if warned else _no_warning():
+        assert memcopy._switch() is on
+
+
+def _no_warning():  # type: ignore[no-untyped-def]
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    return stack
