@@ -1,5 +1,6 @@
 #!/bin/bash
-# usage: benchmarks/round6.sh CLONE OUT  -- the sixth round's benchmarks from a fresh clone, one after another
+# usage: [PARTS="restart overlap restore dip"] benchmarks/round6.sh CLONE OUT  -- the sixth round's benchmarks
+# from a fresh clone, one after another (PARTS: which of the four groups; all by default)
 # (run on a quiet machine; docs/performance.md, "Sixth round", quotes OUT/*.log). The streaming-copy
 # extension is built into the clone first; the *_memmove runs set ZEROSTALL_STREAMING_COPY=0 (the same
 # code with every copy a memmove: the paired "before").
@@ -10,24 +11,25 @@ $PY setup.py -q build_ext --inplace > $O/build_ext.log 2>&1
 $PY -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" >> $O/index.txt
 run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /proc/loadavg))" >> $O/index.txt; "$@" > $O/$name.log 2>&1; echo "[$(date -u +%T)] $name rc=$?" >> $O/index.txt; }
 off() { ZEROSTALL_STREAMING_COPY=0 "$@"; }
+want() { [[ " ${PARTS:-restart overlap restore dip} " == *" $1 "* ]]; }
 # issue 13: restart restore from memory, README order
-run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
-run restart_memmove off $PY benchmarks/memory_restart.py --gib 1 --repeats 3 --dir /tmp
+want restart && run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
+want restart && run restart_memmove off $PY benchmarks/memory_restart.py --gib 1 --repeats 3 --dir /tmp
 # the stall: blocking staging (and overlapped), trainer on both cores
 S=overlap,blocking
-run overlap_1G $PY -m benchmarks.overlap --size 1G --saves 5 --dir /tmp/zsov --systems $S
-run overlap_1G_memmove off $PY -m benchmarks.overlap --size 1G --saves 3 --dir /tmp/zsov --systems $S
-run overlap_4G $PY -m benchmarks.overlap --size 4G --saves 3 --dir /tmp/zsov --systems $S
-rm -rf /tmp/zsov
+want overlap && run overlap_1G $PY -m benchmarks.overlap --size 1G --saves 5 --dir /tmp/zsov --systems $S
+want overlap && run overlap_1G_memmove off $PY -m benchmarks.overlap --size 1G --saves 3 --dir /tmp/zsov --systems $S
+want overlap && run overlap_4G $PY -m benchmarks.overlap --size 4G --saves 3 --dir /tmp/zsov --systems $S
+want overlap && rm -rf /tmp/zsov
 # issue 16.2: restores, warm and cold
-run restore_256M $PY -m benchmarks.restore_ab --size 256M --repeats 5 --dir /tmp --cold
-run restore_1G $PY -m benchmarks.restore_ab --size 1G --repeats 5 --dir /tmp --cold
-run restore_1G_memmove off $PY -m benchmarks.restore_ab --size 1G --repeats 3 --dir /tmp --cold
-run restore_4G $PY -m benchmarks.restore_ab --size 4G --repeats 3 --dir /tmp --cold
+want restore && run restore_256M $PY -m benchmarks.restore_ab --size 256M --repeats 5 --dir /tmp --cold
+want restore && run restore_1G $PY -m benchmarks.restore_ab --size 1G --repeats 5 --dir /tmp --cold
+want restore && run restore_1G_memmove off $PY -m benchmarks.restore_ab --size 1G --repeats 3 --dir /tmp --cold
+want restore && run restore_4G $PY -m benchmarks.restore_ab --size 4G --repeats 3 --dir /tmp --cold
 # issue 16.1: the training dip, 1 GiB
-for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip_$s $PY -m benchmarks.dip --system $s --size 1G --dir /tmp/zsb --repeats 3; done
-rm -rf /tmp/zsb; run dip_zerostall_memtier10 $PY -m benchmarks.dip --system zerostall_memtier10 --size 1G --dir /tmp/zsb --repeats 4
+want dip && for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip_$s $PY -m benchmarks.dip --system $s --size 1G --dir /tmp/zsb --repeats 3; done
+want dip && { rm -rf /tmp/zsb; run dip_zerostall_memtier10 $PY -m benchmarks.dip --system zerostall_memtier10 --size 1G --dir /tmp/zsb --repeats 4; }
 # ... and 4 GiB
-for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip4G_$s $PY -m benchmarks.dip --system $s --size 4G --dir /tmp/zsb --repeats 2; done
-rm -rf /tmp/zsb
+want dip && for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip4G_$s $PY -m benchmarks.dip --system $s --size 4G --dir /tmp/zsb --repeats 2; done
+want dip && rm -rf /tmp/zsb
 echo "[$(date -u +%T)] done" >> $O/index.txt

@@ -19,17 +19,9 @@
 #include <emmintrin.h>
 #define ZS_NONTEMPORAL 1
 
-static void stream_copy(char *dst, const char *src, size_t n)
+/* 64-byte blocks with streaming stores; dst 16-byte aligned */
+static void stream_blocks(char *dst, const char *src, size_t blocks)
 {
-    /* streaming stores need a 16-byte aligned destination: the head goes through memcpy */
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    size_t blocks = n / 64;
     for (size_t i = 0; i < blocks; i++) {
         __m128i a = _mm_loadu_si128((const __m128i *)src);
         __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
@@ -42,9 +34,145 @@ static void stream_copy(char *dst, const char *src, size_t n)
         src += 64;
         dst += 64;
     }
+}
+
+static void stream_copy(char *dst, const char *src, size_t n)
+{
+    /* streaming stores need a 16-byte aligned destination: the head goes through memcpy */
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t blocks = n / 64;
+    stream_blocks(dst, src, blocks);
     /* streaming stores are weakly ordered: fence before another thread may read the bytes */
     _mm_sfence();
-    memcpy(dst, src, n - blocks * 64);
+    memcpy(dst + blocks * 64, src + blocks * 64, n - blocks * 64);
+}
+
+/* copy_crc32c: the copy above and a CRC32C of the same bytes in one pass over the source, for a
+ * load that verifies while it copies (restore.read's streaming pass). The checksum otherwise
+ * reads every source byte once more, and two calls per chunk from Python cost more than the
+ * copy of a small chunk. The CRC uses the SSE4.2 crc32 instruction on three lanes at once (one
+ * lane waits on the instruction's 3-cycle latency), joined by a table that multiplies a CRC by
+ * x^(8 * LANE) modulo the polynomial, as zlib's crc32_combine does; tests compare every result
+ * with the crc32c package at every length and alignment. */
+#include <nmmintrin.h>
+
+#define ZS_POLY 0x82f63b78u /* CRC32C (Castagnoli), bit-reflected */
+#define ZS_LANE 4096
+
+static uint32_t x2n_table[32];
+static uint32_t shift_lane[4][256]; /* crc -> crc * x^(8 * ZS_LANE) mod P, a byte at a time */
+static int have_crc32c;
+
+/* a * b modulo P, bit-reflected (x^0 is the top bit): zlib's multmodp; a must not be 0 */
+static uint32_t multmodp(uint32_t a, uint32_t b)
+{
+    uint32_t m = (uint32_t)1 << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        m >>= 1;
+        b = b & 1 ? (b >> 1) ^ ZS_POLY : b >> 1;
+    }
+    return p;
+}
+
+/* x^(n * 2^k) modulo P */
+static uint32_t x2nmodp(size_t n, unsigned k)
+{
+    uint32_t p = (uint32_t)1 << 31;
+    while (n) {
+        if (n & 1)
+            p = multmodp(x2n_table[k & 31], p);
+        n >>= 1;
+        k++;
+    }
+    return p;
+}
+
+static void crc_init(void)
+{
+    uint32_t p = (uint32_t)1 << 30; /* x^1 */
+    x2n_table[0] = p;
+    for (int i = 1; i < 32; i++)
+        x2n_table[i] = p = multmodp(p, p);
+    uint32_t op = x2nmodp(ZS_LANE, 3); /* x^(8 * ZS_LANE) */
+    for (int k = 0; k < 4; k++)
+        for (uint32_t v = 0; v < 256; v++)
+            shift_lane[k][v] = multmodp(op, v << (8 * k));
+    __builtin_cpu_init();
+    have_crc32c = __builtin_cpu_supports("sse4.2") != 0;
+}
+
+static inline uint32_t shift(uint32_t c)
+{
+    return shift_lane[0][c & 0xff] ^ shift_lane[1][(c >> 8) & 0xff] ^ shift_lane[2][(c >> 16) & 0xff]
+        ^ shift_lane[3][c >> 24];
+}
+
+/* The CRC of 3 * ZS_LANE bytes continuing c0 (raw, not inverted): three lanes at once */
+__attribute__((target("sse4.2")))
+static uint32_t crc_lanes(const char *src, uint64_t c0)
+{
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < ZS_LANE; i += 8) {
+        uint64_t a, b, c;
+        memcpy(&a, src + i, 8);
+        memcpy(&b, src + ZS_LANE + i, 8);
+        memcpy(&c, src + 2 * ZS_LANE + i, 8);
+        c0 = _mm_crc32_u64(c0, a);
+        c1 = _mm_crc32_u64(c1, b);
+        c2 = _mm_crc32_u64(c2, c);
+    }
+    /* crc(A B C) = crc(A) * x^(16 LANE) + crc0(B) * x^(8 LANE) + crc0(C), crc0 from zero */
+    return shift(shift((uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+}
+
+/* Each 12 KiB block is checksummed (read from memory), then copied with streaming stores while
+ * it is still in L1. Storing each lane's words as they are checksummed was 2x slower on two
+ * threads (six interleaved write streams defeat the write-combining buffers): 1 GiB, two
+ * threads, 0.053-0.076 s against 0.031 s, and 0.045 s for the streaming copy alone. */
+__attribute__((target("sse4.2")))
+static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t crc)
+{
+    uint64_t c0 = (uint32_t)~crc;
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (head > n)
+        head = n;
+    for (size_t i = 0; i < head; i++) {
+        c0 = _mm_crc32_u8((uint32_t)c0, (uint8_t)src[i]);
+        dst[i] = src[i];
+    }
+    dst += head;
+    src += head;
+    n -= head;
+    while (n >= 3 * ZS_LANE) {
+        c0 = crc_lanes(src, c0);
+        stream_blocks(dst, src, 3 * ZS_LANE / 64);
+        src += 3 * ZS_LANE;
+        dst += 3 * ZS_LANE;
+        n -= 3 * ZS_LANE;
+    }
+    _mm_sfence();
+    for (; n >= 8; n -= 8, src += 8, dst += 8) {
+        uint64_t a;
+        memcpy(&a, src, 8);
+        c0 = _mm_crc32_u64(c0, a);
+        memcpy(dst, &a, 8);
+    }
+    for (size_t i = 0; i < n; i++) {
+        c0 = _mm_crc32_u8((uint32_t)c0, (uint8_t)src[i]);
+        dst[i] = src[i];
+    }
+    return ~(uint32_t)c0;
 }
 #else
 #define ZS_NONTEMPORAL 0
@@ -55,6 +183,25 @@ static void stream_copy(char *dst, const char *src, size_t n)
 }
 #endif
 
+/* dst, src (addresses) and n from args[0..2]; 0 on success, -1 with an exception set */
+static int copy_args(PyObject *const *args, void **dst, void **src, size_t *n)
+{
+    *dst = PyLong_AsVoidPtr(args[0]);
+    if (*dst == NULL && PyErr_Occurred())
+        return -1;
+    *src = PyLong_AsVoidPtr(args[1]);
+    if (*src == NULL && PyErr_Occurred())
+        return -1;
+    *n = PyLong_AsSize_t(args[2]);
+    if (*n == (size_t)-1 && PyErr_Occurred())
+        return -1;
+    if (*n && (*dst == NULL || *src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "copy: null address");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *zs_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -62,30 +209,56 @@ static PyObject *zs_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "copy(dst, src, n) takes 3 arguments");
         return NULL;
     }
-    void *dst = PyLong_AsVoidPtr(args[0]);
-    if (dst == NULL && PyErr_Occurred())
-        return NULL;
-    void *src = PyLong_AsVoidPtr(args[1]);
-    if (src == NULL && PyErr_Occurred())
-        return NULL;
-    size_t n = PyLong_AsSize_t(args[2]);
-    if (n == (size_t)-1 && PyErr_Occurred())
+    void *dst, *src;
+    size_t n;
+    if (copy_args(args, &dst, &src, &n) < 0)
         return NULL;
     if (n == 0)
         Py_RETURN_NONE;
-    if (dst == NULL || src == NULL) {
-        PyErr_SetString(PyExc_ValueError, "copy: null address");
-        return NULL;
-    }
     Py_BEGIN_ALLOW_THREADS
     stream_copy((char *)dst, (const char *)src, n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
+#if ZS_NONTEMPORAL
+static PyObject *zs_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_crc32c(dst, src, n, crc) takes 4 arguments");
+        return NULL;
+    }
+    if (!have_crc32c) {
+        PyErr_SetString(PyExc_RuntimeError, "copy_crc32c: this CPU has no SSE4.2 crc32 instruction");
+        return NULL;
+    }
+    void *dst, *src;
+    size_t n;
+    if (copy_args(args, &dst, &src, &n) < 0)
+        return NULL;
+    unsigned long crc = PyLong_AsUnsignedLong(args[3]);
+    if (crc == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (crc > 0xffffffffUL) {
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c: crc is not a 32-bit value");
+        return NULL;
+    }
+    uint32_t out;
+    Py_BEGIN_ALLOW_THREADS
+    out = copy_crc((char *)dst, (const char *)src, n, (uint32_t)crc);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(out);
+}
+#endif
+
 static PyMethodDef zs_methods[] = {
     {"copy", (PyCFunction)(void (*)(void))zs_copy, METH_FASTCALL,
      "copy(dst, src, n): copy n bytes between non-overlapping addresses with streaming stores."},
+#if ZS_NONTEMPORAL
+    {"copy_crc32c", (PyCFunction)(void (*)(void))zs_copy_crc32c, METH_FASTCALL,
+     "copy_crc32c(dst, src, n, crc): copy n bytes as copy() does and return their CRC32C, continuing crc."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -99,6 +272,16 @@ PyMODINIT_FUNC PyInit__memcopy(void)
     PyObject *m = PyModule_Create(&zs_module);
     if (m == NULL)
         return NULL;
+#if ZS_NONTEMPORAL
+    crc_init();
+    int crc_ok = have_crc32c;
+#else
+    int crc_ok = 0;
+#endif
+    if (PyModule_AddIntConstant(m, "CRC32C", crc_ok) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "NONTEMPORAL", ZS_NONTEMPORAL) < 0) {
         Py_DECREF(m);
         return NULL;

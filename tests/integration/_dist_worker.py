@@ -145,9 +145,9 @@ def scenario_dtensor_load(rank: int, world: int, d: str) -> dict:
     from zerostall.storage.local import MappedFile
     orig_copy = MappedFile.copy_into
 
-    def counting_copy(self, offset, dest):  # type: ignore[no-untyped-def]  # out of the page cache's pages
+    def counting_copy(self, offset, dest, **kw):  # type: ignore[no-untyped-def]  # out of the page cache's pages
         sizes.append(len(dest))
-        return orig_copy(self, offset, dest)
+        return orig_copy(self, offset, dest, **kw)
     LocalStorage.read_into = counting  # type: ignore[method-assign]
     LocalStorage.read_sequential = counting_seq  # type: ignore[method-assign]
     LocalStorage.read_vectored = counting_vec  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     if request.param and memcopy._ext is None:
         pytest.fail("the streaming copy is not built here (see test_the_extension_is_built_where_it_can_be)")
     monkeypatch.setattr(memcopy, "STREAMING", request.param)
+    monkeypatch.setattr(memcopy, "CRC_COPY", request.param and memcopy._crc_ext is not None)
     return bool(request.param)
 
 
@@ -34,6 +35,8 @@ def test_the_extension_is_built_where_it_can_be() -> None:
     ext = importlib.import_module("zerostall._memcopy")
     assert ext.NONTEMPORAL == 1
     assert memcopy._ext is ext
+    if "sse4_2" in open("/proc/cpuinfo").read():
+        assert ext.CRC32C == 1 and memcopy._crc_ext is ext
 
 
 @pytest.mark.parametrize("n", _SIZES)
@@ -78,6 +81,14 @@ def test_the_extension_refuses_bad_arguments() -> None:
         ext.copy(1, 2)
     with pytest.raises(OverflowError):
         ext.copy(1, 2, -1)
+    if ext.CRC32C:
+        with pytest.raises(ValueError, match="null address"):
+            ext.copy_crc32c(0, 0, 5, 0)
+        with pytest.raises(ValueError, match="not a 32-bit value"):
+            ext.copy_crc32c(1, 2, 0, 1 << 32)
+        with pytest.raises(TypeError):
+            ext.copy_crc32c(1, 2, 3)
+        assert ext.copy_crc32c(0, 0, 0, 7) == 7  # nothing copied: the CRC goes on unchanged
 
 
 def test_the_cpu_engine_streams_plain_tensors_and_leaves_the_rest_to_copy_(streaming: bool) -> None:
@@ -134,6 +145,52 @@ def test_loads_copy_the_same_bytes_either_way(streaming: bool, verify: bool, ato
     got = zerostall.load_pytree(str(tmp_path / "c"), tmpl, options=zerostall.LoadOptions(verify=verify, atomic=atomic))
     for k, v in state.items():
         assert torch.equal(got[k], v) and torch.equal(tmpl[k], v)
+
+
+@pytest.mark.parametrize("n", _SIZES + [12_288, 12_289, 2 * 12_288 + 17, 100_003])
+def test_copy_crc32c_is_the_crc32c_package_at_every_length_and_alignment(n: int) -> None:
+    import crc32c
+
+    ext = memcopy._crc_ext
+    if ext is None:
+        pytest.fail("the copy-and-checksum kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    for so in (0, 1, 7, 8):
+        for do in (0, 1, 5, 8, 15, 16):
+            dst = np.zeros(n + 64, dtype=np.uint8)
+            init = int(rng.integers(0, 1 << 32))
+            got = ext.copy_crc32c(dst.ctypes.data + do, src.ctypes.data + so, n, init)
+            assert got == crc32c.crc32c(src[so:so + n].tobytes(), init), (n, so, do)
+            assert np.array_equal(dst[do:do + n], src[so:so + n]) and not dst[:do].any() and not dst[do + n:].any()
+
+
+def test_copy_array_checksums_in_its_pass_only_where_it_can(streaming: bool) -> None:
+    from zerostall.checksum import checksum
+
+    src = np.arange(1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    got = memcopy.copy_array(dst, src, 0)
+    assert np.array_equal(dst, src)
+    assert got == (checksum(src.tobytes()) if streaming else None)
+    assert memcopy.copy_array(dst[::2], src[::2], 0) is None  # not contiguous: copied, not checksummed
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_flipped_byte_fails_the_load_whichever_pass_checksums(streaming: bool, atomic: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import zerostall
+    from zerostall.errors import ChecksumMismatchError
+
+    state = {"w": torch.randn(1 << 20), "v": torch.randn(4096)}
+    zerostall.save_pytree(str(tmp_path / "c"), state)
+    data = next((tmp_path / "c" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    tmpl = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(ChecksumMismatchError, match="w"):
+        zerostall.load_pytree(str(tmp_path / "c"), tmpl, options=zerostall.LoadOptions(atomic=atomic))
 
 
 def test_copy_many_does_not_wait_for_a_busy_pool(monkeypatch: pytest.MonkeyPatch) -> None:

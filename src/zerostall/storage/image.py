@@ -287,10 +287,11 @@ class ImageMap:
     def cached(self, offset: int, length: int) -> bool:
         return offset >= 0 and offset + length <= len(self._arr)
 
-    def copy_into(self, offset: int, dest: memoryview) -> None:
-        """Copy the bytes at ``offset`` into ``dest`` (numpy: without holding the GIL)."""
+    def copy_into(self, offset: int, dest: memoryview, crc: int | None = None) -> int | None:
+        """Copy the bytes at ``offset`` into ``dest`` (without holding the GIL); with ``crc``,
+        their CRC32C too where the copy's pass can compute it (``memcopy.copy_array``)."""
         out = np.frombuffer(dest, dtype=np.uint8)
-        copy_array(out, self._arr[offset:offset + len(out)])
+        return copy_array(out, self._arr[offset:offset + len(out)], crc)
 
     def close(self) -> None:
         del self._arr

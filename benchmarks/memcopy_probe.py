@@ -1,0 +1,72 @@
+"""The copies zerostall.memcopy makes, against memmove, on one and two threads.
+
+    python benchmarks/memcopy_probe.py [--gib 1] [--rounds 7]
+
+1 GiB (faulted in, source and destination) is copied in pieces of 1, 4 and 32 MiB, each way in
+turn, round after round: ``memmove`` (ctypes, what numpy and torch use), the streaming-store
+copy, a CRC32C pass (the ``crc32c`` package) and the one-pass copy with CRC32C. Prints the median
+seconds per GiB of each. Compare within one run; the numbers quoted in ``zerostall/memcopy.py``
+and docs/design.md come from this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import crc32c
+import numpy as np
+
+import zerostall.memcopy as mc
+
+
+def _timed(threads: int, fn: Callable[[int, int], object], n: int, piece: int) -> float:
+    """Wall time of ``fn(offset, length)`` over ``[0, n)`` in ``piece``-byte calls, ``threads`` halves."""
+    part = n // threads
+
+    def work(i: int) -> None:
+        for o in range(i * part, (i + 1) * part, piece):
+            fn(o, min(piece, (i + 1) * part - o))
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for x in ts:
+        x.start()
+    for x in ts:
+        x.join()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    n = int(args.gib * (1 << 30))
+    src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)  # both faulted in
+    s, d = src.ctypes.data, dst.ctypes.data
+    view = memoryview(src)
+    ways: dict[str, Callable[[int, int], object]] = {"memmove": lambda o, k: ctypes.memmove(d + o, s + o, k),
+                                                     "crc32c pass": lambda o, k: crc32c.crc32c(view[o:o + k])}
+    if mc._ext is not None:
+        ext = mc._ext
+        ways["streaming copy"] = lambda o, k: ext.copy(d + o, s + o, k)
+    if mc._crc_ext is not None:
+        cext = mc._crc_ext
+        ways["copy + CRC32C, one pass"] = lambda o, k: cext.copy_crc32c(d + o, s + o, k, 0)
+    print(f"streaming stores: {mc._ext is not None}, one-pass copy + CRC32C: {mc._crc_ext is not None}")
+    for threads in (1, 2):
+        for piece in (1 << 20, 4 << 20, 32 << 20):
+            got: dict[str, list[float]] = {w: [] for w in ways}
+            for _ in range(args.rounds):
+                for w, fn in ways.items():
+                    got[w].append(_timed(threads, fn, n, piece) / args.gib)
+            print(f"{threads} thread(s), {piece >> 20} MiB pieces: "
+                  + ", ".join(f"{w} {statistics.median(v):.3f}" for w, v in got.items()) + " s per GiB")
+
+
+if __name__ == "__main__":
+    main()
