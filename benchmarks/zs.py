@@ -48,16 +48,6 @@ class Zerostall(measure.System):
     def save(self, path: Path, state: Any) -> measure.Pending:
         return _ZsPending(self.zs.save_pytree_async(str(path), state))
 
-
-class ZerostallIdle(Zerostall):
-    """The same, with the writer under ``SCHED_IDLE`` (``SaveOptions(writer_sched="idle")``)."""
-
-    name = "zerostall_idle"
-
-    def save(self, path: Path, state: Any) -> measure.Pending:
-        options = self.zs.SaveOptions(writer_sched="idle")
-        return _ZsPending(self.zs.save_pytree_async(str(path), state, options=options))
-
     def restore(self, path: Path, template: Any) -> Any:
         return self.zs.load_pytree(str(path), template)
 
@@ -72,6 +62,16 @@ class ZerostallIdle(Zerostall):
         except TypeError:
             return {}
         return {"verify=False": lambda path, template: self.zs.load_pytree(str(path), template, options=opts)}
+
+
+class ZerostallIdle(Zerostall):
+    """The same, with the writer under ``SCHED_IDLE`` (``SaveOptions(writer_sched="idle")``)."""
+
+    name = "zerostall_idle"
+
+    def save(self, path: Path, state: Any) -> measure.Pending:
+        options = self.zs.SaveOptions(writer_sched="idle")
+        return _ZsPending(self.zs.save_pytree_async(str(path), state, options=options))
 
 
 def checkpointer_first_save(state: Any, directory: Path, saves: int) -> dict[str, Any]:

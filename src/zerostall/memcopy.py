@@ -20,9 +20,9 @@ the bytes computed in the copy's own pass (:func:`copy_array` with ``crc``), eac
 checksummed (three lanes of SSE4.2 ``crc32``) and then copied while it is still in L1. Per GiB
 from faulted-in memory (``benchmarks/memcopy_probe.py``, 4 MiB pieces): 0.106 s on one thread
 against 0.054 s for the streaming copy plus 0.068 s for a ``crc32c`` pass; 0.060 s on two
-threads against 0.044 + 0.038 s. In a warm streaming load most of the time left is the
-page-table work of a fresh mapping of the file (``benchmarks/restore_ab.py``: ``zs_stream``
-against ``zs_stream_two_pass``; docs/performance.md, "Sixth round").
+threads against 0.044 + 0.038 s. A warm streaming load of 1 GiB is that kernel on each thread
+plus about 10 ms of planning (``benchmarks/restore_ab.py``: ``zs_stream`` against
+``zs_stream_two_pass``; docs/performance.md, "Sixth round").
 
 A bottom-layer module: ``stage`` (the staging copies) and ``restore`` / ``storage`` (the load's
 copies) use the same copy without importing one another.
