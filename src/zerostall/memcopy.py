@@ -122,17 +122,22 @@ def copy_array(dst: np.ndarray[Any, Any], src: Any, crc: int | None = None) -> i
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
     n = dst.nbytes
-    fits = (isinstance(src, np.ndarray) and dst.shape == src.shape and dst.dtype == src.dtype
-            and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
-    if fits and crc is not None and CRC_COPY:
+    # The cheap tests first: a load of many small leaves calls this once per leaf.
+    if crc is not None and CRC_COPY and _fits(dst, src):
         assert _crc_ext is not None
         return int(_crc_ext.copy_crc32c(_address(dst), _address(src), n, crc))
-    if fits and STREAMING and n >= MIN_STREAM:
+    if STREAMING and n >= MIN_STREAM and _fits(dst, src):
         assert _ext is not None
         _ext.copy(_address(dst), _address(src), n)
     else:
         np.copyto(dst, src, casting="no")
     return None
+
+
+def _fits(dst: np.ndarray[Any, Any], src: Any) -> bool:
+    """Whether the extension can copy ``src`` into ``dst`` by address: same layout, contiguous."""
+    return (isinstance(src, np.ndarray) and dst.shape == src.shape and dst.dtype == src.dtype
+            and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
 
 
 def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None) -> None:

@@ -532,7 +532,7 @@ def _copy_checked(mf: Any, offset: int, dest: memoryview, want: bool) -> int:
     if not want:
         mf.copy_into(offset, dest)
         return 0
-    if memcopy.CRC_COPY:  # one pass: each source word is checksummed as it is stored
+    if memcopy.CRC_COPY:  # one pass over the source: each block checksummed, then copied from L1
         got = mf.copy_into(offset, dest, crc=0)
         return checksum(mf.view[offset:offset + len(dest)]) if got is None else got
     crc = 0
