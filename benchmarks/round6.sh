@@ -4,14 +4,9 @@
 # (run on a quiet machine; docs/performance.md, "Sixth round", quotes OUT/*.log). The streaming-copy
 # extension is built into the clone first; the *_memmove runs set ZEROSTALL_STREAMING_COPY=0 (the same
 # code with every copy a memmove: the paired "before").
-C=$1; O=$2; mkdir -p $O; cd $C
-export PYTHONPATH=$C/src:$C
-PY=${PY:-$C/.venv/bin/python}
-$PY setup.py -q build_ext --inplace > $O/build_ext.log 2>&1
-$PY -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" >> $O/index.txt
-run() { name=$1; shift; echo "[$(date -u +%T)] $name: $* (load $(cut -d' ' -f1 /proc/loadavg))" >> $O/index.txt; "$@" > $O/$name.log 2>&1; echo "[$(date -u +%T)] $name rc=$?" >> $O/index.txt; }
+C=$1; O=$2; PARTS_DEFAULT="restart overlap restore dip"
+. "$(dirname "$0")/round_env.sh"
 off() { ZEROSTALL_STREAMING_COPY=0 "$@"; }
-want() { [[ " ${PARTS:-restart overlap restore dip} " == *" $1 "* ]]; }
 # issue 13: restart restore from memory, README order
 want restart && run restart $PY benchmarks/memory_restart.py --gib 1 4 --repeats 3 --dir /tmp
 want restart && run restart_memmove off $PY benchmarks/memory_restart.py --gib 1 --repeats 3 --dir /tmp

@@ -1,4 +1,5 @@
-"""The figures docs/performance.md ("Sixth round") quotes, read back from a ``round6.sh`` output folder.
+"""The figures docs/performance.md ("Sixth round", "Seventh round") quotes, read back from a
+``round6.sh`` or ``round7.sh`` output folder.
 
     python benchmarks/round6_summary.py benchmarks/reference/round6/run1
 
@@ -43,7 +44,7 @@ def _restart(out: str) -> None:
 
 
 def _overlap(out: str) -> None:
-    for name in ("overlap_1G", "overlap_1G_memmove", "overlap_4G"):
+    for name in ("overlap_1G", "overlap_1G_memmove", "overlap_1G_nocrc", "overlap_4G"):
         d = _result(out, name)
         if d is None:
             continue
@@ -73,10 +74,18 @@ def _restore(out: str) -> None:
 def _dip(out: str) -> None:
     for prefix in ("dip", "dip4G"):
         lost: dict[str, float] = {}
-        for system in ("none", "zerostall", "dcp_async_stager", "zerostall_memtier10"):
+        for system in ("none", "zerostall", "zerostall_nocrc", "dcp_async_stager", "zerostall_memtier10",
+                       "zerostall_memtier10_nocrc"):
             d = _result(out, f"{prefix}_{system}")
             if d is None or not d.get("windows"):
                 continue
+            mt = d.get("memtier")
+            if mt:
+                print(f"{prefix} {system}: memory-only lost {mt['memory_only']['lost_s']:.3f} s (background "
+                      f"{mt['memory_only']['background_s']:.3f}), persisted lost {mt['persisted']['lost_s']:.3f} s "
+                      f"(background {mt['persisted']['background_s']:.3f}); per save over {mt['k']} saves "
+                      f"{mt['per_save_lost_s']:.3f} s (stall {mt['per_save_stall_s']:.3f}, background "
+                      f"{mt['per_save_background_s']:.3f})")
             ws = d["windows"]
             lost[system] = statistics.median(w["lost_s"] for w in ws)
             slow = [w["slowdown_during_persist"] for w in ws if w.get("slowdown_during_persist")]

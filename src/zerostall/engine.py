@@ -12,6 +12,7 @@ provides the coordinator.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import logging
 import sys
@@ -35,7 +36,7 @@ from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
 from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
-from zerostall.stage.stager import prepare_slot
+from zerostall.stage.stager import prepare_slot, staging_checksums
 from zerostall.storage import open_storage
 from zerostall.tree import FlatState, flatten
 
@@ -220,9 +221,11 @@ class Engine:
         try:
             fit_slot(self.pool, slot, plan, path)
             t_copy = time.perf_counter()
-            views = stage(flat, plan, slot, skip=defer)
+            crcs: list[int | None] | None = [None] * len(flat.leaves) if staging_checksums() else None
+            views = stage(flat, plan, slot, skip=defer, crcs=crcs)
             if split is not None:
-                task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1])
+                task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1],
+                                  crc=crcs is not None)
             elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
                 GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy
@@ -234,6 +237,7 @@ class Engine:
             files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers, strict=True)),
             leaves=rows, items=flat.items, metadata=metadata or {}, step=step, retention=retention,
             env=storage_env(), write=self._write, collective=info, memory=memory, persist=persist,
+            crcs=tuple(crcs) if crcs is not None and task is None else (),
         )
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
@@ -247,7 +251,9 @@ class Engine:
         response._add_before_done(self._on_done)
         if task is not None:
             response._staged.clear()
-            task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done)
+            overlapped = task
+            task.on_staged = lambda err: self._staged(response, t0, err, _with_crcs(job, crcs, overlapped), slot,
+                                                      on_done)
             if task.pieces is not None:
                 response._help_stage = task.pieces.work
             response._sync = task.sync
@@ -365,6 +371,15 @@ class Engine:
         err = self.take_failures()
         if err is not None:
             raise err from err.cause
+
+
+def _with_crcs(job: SaveJob, crcs: list[int | None] | None, task: OverlapTask) -> SaveJob:
+    """``job`` with the CRC32Cs staging computed, the overlapped copy's included (copier thread, once staged)."""
+    if crcs is None:
+        return job
+    for i, c in task.crcs().items():
+        crcs[i] = c
+    return dataclasses.replace(job, crcs=tuple(crcs))
 
 
 def background_error(failed: list[tuple[Response, BaseException]]) -> BackgroundSaveError:

@@ -15,14 +15,14 @@ compiler is found; an optional build). Without it, or on a CPU without streaming
 copy is ``memmove``: the same bytes, only slower. :data:`STREAMING` says which; the environment
 variable ``ZEROSTALL_STREAMING_COPY=0`` (or ``false``, ``no``, ``off``) turns it off (for A/B measurements).
 
-The same extension has one more kernel, for a load that checks what it copies: the CRC32C of
-the bytes computed in the copy's own pass (:func:`copy_array` with ``crc``), each 12 KiB block
-checksummed (three lanes of SSE4.2 ``crc32``) and then copied while it is still in L1. Per GiB
-from faulted-in memory (``benchmarks/memcopy_probe.py``, 4 MiB pieces): 0.106 s on one thread
-against 0.054 s for the streaming copy plus 0.068 s for a ``crc32c`` pass; 0.060 s on two
-threads against 0.044 + 0.038 s. A warm streaming load of 1 GiB is that kernel on each thread
-plus about 10 ms of planning (``benchmarks/restore_ab.py``: ``zs_stream`` against
-``zs_stream_two_pass``; docs/performance.md, "Sixth round").
+The same extension has one more kernel, for copies whose bytes must be checksummed anyway (a
+load that verifies, a staging copy whose CRC the writer then need not compute): the CRC32C of
+the bytes computed in the copy's own pass (:func:`copy` / :func:`copy_array` with ``crc``,
+:func:`copy_many` with ``crc=True``), each 12 KiB block checksummed (three lanes of SSE4.2
+``crc32``) while the block before it is copied out of L1. Per GiB from faulted-in memory
+(``benchmarks/memcopy_probe.py``, 4 MiB pieces): 0.074 s on one thread against 0.055 s for the
+streaming copy plus 0.067 s for a ``crc32c`` pass; 0.047 s on two threads against 0.044 +
+0.039 s (docs/design.md, "Streaming-store copies").
 
 A bottom-layer module: ``stage`` (the staging copies) and ``restore`` / ``storage`` (the load's
 copies) use the same copy without importing one another.
@@ -44,7 +44,7 @@ import numpy as np
 from zerostall.cpus import shared_pool, usable_cpus
 from zerostall.errors import ZerostallWarning
 
-__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "copy_array", "copy_many"]
+__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "copy_array", "copy_many"]
 
 
 def _load() -> ModuleType | None:
@@ -84,9 +84,12 @@ MIN_STREAM = 256 << 10
 PIECE = 16 << 20
 
 
-def copy(dst: int, src: int, n: int) -> None:
+def copy(dst: int, src: int, n: int, crc: int | None = None) -> int | None:
     """Copy ``n`` bytes from address ``src`` to address ``dst`` (the ranges must not overlap),
     without holding the GIL.
+
+    With ``crc`` (a CRC32C to continue; 0 starts one) and :data:`CRC_COPY`, also returns the
+    CRC32C of the bytes, computed in the copy's own pass; ``None`` otherwise (copied all the same).
 
     Example::
 
@@ -94,11 +97,30 @@ def copy(dst: int, src: int, n: int) -> None:
         >>> copy(b.ctypes.data, a.ctypes.data, 8); b.tolist()
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
+    if crc is not None and CRC_COPY:
+        assert _crc_ext is not None
+        return int(_crc_ext.copy_crc32c(dst, src, n, crc))
     if STREAMING and n >= MIN_STREAM:
         assert _ext is not None
         _ext.copy(dst, src, n)
     else:
         ctypes.memmove(dst, src, n)  # a CFUNCTYPE call: the GIL is released for the copy
+    return None
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B)
+    (zlib's ``crc32_combine``): pieces of one tensor checksummed on several threads make its CRC.
+    Only where :data:`CRC_COPY` (the pieces' CRCs come from the same kernel).
+
+    Example::
+
+        >>> import crc32c
+        >>> combine(crc32c.crc32c(b"ab"), crc32c.crc32c(b"cd"), 2) == crc32c.crc32c(b"abcd")
+        True
+    """
+    assert _crc_ext is not None, "combine() needs the copy kernel (CRC_COPY)"
+    return int(_crc_ext.crc32c_combine(crc1, crc2, len2))
 
 
 def _address(a: np.ndarray[Any, Any]) -> int:
@@ -140,22 +162,28 @@ def _fits(dst: np.ndarray[Any, Any], src: Any) -> bool:
             and dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable)
 
 
-def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None) -> None:
+def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None, *,
+              crc: bool = False) -> list[int] | None:
     """Copy every ``(dst, src, n)`` of ``items`` (addresses; no range overlaps another), cut into
     :data:`PIECE`-byte pieces shared by the calling thread and up to ``threads - 1`` pooled ones
     (default: one per usable CPU). Returns once every piece is copied; the first error is raised
     after every piece has run.
 
+    With ``crc`` and :data:`CRC_COPY`, returns the CRC32C of each item's bytes (in the order of
+    ``items``), computed in the copy's own pass (each piece's CRC, then :func:`combine`); else None.
+
     For a copy the caller waits for anyway (blocking staging): every core it may use copies.
     """
-    pieces = [(d + o, s + o, min(PIECE, n - o)) for d, s, n in items for o in range(0, n, PIECE)]
+    summed = crc and CRC_COPY
+    pieces = [(i, d + o, s + o, min(PIECE, n - o)) for i, (d, s, n) in enumerate(items) for o in range(0, n, PIECE)]
+    sums: list[int] = [0] * len(pieces)
     if threads is None:
         threads = usable_cpus()
     threads = max(1, min(threads, len(pieces)))
     if threads == 1:
-        for d, s, n in pieces:
-            copy(d, s, n)
-        return
+        for k, (_, d, s, n) in enumerate(pieces):
+            sums[k] = copy(d, s, n, 0 if summed else None) or 0
+        return _joined(items, pieces, sums) if summed else None
     cond = threading.Condition()
     claimed = running = 0
     errors: list[BaseException] = []
@@ -166,11 +194,12 @@ def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None)
             with cond:
                 if claimed >= len(pieces):
                     return
-                d, s, n = pieces[claimed]
+                k = claimed
                 claimed += 1
                 running += 1
             try:
-                copy(d, s, n)
+                _, d, s, n = pieces[k]
+                sums[k] = copy(d, s, n, 0 if summed else None) or 0
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller below
                 errors.append(exc)
             finally:
@@ -189,3 +218,12 @@ def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None)
         cond.wait_for(lambda: running == 0)
     if errors:
         raise errors[0]
+    return _joined(items, pieces, sums) if summed else None
+
+
+def _joined(items: Sequence[tuple[int, int, int]], pieces: list[tuple[int, int, int, int]], sums: list[int]) -> list[int]:
+    """Each item's CRC32C from its pieces' (in order: pieces are listed item by item)."""
+    out = [0] * len(items)
+    for (i, _, _, n), c in zip(pieces, sums, strict=True):
+        out[i] = combine(out[i], c, n)
+    return out

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 4  # 3: KeeperFailed; 4: KeeperBusy
+PROTOCOL = 5  # 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs
 
 
 class ProtocolMismatchError(WriterError):
@@ -118,6 +118,10 @@ class SaveJob:
     memory: bool = False
     #: also write the checkpoint to ``root`` (False: a memory-only step)
     persist: bool = True
+    #: the CRC32C of each leaf of ``leaves`` (in its order) as staging computed it in its copy
+    #: (``None``: staging did not checksum that leaf); empty: none. The writer checksums only
+    #: the others (docs/design.md, "Checksums at staging").
+    crcs: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ same bytes again. Real processes: a trainer subprocess (``_memory_trainer.py``) 
 a memory-only step; the test process then adopts the keeper.
 
 How a checksum pass is seen: the writer's ``checksum`` fault phase (``persist.faults``) is hit
-once at the start of every checksum pass a save makes, and with ``ZEROSTALL_FAULTS_MARK`` set a
+once at the start of every checksum pass a save makes (a trainer's save hits it even where its
+staging copy checksummed every leaf: the phase stays a fault point), and with ``ZEROSTALL_FAULTS_MARK`` set a
 ``wait:`` action there leaves the file ``checksum-<pid>`` (its file to wait for exists, so it
 never waits). The keeper's own check is held (``keeper_check``) until the test has removed the
 marks the trainer's saves left; a persist that checksummed would leave one again.

@@ -6,6 +6,7 @@ import importlib
 import platform
 import shutil
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -71,6 +72,41 @@ def test_copy_many_cuts_items_into_pieces_on_every_thread(streaming: bool, threa
     memcopy.copy_many([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs, strict=True)], threads)
     for d, s in zip(dsts, srcs, strict=True):
         assert np.array_equal(d, s)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_many_checksums_each_item_across_its_pieces(streaming: bool, threads: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memcopy, "PIECE", 4096 * 3 + 5)  # each item's CRC joins pieces that end anywhere
+    rng = np.random.default_rng(threads)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 70_000, 0, 123_457)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    sums = memcopy.copy_many([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs, strict=True)],
+                             threads, crc=True)
+    for d, s in zip(dsts, srcs, strict=True):
+        assert np.array_equal(d, s)
+    # without the kernel the copy still happens, and says it did not checksum
+    assert sums == ([crc32c.crc32c(s.tobytes()) for s in srcs] if streaming else None)
+
+
+def test_combine_joins_crcs_of_any_lengths() -> None:
+    if memcopy._crc_ext is None:
+        pytest.fail("the copy kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+    rng = np.random.default_rng(5)
+    for la, lb in [(0, 0), (0, 9), (9, 0), (1, 1), (4096, 12_289), (1 << 20, 3)]:
+        a, b = rng.bytes(la), rng.bytes(lb)
+        assert memcopy.combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b), (la, lb)
+    with pytest.raises(ValueError, match="not a 32-bit value"):
+        memcopy.combine(1 << 32, 0, 1)
+
+
+def test_copy_with_crc_returns_the_crc_only_where_it_checksummed(streaming: bool) -> None:
+    src = np.random.default_rng(1).integers(0, 256, 50_001, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    got = memcopy.copy(dst.ctypes.data, src.ctypes.data, src.nbytes, 0)
+    assert np.array_equal(dst, src)
+    assert got == (crc32c.crc32c(src.tobytes()) if streaming else None)
+    assert memcopy.copy(dst.ctypes.data, src.ctypes.data, src.nbytes) is None
 
 
 def test_the_extension_refuses_bad_arguments() -> None:
@@ -147,7 +183,7 @@ def test_loads_copy_the_same_bytes_either_way(streaming: bool, verify: bool, ato
         assert torch.equal(got[k], v) and torch.equal(tmpl[k], v)
 
 
-@pytest.mark.parametrize("n", _SIZES + [12_288, 12_289, 2 * 12_288 + 17, 100_003])
+@pytest.mark.parametrize("n", _SIZES + [12_288, 12_289, 2 * 12_288 + 17, 3 * 12_288, 3 * 12_288 + 31, 100_003])
 def test_copy_crc32c_is_the_crc32c_package_at_every_length_and_alignment(n: int) -> None:
     import crc32c
 

@@ -55,6 +55,7 @@ JOB = SaveJob(
     metadata={"loss": 0.5}, step=3, retention=RetentionPolicy(keep_last=2, keep_every_n_steps=10),
     env={"AWS_REGION": "eu"}, write=WriteOptions(direct_io=True, io_threads=1, chunk_bytes=64 << 20),
     collective=Collective(rank=1, world=4, run="abc", counter=9, timeout_s=30.0, poll_s=0.02),
+    crcs=(0xDEADBEEF, None),
 )
 
 MESSAGES = [

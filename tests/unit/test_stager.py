@@ -124,3 +124,38 @@ def test_pool_reuses_buffers_for_same_or_smaller_layouts():
     assert slot.buffers[0] is not first
     pool.release(slot)
     pool.close()
+
+
+def test_stage_checksums_what_it_streams_and_leaves_the_rest_to_the_writer(monkeypatch):
+    import crc32c
+
+    import zerostall.memcopy as memcopy
+
+    if not memcopy.CRC_COPY:
+        monkeypatch.setattr(memcopy, "CRC_COPY", False)
+    big = torch.randn(memcopy.MIN_STREAM // 4 + 5)
+    state = {"big": big, "np": np.random.default_rng(0).random(memcopy.MIN_STREAM // 8 + 3),
+             "small": torch.ones(3), "strided": torch.randn(600, 200).t(), "b": b"xyz"}
+    flat = flatten({"p": state})
+    plan = make_plan(flat)
+    pool = BufferPool(1)
+    slot = pool.acquire()
+    pool.fit(slot, [f.alloc for f in plan.files])
+    crcs = [None] * len(flat.leaves)
+    stage(flat, plan, slot, crcs=crcs)
+    by_key = {leaf.key.rsplit("/", 1)[-1]: (leaf, c) for leaf, c in zip(flat.leaves, crcs)}
+    if memcopy.CRC_COPY:
+        for name in ("big", "np"):
+            leaf, c = by_key[name]
+            raw = leaf.value.numpy().tobytes() if isinstance(leaf.value, torch.Tensor) else leaf.value.tobytes()
+            assert c == crc32c.crc32c(raw), name
+    else:  # no kernel: nothing checksummed, the writer sums every leaf
+        assert by_key["big"][1] is None and by_key["np"][1] is None
+    # small, strided (gathered by copy_) and bytes leaves are not checksummed at staging
+    assert [by_key[k][1] for k in ("small", "strided", "b")] == [None, None, None]
+    # staged bytes are those of the sources either way
+    buf = slot.buffers[0].mmap
+    for leaf, place in zip(flat.leaves, plan.slots):
+        v = leaf.value
+        want = v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else (v.tobytes() if isinstance(v, np.ndarray) else v)
+        assert bytes(buf[place.offset:place.offset + place.nbytes]) == want, leaf.key

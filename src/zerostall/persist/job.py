@@ -31,6 +31,7 @@ from zerostall.commit import (
     step_name,
     steps_to_delete,
 )
+from zerostall.errors import WriterError
 from zerostall.lease import Lease
 from zerostall.manifest import encode_manifest
 from zerostall.messages import LeafRow, SaveJob, WriterStats
@@ -178,7 +179,7 @@ class SoloStep:
 
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-             step: Step | None = None, *, known_crcs: Sequence[int] | None = None) -> WriterStats:
+             step: Step | None = None, *, known_crcs: Sequence[int | None] | None = None) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
     ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
@@ -188,7 +189,9 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     against these very bytes, which nothing writes to any more: the save then makes no checksum
     pass of its own and commits those. The memory tier's keeper passes them when it persists a
     held step after its trainer died, once its check of that step found every leaf matching its
-    manifest (:meth:`zerostall.persist.keeper.Keeper._persist_once`).
+    manifest (:meth:`zerostall.persist.keeper.Keeper._persist_once`). Without them, the CRC32Cs
+    staging computed in its copy (:attr:`SaveJob.crcs`) are taken, and only the other leaves
+    are checksummed here.
 
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
@@ -213,26 +216,33 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
             held = lease
             step.check_lease = lambda: held.check(job.path)
         mine = step.owned(views, lambda lf: lf.shared)
-        crcs: list[int] = [0] * len(mine)
+        known = _known(job, known_crcs)
+        todo = [li for li in mine if known[li] is None]
+        sums: dict[int, int] = {}
         crc_error: list[BaseException] = []
 
         def crc_runner() -> None:
             # Checksums run beside the writes: CRC32C is ~10 GB/s on one core and mostly overlaps I/O.
             try:
                 faults.hit("checksum")
-                for i, li in enumerate(mine):
+                for li in todo:
                     lf = job.leaves[li]
-                    crcs[i] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
+                    sums[li] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
             except BaseException as exc:  # noqa: BLE001 - re-raised below on the job's thread
                 crc_error.append(exc)
 
         # One writer thread where the storage checksums as it writes (see chunkcrc): the CRC
         # thread would run beside the writes, on a core the trainer's threads use.
-        fused = _fused_checksums(job, step, storage, views, mine) if known_crcs is None else None
+        fused = _fused_checksums(job, step, storage, views, mine, todo) if todo else None
         crc_thread = None
-        if fused is None and known_crcs is None:
+        if fused is None and todo:
             crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
             crc_thread.start()
+        elif known_crcs is None:
+            # The checksum phase of a trainer's save, with nothing left to sum (staging did): a
+            # fault point all the same (crash tests stop a save there). The keeper's persist of
+            # CRCs it checked has no such phase.
+            faults.hit("checksum")
         t_write = time.perf_counter()
         try:
             faults.hit("write", job.root)
@@ -242,9 +252,7 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
                 written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
                 files = [{"name": f.name, "size": f.length} for f in job.files]
             if fused is not None:
-                crcs = fused.finish()
-            elif known_crcs is not None:
-                crcs = [known_crcs[li] for li in mine]
+                sums = dict(zip(todo, fused.finish(), strict=True))
         finally:
             if crc_thread is not None:
                 crc_thread.join()
@@ -253,8 +261,9 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         is_released = True
         if crc_error:
             raise crc_error[0]
-        for lf, c in zip(written, crcs, strict=True):
-            lf["crc32c"] = c
+        for lf, li in zip(written, mine, strict=True):
+            c = known[li]
+            lf["crc32c"] = c if c is not None else sums[li]
         t_commit = time.perf_counter()
         step.commit(written, files)
         commit_s = time.perf_counter() - t_commit
@@ -304,14 +313,25 @@ def _release_after_failure(lease: Lease, storage: Storage) -> None:
     lease.release(delete=gone)
 
 
-def _fused_checksums(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int]
-                     ) -> ChunkChecksums | None:
-    """The chunk-by-chunk checksummer, where this save writes every staged file whole to a storage
-    that calls a hook per chunk; None: checksum on a thread of its own."""
+def _known(job: SaveJob, known_crcs: Sequence[int | None] | None) -> list[int | None]:
+    """Each leaf's CRC32C known before this save checksums anything: ``known_crcs`` if given, else
+    what staging computed (:attr:`SaveJob.crcs`); None where the save must checksum the leaf."""
+    given = known_crcs if known_crcs is not None else job.crcs
+    if not given:
+        return [None] * len(job.leaves)
+    if len(given) != len(job.leaves):
+        raise WriterError(f"save of {job.path}: {len(given)} checksums for {len(job.leaves)} leaves")
+    return list(given)
+
+
+def _fused_checksums(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int],
+                     todo: list[int]) -> ChunkChecksums | None:
+    """The chunk-by-chunk checksummer of the leaves ``todo``, where this save writes every staged
+    file whole to a storage that calls a hook per chunk; None: checksum on a thread of its own."""
     if (pipeline() != "serial" or not getattr(step, "writes", True) or len(mine) != len(job.leaves)
             or not getattr(storage, "writes_with_hook", False)):
         return None
-    return ChunkChecksums(job.leaves, mine, views)
+    return ChunkChecksums(job.leaves, todo, views)
 
 
 def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int],

@@ -2,7 +2,8 @@
 
 With ``Checkpointer(memory_tier=MemoryTier(...))`` the writer process is also the *keeper*.
 Every save is a memory-tier job (:attr:`SaveJob.memory`): the keeper checksums the staged
-buffers, builds the same manifest storage would get, and then holds those buffers (the staging
+leaves the staging copy did not already checksum (:attr:`SaveJob.crcs`), builds the same
+manifest storage would get, and then holds those buffers (the staging
 slot itself: no copy) as the newest in-memory step. Only when a newer step has committed to
 memory does it hand the older step's slot back (:class:`Released`), so the trainer never stages
 into the bytes of the step the keeper holds, and a crash in the middle of a save leaves the

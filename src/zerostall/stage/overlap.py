@@ -48,7 +48,7 @@ from typing import Any, Literal, Protocol, cast
 
 from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
-from zerostall.memcopy import copy
+from zerostall.memcopy import combine, copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
@@ -91,6 +91,7 @@ class _CpuCopy:
     dst: int
     nbytes: int
     version: int
+    leaf: int = -1  # index in the save's leaves (where its CRC32C goes)
 
 
 class _Pieces:
@@ -100,9 +101,12 @@ class _Pieces:
     waiting (a starved idle worker must never hold up a step).
     """
 
-    def __init__(self, copies: list[_CpuCopy]) -> None:
-        self._items = [(c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
-                       for c in copies for off in range(0, c.nbytes, CHUNK)]
+    def __init__(self, copies: list[_CpuCopy], crc: bool = False) -> None:
+        self._items = [(k, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
+                       for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
+        self._leaf = [c.leaf for c in copies]  # not the copies: they hold the tensors
+        self._crc = crc
+        self._sums: list[int | None] = [None] * len(self._items)
         self._next = 0
         self._running = 0
         self._cond = threading.Condition()
@@ -115,11 +119,13 @@ class _Pieces:
             with self._cond:
                 if self._next >= len(self._items) or self.error is not None:
                     return copied
-                dst, src, n = self._items[self._next]
+                j = self._next
                 self._next += 1
                 self._running += 1
             try:
-                copy(dst, src, n)  # streaming stores; the GIL is released for the copy
+                _, dst, src, n = self._items[j]
+                # streaming stores (and the CRC32C, in the same pass); the GIL is released for the copy
+                self._sums[j] = copy(dst, src, n, 0 if self._crc else None)
                 copied += n
             except BaseException as exc:  # noqa: BLE001 - fails the save through the task
                 with self._cond:
@@ -128,6 +134,17 @@ class _Pieces:
                 with self._cond:
                     self._running -= 1
                     self._cond.notify_all()
+
+    def crcs(self) -> dict[int, int]:
+        """Once every piece is copied: the CRC32C of each copy's leaf whose pieces all checksummed."""
+        out: dict[int, int] = {}
+        bad: set[int] = set()
+        for (k, _, _, n), c in zip(self._items, self._sums, strict=True):
+            if c is None:
+                bad.add(k)
+            elif k not in bad:
+                out[k] = combine(out.get(k, 0), c, n)
+        return {self._leaf[k]: v for k, v in out.items() if k not in bad and self._leaf[k] >= 0}
 
     def wait(self) -> None:
         """Until every piece is copied (or one failed and none is still running)."""
@@ -222,6 +239,10 @@ class OverlapTask:
     #: save, ``wait_staged()``, ``result()``...) judged the versions after the copy; the copier
     #: hands the save on only then (see :meth:`sync`)
     synced: threading.Event = field(default_factory=threading.Event)
+
+    def crcs(self) -> dict[int, int]:
+        """Once staged: the CRC32C of the deferred CPU leaves whose copy checksummed them, by leaf index."""
+        return self.pieces.crcs() if self.pieces is not None else {}
 
     @property
     def guarded(self) -> bool:
@@ -356,15 +377,18 @@ def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError 
 
 
 def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool],
-               streams: dict[Any, Any] | None = None, owners: list[Any] | None = None) -> OverlapTask:
+               streams: dict[Any, Any] | None = None, owners: list[Any] | None = None, *,
+               crc: bool = False) -> OverlapTask:
     """Describe (and on CUDA, enqueue) the copies of the deferred leaves; run on the training thread.
+
+    With ``crc``, the CPU copies checksum what they copy (:meth:`OverlapTask.crcs` once staged).
 
     ``streams`` caches one side stream per CUDA device across saves; ``owners`` are the
     optimizers whose steps must wait (see :meth:`OverlapTask.concerns`).
     """
     task = OverlapTask(path, owners={id(o) for o in owners or ()})
     by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
-    for leaf, dst, d in zip(leaves, views, defer, strict=True):
+    for li, (leaf, dst, d) in enumerate(zip(leaves, views, defer, strict=True)):
         if not d or dst is None:
             continue
         if _SOURCES and isinstance(leaf.value, _SOURCES):
@@ -387,7 +411,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
             by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
         else:
             task.cpu.append(_CpuCopy(leaf.key, t, storage, int(t.data_ptr()), int(dst.data_ptr()), leaf.nbytes,
-                                     version))
+                                     version, li))
     if by_device:
         torch = sys.modules["torch"]
         for device, entries in by_device.items():
@@ -415,7 +439,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         task.cpu_done.set()
         task.synced.set()
     else:
-        task.pieces = _Pieces(task.cpu)
+        task.pieces = _Pieces(task.cpu, crc)
         task.idle = _idle_policy()
         if COPIER_POLICY == "yield":
             YIELD.take()

@@ -7,6 +7,7 @@ copy itself (no ``.contiguous()`` temporary), device tensors are copied device-t
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Protocol
 
@@ -19,15 +20,34 @@ from zerostall.stage.buffers import Slot
 from zerostall.stage.plan import Plan
 from zerostall.tree import ArrayLeaf, FlatState
 
-__all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage", "prepare_slot"]
+__all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage", "prepare_slot", "STAGE_CRC",
+           "staging_checksums"]
 
 
 class CopyEngine(Protocol):
-    """Copies tensors into host views; ``finish`` returns once every copy has landed."""
+    """Copies tensors into host views; ``finish`` returns once every copy has landed, with the
+    CRC32C of the leaves (by index) whose copy checksummed them."""
 
-    def copy(self, dst: Any, src: Any) -> None: ...
+    def copy(self, dst: Any, src: Any, leaf: int = -1) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self) -> dict[int, int]: ...
+
+
+def _stage_crc() -> bool:
+    """``ZEROSTALL_STAGE_CRC``: on unless 0/false/no/off (an A/B switch for benchmarks)."""
+    return os.environ.get("ZEROSTALL_STAGE_CRC", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+#: Whether staging checksums what it copies (the copy kernel's CRC32C in the copy's own pass,
+#: where :data:`zerostall.memcopy.CRC_COPY`): the writer and the memory tier's keeper then make
+#: no checksum pass of their own over those leaves. Read at every save, so a benchmark may
+#: switch it for a paired A/B (docs/design.md, "Checksums at staging").
+STAGE_CRC: bool = _stage_crc()
+
+
+def staging_checksums() -> bool:
+    """Whether this save's staging copies checksum (:data:`STAGE_CRC` and the kernel is there)."""
+    return STAGE_CRC and memcopy.CRC_COPY
 
 
 class CpuCopyEngine:
@@ -35,23 +55,34 @@ class CpuCopyEngine:
     :func:`~zerostall.memcopy.copy_many`: streaming stores, on as many threads as torch's intra-op
     setting gives ``copy_`` (the caller waits for the copy anyway); 0.057-0.071 s per GiB on two threads against 0.084-0.104 s for
     ``copy_``'s cached stores on this machine (zerostall.memcopy). The rest go through ``copy_``,
-    which gathers strided sources and resolves conjugate and negative views."""
+    which gathers strided sources and resolves conjugate and negative views.
 
-    def __init__(self) -> None:
+    With ``crc``, the queued copies also checksum their bytes (:func:`~zerostall.memcopy.copy_many`
+    with ``crc``); :meth:`finish` returns those CRCs by the leaf index given to :meth:`copy`."""
+
+    def __init__(self, crc: bool = False) -> None:
         self._queued: list[tuple[int, int, int]] = []
+        self._leaves: list[int] = []
+        self._crc = crc
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def copy(self, dst: Any, src: Any, leaf: int = -1) -> None:
         n = _streamable(dst, src)
         if n:
             self._queued.append((dst.data_ptr(), src.data_ptr(), n))
+            self._leaves.append(leaf)
         else:
             dst.copy_(src)
 
-    def finish(self) -> None:
-        if self._queued:
-            items, self._queued = self._queued, []
-            # as many threads as torch's own copy_ would use (the trainer's intra-op setting)
-            memcopy.copy_many(items, min(usable_cpus(), sys.modules["torch"].get_num_threads()))
+    def finish(self) -> dict[int, int]:
+        if not self._queued:
+            return {}
+        items, self._queued = self._queued, []
+        leaves, self._leaves = self._leaves, []
+        # as many threads as torch's own copy_ would use (the trainer's intra-op setting)
+        sums = memcopy.copy_many(items, min(usable_cpus(), sys.modules["torch"].get_num_threads()), crc=self._crc)
+        if sums is None:
+            return {}
+        return {i: c for i, c in zip(leaves, sums, strict=True) if i >= 0}
 
 
 def _streamable(dst: Any, src: Any) -> int:
@@ -83,7 +114,7 @@ class CudaCopyEngine:
         self._stream = torch.cuda.Stream(device=device)
         self._started = False
 
-    def copy(self, dst: Any, src: Any) -> None:
+    def copy(self, dst: Any, src: Any, leaf: int = -1) -> None:
         if not src.is_cuda:
             dst.copy_(src)
             return
@@ -93,26 +124,29 @@ class CudaCopyEngine:
         with self._torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
 
-    def finish(self) -> None:
+    def finish(self) -> dict[int, int]:
+        # No CRCs: the bytes arrive by DMA, no CPU pass reads them (the writer checksums them).
         if self._started:
             self._stream.synchronize()
             self._started = False
+        return {}
 
 
-def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None) -> CopyEngine:
-    """The CUDA engine when any leaf lives on a CUDA device and CUDA works, else the CPU one."""
+def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None, crc: bool = False) -> CopyEngine:
+    """The CUDA engine when any leaf lives on a CUDA device and CUDA works, else the CPU one
+    (which checksums its streamed copies with ``crc``)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return CpuCopyEngine()
+        return CpuCopyEngine(crc)
     # ``is_cuda`` rather than ``device.type``: this scans every leaf at every save, and building
     # a device object costs ~0.5 us a leaf
     cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.is_cuda), None)
     if cuda_leaf is None:
-        return CpuCopyEngine()
+        return CpuCopyEngine(crc)
     if cuda_available is None:
         cuda_available = bool(torch.cuda.is_available())
     if not cuda_available:
-        return CpuCopyEngine()
+        return CpuCopyEngine(crc)
     return CudaCopyEngine(torch, cuda_leaf.value.device)
 
 
@@ -181,13 +215,17 @@ def _split(slot: Slot, plan: Plan, flat: FlatState) -> tuple[list[int], list[int
 
 
 def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = None, *,
-          skip: list[bool] | None = None) -> list[Any]:
+          skip: list[bool] | None = None, crcs: list[int | None] | None = None) -> list[Any]:
     """Copy every leaf of ``flat`` into ``slot`` (but those ``skip`` marks); returns when the copies
-    are complete, with the destination views (for the skipped leaves' later copy)."""
+    are complete, with the destination views (for the skipped leaves' later copy).
+
+    ``crcs`` (one entry per leaf, None to start with): where the copy of a leaf checksummed its
+    bytes whole (a streamed copy, :func:`staging_checksums`), its entry is set to their CRC32C."""
     views = prepare_slot(flat, plan, slot)
+    want = crcs is not None
     if engine is None:
         engine = select_engine(flat.leaves if skip is None else
-                               [leaf for leaf, s in zip(flat.leaves, skip, strict=True) if not s])
+                               [leaf for leaf, s in zip(flat.leaves, skip, strict=True) if not s], crc=want)
     torch = sys.modules.get("torch")
     grad_off = torch.no_grad() if torch is not None else None
     if grad_off is not None:
@@ -217,15 +255,22 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
                         batch(dsts, srcs)
                         dsts, srcs = [], []
                 else:
-                    engine.copy(dst, leaf.value)
+                    engine.copy(dst, leaf.value, i)
             elif leaf.kind in ("numpy", "numpy_scalar"):
-                memcopy.copy_array(dst, leaf.value)
+                if want and leaf.nbytes >= memcopy.MIN_STREAM:
+                    assert crcs is not None
+                    crcs[i] = memcopy.copy_array(dst, leaf.value, crc=0)
+                else:
+                    memcopy.copy_array(dst, leaf.value)
             else:
                 dst[:] = np.frombuffer(leaf.value, dtype=np.uint8)
         if dsts:
             assert batch is not None
             batch(dsts, srcs)
-        engine.finish()
+        sums = engine.finish()
+        if crcs is not None:
+            for i, c in sums.items():
+                crcs[i] = c
     finally:
         if grad_off is not None:
             grad_off.__exit__(None, None, None)
