@@ -1,10 +1,10 @@
 #!/bin/bash
-# usage: [PARTS="restart overlap dip"] benchmarks/round7.sh CLONE OUT  -- the seventh round's benchmarks
+# usage: [PARTS="restart overlap dip restore"] benchmarks/round7.sh CLONE OUT  -- the seventh round's benchmarks
 # from a fresh clone, one after another (PARTS: which groups; all by default), on a quiet machine.
 # docs/performance.md, "Seventh round", quotes OUT/*.log (benchmarks/round6_summary.py OUT prints
 # them). The *_nocrc runs set ZEROSTALL_STAGE_CRC=0: the same code with the writer (or keeper)
 # checksumming every leaf, as before checksums at staging (the paired "before").
-C=$1; O=$2; PARTS_DEFAULT="restart overlap dip"
+C=$1; O=$2; PARTS_DEFAULT="restart overlap dip restore"
 . "$(dirname "$0")/round_env.sh"
 nocrc() { ZEROSTALL_STAGE_CRC=0 "$@"; }
 # issue 13: restart restore from memory, README order
@@ -23,4 +23,8 @@ want dip && { rm -rf /tmp/zsb; run dip_zerostall_memtier10_nocrc nocrc $PY -m be
 # ... and 4 GiB
 want dip && for s in none zerostall dcp_async_stager; do rm -rf /tmp/zsb; run dip4G_$s $PY -m benchmarks.dip --system $s --size 4G --dir /tmp/zsb --repeats 2; done
 want dip && rm -rf /tmp/zsb
+# issue 16.2: restores, warm and cold; 4 GiB with --lean (the state freed once saved: it fits in 24 GiB)
+want restore && run restore_256M $PY -m benchmarks.restore_ab --size 256M --repeats 5 --dir /tmp --cold
+want restore && run restore_1G $PY -m benchmarks.restore_ab --size 1G --repeats 5 --dir /tmp --cold
+want restore && run restore_4G $PY -m benchmarks.restore_ab --size 4G --repeats 3 --dir /tmp --cold --lean
 echo "[$(date -u +%T)] done" >> $O/index.txt
