@@ -44,7 +44,7 @@ import numpy as np
 from zerostall.cpus import shared_pool, usable_cpus
 from zerostall.errors import ZerostallWarning
 
-__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "copy_array", "copy_many"]
+__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "copy_array", "copy_many", "env_switch"]
 
 
 def _load() -> ModuleType | None:
@@ -55,16 +55,22 @@ def _load() -> ModuleType | None:
     return ext if ext.NONTEMPORAL else None
 
 
-def _switch() -> bool:
-    """``ZEROSTALL_STREAMING_COPY``: unset or on by default; a value that is neither on nor off is
-    warned about (a typo must not leave an A/B measuring the same copy twice unnoticed)."""
-    value = os.environ.get("ZEROSTALL_STREAMING_COPY", "1").strip().lower()
+def env_switch(name: str, what: str) -> bool:
+    """An on/off environment variable: unset or on by default; 0/false/no/off turn it off, and a
+    value that is neither on nor off is warned about (a typo must not leave an A/B measuring the
+    same code twice unnoticed). ``what`` names what stays on, for the warning."""
+    value = os.environ.get(name, "1").strip().lower()
     if value in ("0", "false", "no", "off"):
         return False
     if value not in ("1", "true", "yes", "on", ""):
-        warnings.warn(f"ZEROSTALL_STREAMING_COPY={value!r} is neither on (1, true, yes, on) nor off "
-                      "(0, false, no, off): streaming copies stay on", ZerostallWarning, stacklevel=2)
+        warnings.warn(f"{name}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, off): "
+                      f"{what} stay on", ZerostallWarning, stacklevel=3)
     return True
+
+
+def _switch() -> bool:
+    """``ZEROSTALL_STREAMING_COPY`` (:func:`env_switch`)."""
+    return env_switch("ZEROSTALL_STREAMING_COPY", "streaming copies")
 
 
 _ext = _load()

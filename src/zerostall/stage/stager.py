@@ -7,7 +7,6 @@ copy itself (no ``.contiguous()`` temporary), device tensors are copied device-t
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Protocol
 
@@ -34,8 +33,9 @@ class CopyEngine(Protocol):
 
 
 def _stage_crc() -> bool:
-    """``ZEROSTALL_STAGE_CRC``: on unless 0/false/no/off (an A/B switch for benchmarks)."""
-    return os.environ.get("ZEROSTALL_STAGE_CRC", "1").strip().lower() not in ("0", "false", "no", "off")
+    """``ZEROSTALL_STAGE_CRC``: on unless 0/false/no/off (an A/B switch for benchmarks; see
+    :func:`~zerostall.memcopy.env_switch`)."""
+    return memcopy.env_switch("ZEROSTALL_STAGE_CRC", "checksums at staging")
 
 
 #: Whether staging checksums what it copies (the copy kernel's CRC32C in the copy's own pass,
