@@ -264,6 +264,20 @@ static PyObject *zs_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 #if ZS_NONTEMPORAL
+/* a CRC argument: a Python int of at most 32 bits; 0 on success, -1 with an exception set */
+static int crc_arg(PyObject *arg, uint32_t *out, const char *fn)
+{
+    unsigned long v = PyLong_AsUnsignedLong(arg);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (v > 0xffffffffUL) {
+        PyErr_Format(PyExc_ValueError, "%s: crc is not a 32-bit value", fn);
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
 static PyObject *zs_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -279,16 +293,12 @@ static PyObject *zs_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_
     size_t n;
     if (copy_args(args, &dst, &src, &n) < 0)
         return NULL;
-    unsigned long crc = PyLong_AsUnsignedLong(args[3]);
-    if (crc == (unsigned long)-1 && PyErr_Occurred())
+    uint32_t crc;
+    if (crc_arg(args[3], &crc, "copy_crc32c") < 0)
         return NULL;
-    if (crc > 0xffffffffUL) {
-        PyErr_SetString(PyExc_ValueError, "copy_crc32c: crc is not a 32-bit value");
-        return NULL;
-    }
     uint32_t out;
     Py_BEGIN_ALLOW_THREADS
-    out = copy_crc((char *)dst, (const char *)src, n, (uint32_t)crc);
+    out = copy_crc((char *)dst, (const char *)src, n, crc);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(out);
 }
@@ -300,21 +310,15 @@ static PyObject *zs_crc32c_combine(PyObject *self, PyObject *const *args, Py_ssi
         PyErr_SetString(PyExc_TypeError, "crc32c_combine(crc1, crc2, len2) takes 3 arguments");
         return NULL;
     }
-    unsigned long c[2];
-    for (int i = 0; i < 2; i++) {
-        c[i] = PyLong_AsUnsignedLong(args[i]);
-        if (c[i] == (unsigned long)-1 && PyErr_Occurred())
+    uint32_t c[2];
+    for (int i = 0; i < 2; i++)
+        if (crc_arg(args[i], &c[i], "crc32c_combine") < 0)
             return NULL;
-        if (c[i] > 0xffffffffUL) {
-            PyErr_SetString(PyExc_ValueError, "crc32c_combine: a crc is not a 32-bit value");
-            return NULL;
-        }
-    }
     size_t len2 = PyLong_AsSize_t(args[2]);
     if (len2 == (size_t)-1 && PyErr_Occurred())
         return NULL;
     /* crc(A B) = crc(A) * x^(8 len(B)) + crc(B): zlib's crc32_combine (the inversions cancel) */
-    uint32_t out = len2 ? multmodp(x2nmodp(len2, 3), (uint32_t)c[0]) ^ (uint32_t)c[1] : (uint32_t)c[0];
+    uint32_t out = len2 ? multmodp(x2nmodp(len2, 3), c[0]) ^ c[1] : c[0];
     return PyLong_FromUnsignedLong(out);
 }
 #endif

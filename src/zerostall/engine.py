@@ -252,8 +252,8 @@ class Engine:
         if task is not None:
             response._staged.clear()
             overlapped = task
-            task.on_staged = lambda err: self._staged(response, t0, err, _with_crcs(job, crcs, overlapped), slot,
-                                                      on_done)
+            task.on_staged = lambda err: self._staged(response, t0, err, job, slot, on_done,
+                                                      lambda j: _with_crcs(j, crcs, overlapped))
             if task.pieces is not None:
                 response._help_stage = task.pieces.work
             response._sync = task.sync
@@ -284,9 +284,16 @@ class Engine:
             pass
 
     def _staged(self, response: Response, t0: float, err: BaseException | None, job: SaveJob, slot: Slot,
-                on_done: OnDone) -> None:
-        """An overlapped copy finished (copier thread): hand the save off, or fail it (torn)."""
+                on_done: OnDone, finish_job: Callable[[SaveJob], SaveJob] | None = None) -> None:
+        """An overlapped copy finished (copier thread): hand the save off, or fail it (torn).
+        ``finish_job`` completes the job with what the copy produced (its CRCs); an error there
+        fails the save like a torn copy."""
         response._staged_s = time.perf_counter() - t0
+        if err is None and finish_job is not None:
+            try:
+                job = finish_job(job)
+            except BaseException as exc:  # noqa: BLE001 - fails this save, through on_done below
+                err = exc
         if err is not None:
             self.pool.release(slot)
             response._staged.set()

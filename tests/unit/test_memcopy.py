@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zerostall.memcopy as memcopy
+from zerostall.checksum import join_crcs
 from zerostall.stage.stager import CpuCopyEngine, _streamable
 
 _SIZES = [0, 1, 15, 16, 63, 64, 65, 4095, memcopy.MIN_STREAM - 1, memcopy.MIN_STREAM, memcopy.MIN_STREAM + 13,
@@ -81,12 +82,17 @@ def test_copy_many_checksums_each_item_across_its_pieces(streaming: bool, thread
     rng = np.random.default_rng(threads)
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 70_000, 0, 123_457)]
     dsts = [np.zeros_like(s) for s in srcs]
-    sums = memcopy.copy_many([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs, strict=True)],
-                             threads, crc=True)
+    parts = memcopy.copy_many([(d.ctypes.data, s.ctypes.data, s.nbytes) for d, s in zip(dsts, srcs, strict=True)],
+                              threads, crc=True)
     for d, s in zip(dsts, srcs, strict=True):
         assert np.array_equal(d, s)
     # without the kernel the copy still happens, and says it did not checksum
-    assert sums == ([crc32c.crc32c(s.tobytes()) for s in srcs] if streaming else None)
+    if not streaming:
+        assert parts is None
+        return
+    assert parts is not None and len(parts) > len(srcs)  # items cut into pieces, each checksummed
+    # an empty item has no piece (join_crcs: None; its CRC is 0)
+    assert [c or 0 for c in join_crcs(parts, len(srcs))] == [crc32c.crc32c(s.tobytes()) for s in srcs]
 
 
 def test_combine_joins_crcs_of_any_lengths() -> None:
@@ -98,6 +104,15 @@ def test_combine_joins_crcs_of_any_lengths() -> None:
         assert memcopy.combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b), (la, lb)
     with pytest.raises(ValueError, match="not a 32-bit value"):
         memcopy.combine(1 << 32, 0, 1)
+
+
+def test_checksum_combine_is_the_same_with_and_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zerostall.checksum as cks
+
+    cases = [(crc32c.crc32c(b"ab" * n), crc32c.crc32c(b"cd" * m), 2 * m) for n, m in ((0, 1), (5, 0), (7, 4096), (1, 3 << 20))]
+    fast = [cks.checksum_combine(*c) for c in cases]
+    monkeypatch.setattr(cks, "combine", lambda *a: None)  # as where the extension is not built
+    assert [cks.checksum_combine(*c) for c in cases] == fast
 
 
 def test_copy_with_crc_returns_the_crc_only_where_it_checksummed(streaming: bool) -> None:

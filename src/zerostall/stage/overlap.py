@@ -46,9 +46,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+from zerostall.checksum import join_crcs
 from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
-from zerostall.memcopy import combine, copy
+from zerostall.memcopy import copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
@@ -102,7 +103,7 @@ class _Pieces:
     """
 
     def __init__(self, copies: list[_CpuCopy], crc: bool = False) -> None:
-        self._items = [(k, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
+        self._items = [(k, off, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
                        for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
         self._leaf = [c.leaf for c in copies]  # not the copies: they hold the tensors
         self._crc = crc
@@ -123,7 +124,7 @@ class _Pieces:
                 self._next += 1
                 self._running += 1
             try:
-                _, dst, src, n = self._items[j]
+                _, _, dst, src, n = self._items[j]
                 # streaming stores (and the CRC32C, in the same pass); the GIL is released for the copy
                 self._sums[j] = copy(dst, src, n, 0 if self._crc else None)
                 copied += n
@@ -137,14 +138,11 @@ class _Pieces:
 
     def crcs(self) -> dict[int, int]:
         """Once every piece is copied: the CRC32C of each copy's leaf whose pieces all checksummed."""
-        out: dict[int, int] = {}
-        bad: set[int] = set()
-        for (k, _, _, n), c in zip(self._items, self._sums, strict=True):
-            if c is None:
-                bad.add(k)
-            elif k not in bad:
-                out[k] = combine(out.get(k, 0), c, n)
-        return {self._leaf[k]: v for k, v in out.items() if k not in bad and self._leaf[k] >= 0}
+        bad = {k for (k, *_), c in zip(self._items, self._sums, strict=True) if c is None}
+        parts = [((k, off, off + n), c) for (k, off, _, _, n), c in zip(self._items, self._sums, strict=True)
+                 if c is not None and k not in bad]
+        joined = join_crcs(parts, len(self._leaf))
+        return {self._leaf[k]: c for k, c in enumerate(joined) if c is not None and self._leaf[k] >= 0}
 
     def wait(self) -> None:
         """Until every piece is copied (or one failed and none is still running)."""

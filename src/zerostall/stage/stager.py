@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import zerostall.memcopy as memcopy
+from zerostall.checksum import join_crcs
 from zerostall.cpus import usable_cpus
 from zerostall.dtypes import to_numpy_dtype, to_torch_dtype
 from zerostall.stage.buffers import Slot
@@ -79,10 +80,10 @@ class CpuCopyEngine:
         items, self._queued = self._queued, []
         leaves, self._leaves = self._leaves, []
         # as many threads as torch's own copy_ would use (the trainer's intra-op setting)
-        sums = memcopy.copy_many(items, min(usable_cpus(), sys.modules["torch"].get_num_threads()), crc=self._crc)
-        if sums is None:
+        parts = memcopy.copy_many(items, min(usable_cpus(), sys.modules["torch"].get_num_threads()), crc=self._crc)
+        if parts is None:
             return {}
-        return {i: c for i, c in zip(leaves, sums, strict=True) if i >= 0}
+        return {i: c for i, c in zip(leaves, join_crcs(parts, len(items)), strict=True) if i >= 0 and c is not None}
 
 
 def _streamable(dst: Any, src: Any) -> int:
