@@ -4,8 +4,10 @@
 
 1 GiB (faulted in, source and destination) is copied in pieces of 1, 4 and 32 MiB, each way in
 turn, round after round: ``memmove`` (ctypes, what numpy and torch use), the streaming-store
-copy, a CRC32C pass (the ``crc32c`` package) and the one-pass copy with CRC32C. Prints the median
-seconds per GiB of each. Compare within one run; the numbers quoted in ``zerostall/memcopy.py``
+copy, a CRC32C pass (the ``crc32c`` package, and the extension's kernel) and the one-pass copy
+with CRC32C; the extension's kernels each twice, with the carry-less-multiply (fold) kernels on
+and off (``_memcopy.set_fold``; on a CPU without AVX-512 VPCLMULQDQ both are the same). Prints
+the median seconds per GiB of each. Compare within one run; the numbers quoted in ``zerostall/memcopy.py``
 and docs/design.md come from this script.
 """
 
@@ -49,23 +51,36 @@ def main() -> None:
     src, dst = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)  # both faulted in
     s, d = src.ctypes.data, dst.ctypes.data
     view = memoryview(src)
-    ways: dict[str, Callable[[int, int], object]] = {"memmove": lambda o, k: ctypes.memmove(d + o, s + o, k),
-                                                     "crc32c pass": lambda o, k: crc32c.crc32c(view[o:o + k])}
-    if mc._ext is not None:
-        ext = mc._ext
-        ways["streaming copy"] = lambda o, k: ext.copy(d + o, s + o, k)
-    if mc._crc_ext is not None:
-        cext = mc._crc_ext
-        ways["copy + CRC32C, one pass"] = lambda o, k: cext.copy_crc32c(d + o, s + o, k, 0)
+    # name -> (fold kernels on/off, or None where it does not matter; the copy)
+    ways: dict[str, tuple[bool | None, Callable[[int, int], object]]] = {
+        "memmove": (None, lambda o, k: ctypes.memmove(d + o, s + o, k)),
+        "crc32c package pass": (None, lambda o, k: crc32c.crc32c(view[o:o + k])),
+    }
+    folds = (True, False) if mc._crc_ext is not None and hasattr(mc._crc_ext, "set_fold") else (None,)
+    for fold in folds:
+        tag = {True: " (fold)", False: " (crc32 instr.)", None: ""}[fold]
+        if mc._ext is not None:
+            ext = mc._ext
+            ways["streaming copy" + tag] = (fold, lambda o, k: ext.copy(d + o, s + o, k))
+        if mc._crc_ext is not None:
+            cext = mc._crc_ext
+            ways["copy + CRC32C, one pass" + tag] = (fold, lambda o, k: cext.copy_crc32c(d + o, s + o, k, 0))
+            if hasattr(cext, "crc32c"):
+                ways["kernel CRC32C pass" + tag] = (fold, lambda o, k: cext.crc32c(view[o:o + k], 0))
     print(f"streaming stores: {mc._ext is not None}, one-pass copy + CRC32C: {mc._crc_ext is not None}")
     for threads in (1, 2):
         for piece in (1 << 20, 4 << 20, 32 << 20):
             got: dict[str, list[float]] = {w: [] for w in ways}
             for _ in range(args.rounds):
-                for w, fn in ways.items():
+                for w, (fold, fn) in ways.items():
+                    if fold is not None and mc._crc_ext is not None:
+                        mc._crc_ext.set_fold(fold)
                     got[w].append(_timed(threads, fn, n, piece) / args.gib)
-            print(f"{threads} thread(s), {piece >> 20} MiB pieces: "
-                  + ", ".join(f"{w} {statistics.median(v):.3f}" for w, v in got.items()) + " s per GiB")
+            print(f"{threads} thread(s), {piece >> 20} MiB pieces, s per GiB:")
+            for w, v in got.items():
+                print(f"  {w:38s} {statistics.median(v):.3f}")
+    if folds[0] is not None and mc._crc_ext is not None:
+        mc._crc_ext.set_fold(True)
 
 
 if __name__ == "__main__":

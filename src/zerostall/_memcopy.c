@@ -118,6 +118,40 @@ static inline uint32_t shift(uint32_t c)
         ^ shift_lane[3][c >> 24];
 }
 
+/* A head or tail of n bytes, 8 at a time then singly: the CRC (raw) continued, and the bytes
+ * copied to dst with ordinary stores unless dst is NULL */
+__attribute__((target("sse4.2")))
+static uint64_t crc_small(char *dst, const char *src, size_t n, uint64_t c)
+{
+    for (; n >= 8; n -= 8, src += 8) {
+        uint64_t a;
+        memcpy(&a, src, 8);
+        c = _mm_crc32_u64(c, a);
+        if (dst != NULL) {
+            memcpy(dst, &a, 8);
+            dst += 8;
+        }
+    }
+    for (; n; n--, src++) {
+        c = _mm_crc32_u8((uint32_t)c, (uint8_t)*src);
+        if (dst != NULL)
+            *dst++ = *src;
+    }
+    return c;
+}
+
+/* The bytes before dst's next align-byte boundary (at most n) through crc_small, c continued:
+ * what a kernel whose stores need an aligned destination does first. Returns how many. */
+__attribute__((target("sse4.2")))
+static size_t crc_head(char *dst, const char *src, size_t n, uint64_t *c, size_t align)
+{
+    size_t head = (align - ((uintptr_t)dst & (align - 1))) & (align - 1);
+    if (head > n)
+        head = n;
+    *c = crc_small(dst, src, head, *c);
+    return head;
+}
+
 /* The CRC of 3 * ZS_LANE bytes continuing c0 (raw, not inverted): three lanes at once */
 __attribute__((target("sse4.2")))
 static uint32_t crc_lanes(const char *src, uint64_t c0)
@@ -176,13 +210,7 @@ __attribute__((target("sse4.2")))
 static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t crc)
 {
     uint64_t c0 = (uint32_t)~crc;
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n)
-        head = n;
-    for (size_t i = 0; i < head; i++) {
-        c0 = _mm_crc32_u8((uint32_t)c0, (uint8_t)src[i]);
-        dst[i] = src[i];
-    }
+    size_t head = crc_head(dst, src, n, &c0, 16);
     dst += head;
     src += head;
     n -= head;
@@ -204,17 +232,121 @@ static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t crc)
         stream_blocks(pdst, psrc, 3 * ZS_LANE / 64);
     }
     _mm_sfence();
-    for (; n >= 8; n -= 8, src += 8, dst += 8) {
-        uint64_t a;
-        memcpy(&a, src, 8);
-        c0 = _mm_crc32_u64(c0, a);
-        memcpy(dst, &a, 8);
+    return ~(uint32_t)crc_small(dst, src, n, c0);
+}
+
+/* The same CRC by carry-less multiplication (VPCLMULQDQ on AVX-512), where the CPU has it.
+ *
+ * The crc32 instruction does 8 bytes a cycle per core at best (0.062 s per GiB on one core here,
+ * the three-lane loop above 0.067 with its copy); folding 256 bytes at a time with four 512-bit
+ * multiplies runs at memory speed: 0.034 s per GiB on one core, 0.030 on two, the same as a pass
+ * that only loads (a one-off probe on this 2-vCPU Zen 4, 1 GiB, best of 5). Each 128-bit lane
+ * holds the next 128 message bits; moving it D bits forward is a multiply by x^D modulo P, which
+ * the two halves of the lane take as x^(D+63) and x^(D-1) (the product of two bit-reflected
+ * 64-bit values lands one bit low, hence the -1). The folded 128 bits are finished by the crc32
+ * instruction, which computes exactly their remainder. Tests compare with the crc32c package. */
+#define ZS_FOLD_TARGET "avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul,sse4.2"
+#include <immintrin.h>
+
+static int have_fold;
+static uint64_t k_fold[5][2]; /* fold forward by 2048, 512, 384, 256 and 128 bits */
+
+static void fold_init(void)
+{
+    static const size_t dist[5] = {2048, 512, 384, 256, 128};
+    for (int i = 0; i < 5; i++) {
+        k_fold[i][0] = (uint64_t)x2nmodp(dist[i] + 63, 0) << 32;
+        k_fold[i][1] = (uint64_t)x2nmodp(dist[i] - 1, 0) << 32;
     }
-    for (size_t i = 0; i < n; i++) {
-        c0 = _mm_crc32_u8((uint32_t)c0, (uint8_t)src[i]);
-        dst[i] = src[i];
+    have_fold = have_crc32c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq")
+        && __builtin_cpu_supports("pclmul");
+}
+
+__attribute__((target(ZS_FOLD_TARGET)))
+static inline __m512i fold512(__m512i x, __m512i k, __m512i next)
+{
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(x, k, 0x00),
+                                     _mm512_clmulepi64_epi128(x, k, 0x11), next, 0x96);
+}
+
+__attribute__((target(ZS_FOLD_TARGET)))
+static inline __m128i fold128(__m128i x, int k, __m128i next)
+{
+    __m128i kk = _mm_loadu_si128((const __m128i *)k_fold[k]);
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11)), next);
+}
+
+/* The four 512-bit lanes of the last 256 bytes, folded to one CRC (raw, not inverted) */
+__attribute__((target(ZS_FOLD_TARGET)))
+static uint32_t fold_finish(__m512i x0, __m512i x1, __m512i x2, __m512i x3)
+{
+    __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)k_fold[1]));
+    x1 = fold512(x0, k, x1);
+    x2 = fold512(x1, k, x2);
+    x3 = fold512(x2, k, x3);
+    __m128i d = _mm512_extracti32x4_epi32(x3, 3);
+    d = fold128(_mm512_extracti32x4_epi32(x3, 0), 2, d);
+    d = fold128(_mm512_extracti32x4_epi32(x3, 1), 3, d);
+    d = fold128(_mm512_extracti32x4_epi32(x3, 2), 4, d);
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(d));
+    return (uint32_t)_mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(d, 1));
+}
+
+/* 256 bytes loaded into four registers and, unless dst is NULL, stored there with streaming stores */
+__attribute__((target(ZS_FOLD_TARGET)))
+static inline void block256(const char *src, char *dst, __m512i x[4])
+{
+    for (int j = 0; j < 4; j++) {
+        x[j] = _mm512_loadu_si512(src + 64 * j);
+        if (dst != NULL)
+            _mm512_stream_si512((void *)(dst + 64 * j), x[j]);
     }
-    return ~(uint32_t)c0;
+}
+
+/* CRC32C of n bytes continuing crc; with dst, the bytes are also copied there, the 256-byte
+ * blocks with streaming stores of the very registers the fold reads (one write stream, so the
+ * write-combining buffers keep up, unlike the three-lane loop's). */
+__attribute__((target(ZS_FOLD_TARGET)))
+static uint32_t fold_crc(char *dst, const char *src, size_t n, uint32_t crc)
+{
+    uint64_t c = (uint32_t)~crc;
+    if (dst != NULL) { /* streaming stores of 64 bytes need a 64-byte aligned destination */
+        size_t head = crc_head(dst, src, n, &c, 64);
+        dst += head;
+        src += head;
+        n -= head;
+    }
+    if (n >= 256) {
+        __m512i k = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)k_fold[0]));
+        __m512i x[4], y[4];
+        block256(src, dst, x);
+        /* the CRC so far enters as the first 32 message bits' complement, as the instruction takes it */
+        x[0] = _mm512_xor_si512(x[0], _mm512_castsi128_si512(_mm_cvtsi32_si128((int)(uint32_t)c)));
+        for (src += 256, n -= 256, dst = dst ? dst + 256 : NULL; n >= 256; src += 256, n -= 256) {
+            block256(src, dst, y);
+            if (dst != NULL)
+                dst += 256;
+            for (int j = 0; j < 4; j++)
+                x[j] = fold512(x[j], k, y[j]);
+        }
+        c = fold_finish(x[0], x[1], x[2], x[3]);
+        if (dst != NULL)
+            _mm_sfence();
+    }
+    return ~(uint32_t)crc_small(dst, src, n, c);
+}
+
+/* CRC32C only, the three lanes of crc_lanes where there is no fold */
+__attribute__((target("sse4.2")))
+static uint32_t crc_only(const char *src, size_t n, uint32_t crc)
+{
+    if (have_fold)
+        return fold_crc(NULL, src, n, crc);
+    uint64_t c0 = (uint32_t)~crc;
+    for (; n >= 3 * ZS_LANE; n -= 3 * ZS_LANE, src += 3 * ZS_LANE)
+        c0 = crc_lanes(src, c0);
+    return ~(uint32_t)crc_small(NULL, src, n, c0);
 }
 #else
 #define ZS_NONTEMPORAL 0
@@ -278,17 +410,26 @@ static int crc_arg(PyObject *arg, uint32_t *out, const char *fn)
     return 0;
 }
 
+/* A CRC function's call: want arguments, and a CPU with the crc32 instruction; 0 if so, else -1
+ * with an exception set */
+static int crc_call(Py_ssize_t nargs, Py_ssize_t want, const char *usage)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", usage, want);
+        return -1;
+    }
+    if (!have_crc32c) {
+        PyErr_Format(PyExc_RuntimeError, "%s: this CPU has no SSE4.2 crc32 instruction", usage);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *zs_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_crc32c(dst, src, n, crc) takes 4 arguments");
+    if (crc_call(nargs, 4, "copy_crc32c(dst, src, n, crc)") < 0)
         return NULL;
-    }
-    if (!have_crc32c) {
-        PyErr_SetString(PyExc_RuntimeError, "copy_crc32c: this CPU has no SSE4.2 crc32 instruction");
-        return NULL;
-    }
     void *dst, *src;
     size_t n;
     if (copy_args(args, &dst, &src, &n) < 0)
@@ -298,9 +439,42 @@ static PyObject *zs_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     uint32_t out;
     Py_BEGIN_ALLOW_THREADS
-    out = copy_crc((char *)dst, (const char *)src, n, crc);
+    out = have_fold ? fold_crc((char *)dst, (const char *)src, n, crc) : copy_crc((char *)dst, (const char *)src, n, crc);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(out);
+}
+
+static PyObject *zs_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (crc_call(nargs, 2, "crc32c(buffer, crc)") < 0)
+        return NULL;
+    uint32_t crc;
+    if (crc_arg(args[1], &crc, "crc32c") < 0)
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint32_t out;
+    Py_BEGIN_ALLOW_THREADS
+    out = crc_only((const char *)b.buf, (size_t)b.len, crc);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(out);
+}
+
+/* For tests and A/B runs: turn the fold kernels off (or back on, where the CPU has them) */
+static PyObject *zs_set_fold(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    int was = have_fold;
+    have_fold = 0;
+    if (on)
+        fold_init();
+    return PyBool_FromLong(was);
 }
 
 static PyObject *zs_crc32c_combine(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -329,6 +503,10 @@ static PyMethodDef zs_methods[] = {
 #if ZS_NONTEMPORAL
     {"copy_crc32c", (PyCFunction)(void (*)(void))zs_copy_crc32c, METH_FASTCALL,
      "copy_crc32c(dst, src, n, crc): copy n bytes as copy() does and return their CRC32C, continuing crc."},
+    {"crc32c", (PyCFunction)(void (*)(void))zs_crc32c, METH_FASTCALL,
+     "crc32c(buffer, crc): the CRC32C of a contiguous buffer's bytes, continuing crc (GIL released)."},
+    {"set_fold", (PyCFunction)zs_set_fold, METH_O,
+     "set_fold(on): use the carry-less-multiply kernels where the CPU has them (on) or not; returns whether they were in use."},
     {"crc32c_combine", (PyCFunction)(void (*)(void))zs_crc32c_combine, METH_FASTCALL,
      "crc32c_combine(crc1, crc2, len2): the CRC32C of A B from crc1 = CRC32C(A), crc2 = CRC32C(B), len2 = len(B)."},
 #endif
@@ -347,6 +525,7 @@ PyMODINIT_FUNC PyInit__memcopy(void)
         return NULL;
 #if ZS_NONTEMPORAL
     crc_init();
+    fold_init();
     int crc_ok = have_crc32c;
 #else
     int crc_ok = 0;

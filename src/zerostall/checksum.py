@@ -1,8 +1,10 @@
 """CRC32C, the checksum of every leaf: computed by the writer, checked by every load and verify.
 
-Hardware-accelerated (SSE4.2 / ARMv8 CRC instructions through the ``crc32c`` package), about
-10 GB/s on one core, and it releases the GIL, so the writer's checksum thread runs beside its
-writes. A bottom layer: both the persist and the restore side import it.
+Hardware-accelerated, and the GIL is released, so the writer's checksum thread runs beside its
+writes: the C extension's kernel where it is built (carry-less multiplication on AVX-512
+VPCLMULQDQ, about 30 GB/s on one core; the crc32 instruction elsewhere, about 15 GB/s), else the
+``crc32c`` package (SSE4.2 / ARMv8 CRC instructions). A bottom layer: both the persist and the
+restore side import it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 import crc32c
 
 from zerostall.memcopy import combine
+from zerostall.memcopy import crc32c as _fast_crc
 
 __all__ = ["checksum", "checksum_combine", "Span", "split_even", "join_crcs"]
 
@@ -31,7 +34,8 @@ def checksum(view: memoryview | bytes | bytearray, value: int = 0) -> int:
         >>> checksum(b"6789", checksum(b"12345")) == checksum(b"123456789")
         True
     """
-    return int(crc32c.crc32c(view, value))
+    fast = _fast_crc(view, value)  # the C extension's kernel, where built
+    return fast if fast is not None else int(crc32c.crc32c(view, value))
 
 
 # CRC32C's polynomial, bit-reversed (the form the table-less arithmetic below uses).

@@ -28,6 +28,38 @@ def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return bool(request.param)
 
 
+@pytest.fixture(params=[True, False], ids=["fold", "crc32-instruction"])
+def kernel(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Each kernel test runs with the carry-less-multiply kernels on (where the CPU has them) and off."""
+    ext = memcopy._crc_ext
+    if ext is None:
+        pytest.fail("the copy-and-checksum kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+    was = ext.set_fold(request.param)
+    yield ext
+    ext.set_fold(was)
+
+
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_the_fold_kernels_are_used_exactly_where_the_cpu_has_them() -> None:
+    ext = memcopy._crc_ext
+    if ext is None:
+        pytest.fail("the copy-and-checksum kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+    has = {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= _cpu_flags()
+    was = ext.set_fold(True)
+    try:
+        assert ext.set_fold(True) is has  # on where the CPU can, else it stays off
+        assert ext.set_fold(False) is has
+        assert ext.set_fold(False) is False
+    finally:
+        ext.set_fold(was)
+
+
 def test_the_extension_is_built_where_it_can_be() -> None:
     # The build is optional (an install without a C compiler still works, only slower); where a
     # compiler exists on x86-64 it must have been built, or every copy silently falls back.
@@ -42,7 +74,7 @@ def test_the_extension_is_built_where_it_can_be() -> None:
 
 
 @pytest.mark.parametrize("n", _SIZES)
-def test_copy_is_memmove_at_every_alignment(streaming: bool, n: int) -> None:
+def test_copy_is_memmove_at_every_alignment(streaming: bool, kernel: object, n: int) -> None:
     rng = np.random.default_rng(n)
     src_buf = rng.integers(0, 256, n + 64, dtype=np.uint8)
     for so, do in [(0, 0), (1, 0), (0, 3), (7, 9), (16, 1), (33, 48)]:
@@ -199,21 +231,40 @@ def test_loads_copy_the_same_bytes_either_way(streaming: bool, verify: bool, ato
 
 
 @pytest.mark.parametrize("n", _SIZES + [12_288, 12_289, 2 * 12_288 + 17, 3 * 12_288, 3 * 12_288 + 31, 100_003])
-def test_copy_crc32c_is_the_crc32c_package_at_every_length_and_alignment(n: int) -> None:
-    import crc32c
-
-    ext = memcopy._crc_ext
-    if ext is None:
-        pytest.fail("the copy-and-checksum kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+def test_copy_crc32c_is_the_crc32c_package_at_every_length_and_alignment(kernel: object, n: int) -> None:
+    ext = kernel
     rng = np.random.default_rng(n)
     src = rng.integers(0, 256, n + 64, dtype=np.uint8)
     for so in (0, 1, 7, 8):
-        for do in (0, 1, 5, 8, 15, 16):
+        for do in (0, 1, 5, 8, 15, 16, 63, 64):
             dst = np.zeros(n + 64, dtype=np.uint8)
             init = int(rng.integers(0, 1 << 32))
             got = ext.copy_crc32c(dst.ctypes.data + do, src.ctypes.data + so, n, init)
             assert got == crc32c.crc32c(src[so:so + n].tobytes(), init), (n, so, do)
             assert np.array_equal(dst[do:do + n], src[so:so + n]) and not dst[:do].any() and not dst[do + n:].any()
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 255, 256, 257, 511, 512, 4095, 12_289, 65_536 + 129, (1 << 20) + 3])
+def test_crc32c_is_the_crc32c_package_at_every_length_alignment_and_start(kernel: object, n: int) -> None:
+    rng = np.random.default_rng(n)
+    src = rng.integers(0, 256, n + 64, dtype=np.uint8)
+    for so in (0, 1, 7, 8, 63):
+        init = int(rng.integers(0, 1 << 32))
+        data = src[so:so + n].tobytes()
+        assert memcopy.crc32c(memoryview(src)[so:so + n], init) == crc32c.crc32c(data, init), (n, so)
+        assert memcopy.crc32c(data) == crc32c.crc32c(data), (n, so)
+        cut = n // 3  # continued from a CRC the other kernel computed
+        assert memcopy.crc32c(data[cut:], crc32c.crc32c(data[:cut])) == crc32c.crc32c(data)
+
+
+def test_crc32c_takes_any_contiguous_buffer_and_refuses_the_rest() -> None:
+    a = np.arange(1000, dtype=np.float32)
+    assert memcopy.crc32c(memoryview(a)) == crc32c.crc32c(a.tobytes())  # not bytes-shaped: its bytes
+    assert memcopy.crc32c(bytearray(b"123456789")) == 0xE3069283
+    with pytest.raises(BufferError):
+        memcopy.crc32c(memoryview(a)[::2])
+    with pytest.raises(ValueError, match="not a 32-bit value"):
+        memcopy.crc32c(b"x", 1 << 32)
 
 
 def test_copy_array_checksums_in_its_pass_only_where_it_can(streaming: bool) -> None:
@@ -288,3 +339,17 @@ def _no_warning():  # type: ignore[no-untyped-def]
     stack.enter_context(warnings.catch_warnings())
     warnings.simplefilter("error")
     return stack
+
+
+def test_the_fold_switch_turns_the_fold_kernels_off_at_import() -> None:
+    import subprocess
+    import sys
+
+    probe = "import zerostall.memcopy as m; print(m._crc_ext.set_fold(False) if m._crc_ext else 'unbuilt')"
+    env = {**__import__("os").environ, "ZEROSTALL_CRC_FOLD": "0"}
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() in ("False", "unbuilt")
+    env["ZEROSTALL_CRC_FOLD"] = "1"
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    has = {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= _cpu_flags()
+    assert on.stdout.strip() in (str(has), "unbuilt")

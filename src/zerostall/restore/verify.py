@@ -14,8 +14,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import crc32c
-
+from zerostall.checksum import checksum
 from zerostall.errors import ZerostallError
 from zerostall.manifest import LeafEntry, Manifest
 from zerostall.restore.files import check_local_file, read_manifest
@@ -131,7 +130,7 @@ def _crc_of(storage: Storage, key: str, leaf: LeafEntry, view: memoryview,
     for off in range(0, leaf.nbytes, len(view)):
         n = min(len(view), leaf.nbytes - off)
         storage.read_into(key, leaf.offset + off, view[:n])
-        crc = crc32c.crc32c(view[:n], crc)
+        crc = checksum(view[:n], crc)
         if tick is not None:
             tick(off + n)
     return crc
