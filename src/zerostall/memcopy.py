@@ -45,7 +45,7 @@ from zerostall.cpus import shared_pool, usable_cpus
 from zerostall.errors import ZerostallWarning
 
 __all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "crc32c", "copy_array", "copy_many",
-           "env_switch"]
+           "env_switch", "settled_switches"]
 
 
 def _load() -> ModuleType | None:
@@ -56,17 +56,44 @@ def _load() -> ModuleType | None:
     return ext if ext.NONTEMPORAL else None
 
 
+_ON = ("1", "true", "yes", "on", "")
+_OFF = ("0", "false", "no", "off")
+_READ: set[str] = set()  # the switches this process has read (and warned about)
+
+
 def env_switch(name: str, what: str) -> bool:
     """An on/off environment variable: unset or on by default; 0/false/no/off turn it off, and a
     value that is neither on nor off is warned about (a typo must not leave an A/B measuring the
     same code twice unnoticed). ``what`` names what stays on, for the warning."""
+    _READ.add(name)
     value = os.environ.get(name, "1").strip().lower()
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF:
         return False
-    if value not in ("1", "true", "yes", "on", ""):
+    if value not in _ON:
         warnings.warn(f"{name}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, off): "
                       f"{what} stay on", ZerostallWarning, stacklevel=3)
     return True
+
+
+def settled_switches(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (a child process's environment) with every switch this process has read and warned
+    about as neither on nor off set to ``1``, which is what it means here: the child (the writer)
+    reads the same switches, and the user sees the warning once, not once per process.
+
+    Example::
+
+        >>> import warnings; warnings.simplefilter("ignore")
+        >>> os.environ["ZEROSTALL_STREAMING_COPY"] = "of"; _ = _switch()
+        >>> settled_switches({"ZEROSTALL_STREAMING_COPY": "of"})
+        {'ZEROSTALL_STREAMING_COPY': '1'}
+        >>> del os.environ["ZEROSTALL_STREAMING_COPY"]
+    """
+    out = dict(env)
+    for name in _READ:
+        value = out.get(name)
+        if value is not None and value.strip().lower() not in _ON + _OFF:
+            out[name] = "1"
+    return out
 
 
 def _switch() -> bool:

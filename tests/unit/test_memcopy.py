@@ -353,3 +353,24 @@ def test_the_fold_switch_turns_the_fold_kernels_off_at_import() -> None:
     on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     has = {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= _cpu_flags()
     assert on.stdout.strip() in (str(has), "unbuilt")
+
+
+def test_a_bad_switch_is_warned_about_once_not_again_by_the_writer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, zerostall\n"
+        f"with zerostall.Checkpointer({str(tmp_path / 'c')!r}) as ck:\n"
+        "    ck.save_pytree(1, {'w': torch.ones(1 << 18)})\n"
+        "print('saved')\n"
+    )
+    env = {**os.environ, "ZEROSTALL_STAGE_CRC": "bogus", "ZEROSTALL_STREAMING_COPY": "maybe"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "saved" in out.stdout
+    assert out.stderr.count("ZEROSTALL_STAGE_CRC='bogus'") == 1, out.stderr  # the trainer's, not the writer's too
+    assert out.stderr.count("ZEROSTALL_STREAMING_COPY='maybe'") == 1, out.stderr
+    assert memcopy.settled_switches({"ZEROSTALL_STAGE_CRC": "off", "OTHER": "x"}) == {"ZEROSTALL_STAGE_CRC": "off",
+                                                                                     "OTHER": "x"}

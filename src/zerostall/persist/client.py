@@ -31,6 +31,7 @@ from zerostall.errors import (
     ZerostallError,
     from_wire,
 )
+from zerostall.memcopy import settled_switches
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -216,7 +217,7 @@ class WriterClient:
                 return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if self.kind is WriterKind.PROCESS:
-            env = dict(os.environ)
+            env = settled_switches(dict(os.environ))  # a bad switch is warned about here, not again there
             env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             # A fresh interpreter, not a fork: safe with CUDA and threads, and no re-import of the
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
