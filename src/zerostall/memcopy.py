@@ -18,11 +18,13 @@ variable ``ZEROSTALL_STREAMING_COPY=0`` (or ``false``, ``no``, ``off``) turns it
 The same extension has one more kernel, for copies whose bytes must be checksummed anyway (a
 load that verifies, a staging copy whose CRC the writer then need not compute): the CRC32C of
 the bytes computed in the copy's own pass (:func:`copy` / :func:`copy_array` with ``crc``,
-:func:`copy_many` with ``crc=True``), each 12 KiB block checksummed (three lanes of SSE4.2
-``crc32``) while the block before it is copied out of L1. Per GiB from faulted-in memory
-(``benchmarks/memcopy_probe.py``, 4 MiB pieces): 0.074 s on one thread against 0.055 s for the
-streaming copy plus 0.067 s for a ``crc32c`` pass; 0.047 s on two threads against 0.044 +
-0.039 s (docs/design.md, "Streaming-store copies").
+:func:`copy_many` with ``crc=True``). Where the CPU has AVX-512 VPCLMULQDQ, 256 bytes at a time
+are folded by carry-less multiplication and stream-stored from the same registers; elsewhere each
+12 KiB block is checksummed (three lanes of SSE4.2 ``crc32``) while the block before it is copied
+out of L1. Per GiB from faulted-in memory (``benchmarks/memcopy_probe.py``, 32 MiB pieces):
+0.048 s on one thread with the fold, 0.069 s without, against 0.053 s for the streaming copy alone;
+0.043 s on two threads either way, as the copy (docs/design.md, "Streaming-store copies"). The
+extension's CRC-only kernel (:func:`crc32c`) is what :func:`zerostall.checksum.checksum` uses.
 
 A bottom-layer module: ``stage`` (the staging copies) and ``restore`` / ``storage`` (the load's
 copies) use the same copy without importing one another.
@@ -193,6 +195,10 @@ def copy_array(dst: np.ndarray[Any, Any], src: Any, crc: int | None = None) -> i
         [0, 1, 2, 3, 4, 5, 6, 7]
     """
     n = dst.nbytes
+    if n >= MIN_STREAM and not isinstance(src, np.ndarray) and hasattr(src, "__array__"):
+        # an array-like that is a view of its bytes (a jax.Array's host view): np.copyto would
+        # convert it anyway, and as an ndarray the kernel can take it by address and checksum it
+        src = np.asarray(src)
     # The cheap tests first: a load of many small leaves calls this once per leaf.
     if crc is not None and CRC_COPY and _fits(dst, src):
         assert _crc_ext is not None

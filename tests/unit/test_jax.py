@@ -204,3 +204,28 @@ def test_typed_prng_keys(tmp_path: Path) -> None:
     with pytest.raises(MismatchError) as ei:
         zerostall.load_pytree(tmp_path / "c", {"many": jax.random.split(jax.random.key(0), 5)})
     assert ei.value.key == "pytree/many"
+
+
+@pytest.mark.parametrize("staging", ["blocking", "overlap"])
+def test_jax_leaves_are_checksummed_by_their_staging_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          staging: str) -> None:
+    import crc32c
+
+    import zerostall.memcopy as memcopy
+    import zerostall.persist.job as job
+
+    if not memcopy.CRC_COPY:
+        pytest.fail("the copy kernel is not built here (tests/unit/test_memcopy.py says why)")
+    summed: list[int] = []
+    real = job.checksum
+    monkeypatch.setattr(job, "checksum", lambda view, *a: summed.append(len(view)) or real(view, *a))
+    big = jax.random.normal(jax.random.key(3), (512, 512))  # 1 MiB: the staging kernel's
+    small = jnp.arange(5.0)
+    with Checkpointer(tmp_path, save_options=SaveOptions(writer=WriterKind.THREAD, staging=staging)) as ck:
+        ck.save_pytree_async(1, {"big": big, "small": small}).result()
+        got = ck.load_pytree(1, {"big": big, "small": small})  # verifies every leaf
+    assert np.array_equal(np.asarray(got["big"]), np.asarray(big))
+    assert [n for n in summed if n >= (1 << 20)] == [], "the writer checksummed the jax leaf staging had summed"
+    doc = __import__("json").loads((tmp_path / "step_00000001" / "manifest.json").read_text())
+    crc = {lf["key"]: lf["crc32c"] for lf in doc["leaves"]}
+    assert crc[next(k for k in crc if k.endswith("big"))] == crc32c.crc32c(np.asarray(big).tobytes())

@@ -156,11 +156,11 @@ class _HostView:
             raise
         return host if host.dtype == self.view else host.view(self.view)
 
-    def copy_into(self, dst: np.ndarray) -> None:
+    def copy_into(self, dst: np.ndarray, crc: int | None = None) -> int | None:
         host, self.host = self.host, None
         # A view taken here (not held) is an external reference too, so once it exists the
         # buffer cannot be donated under the copy; an array donated before that raises instead.
-        memcopy.copy_array(dst, self.__array__() if host is None else host)
+        return memcopy.copy_array(dst, self.__array__() if host is None else host, crc)
         # the view is dropped at return: later steps may donate the buffer again
 
 

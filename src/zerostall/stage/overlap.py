@@ -170,8 +170,11 @@ class BackgroundSource(Protocol):
     def hold(self) -> None:
         """On the training thread, in the save call: keep what the later copy needs (may raise)."""
 
-    def copy_into(self, dst: Any) -> None:
-        """Copy every byte into ``dst``; raise if the source can no longer give the bytes of the call."""
+    def copy_into(self, dst: Any, crc: int | None = None) -> int | None:
+        """Copy every byte into ``dst``; raise if the source can no longer give the bytes of the call.
+
+        With ``crc`` (0 starts a CRC32C), return the CRC32C of the bytes where the copy's own pass
+        computed it (:func:`zerostall.memcopy.copy_array`), else ``None``: the writer sums them."""
 
 
 #: leaf value types copied through :meth:`BackgroundSource.copy_into` (see :func:`register_background_source`)
@@ -207,6 +210,7 @@ class _HostCopy:
     key: str
     source: Any  # a BackgroundSource; referenced until copied
     dst: Any
+    leaf: int  # its index among the save's leaves
 
 
 @dataclass
@@ -231,6 +235,10 @@ class OverlapTask:
     host: list[_HostCopy] = field(default_factory=list)
     #: ``cpu`` cut into claimable pieces (set by :func:`build_task`)
     pieces: _Pieces | None = None
+    #: whether the copies checksum what they copy (see :meth:`crcs`)
+    crc: bool = False
+    #: the CRC32Cs the background sources' copies computed, by leaf index
+    host_crcs: dict[int, int] = field(default_factory=dict)
     #: copy ``pieces`` on the copier's ``SCHED_IDLE`` worker (see :data:`COPIER_POLICY`)
     idle: bool = False
     #: set once a thread that may modify the tensors (the training thread: the guard, the next
@@ -239,8 +247,9 @@ class OverlapTask:
     synced: threading.Event = field(default_factory=threading.Event)
 
     def crcs(self) -> dict[int, int]:
-        """Once staged: the CRC32C of the deferred CPU leaves whose copy checksummed them, by leaf index."""
-        return self.pieces.crcs() if self.pieces is not None else {}
+        """Once staged: the CRC32C of the deferred CPU leaves (and background sources) whose copy
+        checksummed them, by leaf index."""
+        return {**(self.pieces.crcs() if self.pieces is not None else {}), **self.host_crcs}
 
     @property
     def guarded(self) -> bool:
@@ -340,7 +349,9 @@ class OverlapTask:
             if self.error is not None:
                 break
             try:
-                h.source.copy_into(h.dst)
+                got = h.source.copy_into(h.dst, 0 if self.crc else None)
+                if got is not None:
+                    self.host_crcs[h.leaf] = got
             except ZerostallError as exc:
                 if exc.path is None:
                     exc.path = self.path
@@ -384,7 +395,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
     ``streams`` caches one side stream per CUDA device across saves; ``owners`` are the
     optimizers whose steps must wait (see :meth:`OverlapTask.concerns`).
     """
-    task = OverlapTask(path, owners={id(o) for o in owners or ()})
+    task = OverlapTask(path, owners={id(o) for o in owners or ()}, crc=crc)
     by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
     for li, (leaf, dst, d) in enumerate(zip(leaves, views, defer, strict=True)):
         if not d or dst is None:
@@ -397,7 +408,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
                 if exc.path is None:
                     exc.path = path
                 raise
-            task.host.append(_HostCopy(leaf.key, source, dst))
+            task.host.append(_HostCopy(leaf.key, source, dst, li))
             continue
         t = leaf.value
         version = int(t._version)
