@@ -1,5 +1,5 @@
-"""The figures docs/performance.md ("Sixth round", "Seventh round") quotes, read back from a
-``round6.sh`` or ``round7.sh`` output folder.
+"""The figures docs/performance.md ("Sixth round", "Seventh round", "Eighth round") quotes, read
+back from a ``round6.sh``, ``round7.sh`` or ``round8.sh`` output folder.
 
     python benchmarks/round6_summary.py benchmarks/reference/round6/run1
 
@@ -44,7 +44,7 @@ def _restart(out: str) -> None:
 
 
 def _overlap(out: str) -> None:
-    for name in ("overlap_1G", "overlap_1G_memmove", "overlap_1G_nocrc", "overlap_4G"):
+    for name in ("overlap_1G", "overlap_1G_memmove", "overlap_1G_nocrc", "overlap_1G_nofold", "overlap_4G"):
         d = _result(out, name)
         if d is None:
             continue
@@ -57,7 +57,8 @@ def _overlap(out: str) -> None:
 
 
 def _restore(out: str) -> None:
-    for name in ("restore_256M", "restore_1G", "restore_1G_memmove", "restore_4G"):
+    for name in ("restore_256M", "restore_256M_nofold", "restore_1G", "restore_1G_memmove", "restore_1G_nofold",
+                 "restore_4G"):
         t = _read(out, name)
         if not t:
             continue
@@ -74,8 +75,8 @@ def _restore(out: str) -> None:
 def _dip(out: str) -> None:
     for prefix in ("dip", "dip4G"):
         lost: dict[str, float] = {}
-        for system in ("none", "zerostall", "zerostall_nocrc", "dcp_async_stager", "zerostall_memtier10",
-                       "zerostall_memtier10_nocrc"):
+        for system in ("none", "zerostall", "zerostall_nocrc", "zerostall_nofold", "dcp_async_stager",
+                       "zerostall_memtier10", "zerostall_memtier10_nocrc"):
             d = _result(out, f"{prefix}_{system}")
             if d is None or not d.get("windows"):
                 continue

@@ -1,4 +1,4 @@
-# Sourced by benchmarks/round6.sh and round7.sh with C (a fresh clone) and O (the output folder)
+# Sourced by benchmarks/round6.sh, round7.sh and round8.sh with C (a fresh clone) and O (the output folder)
 # set: build the extension into the clone and define run / want. PARTS_DEFAULT: the groups run
 # when PARTS is not set.
 mkdir -p $O; cd $C
