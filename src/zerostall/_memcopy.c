@@ -7,8 +7,12 @@
  * glibc's memmove switches to them only above x86_non_temporal_threshold (192 MiB on the
  * machine this was measured on), and a checkpoint is copied a tensor at a time.
  *
- * One function, copy(dst, src, n): addresses as Python ints, n bytes, ranges must not overlap.
- * The GIL is released for the copy. Where the target has no streaming store it is memcpy.
+ * copy(dst, src, n): addresses as Python ints, n bytes, ranges must not overlap. The GIL is
+ * released for the copy. Where the target has no streaming store it is memcpy.
+ *
+ * On x86-64 also the CRC32C kernels (see below): copy_crc32c (the copy and the CRC of its bytes
+ * in one pass), crc32c (the CRC of a buffer), crc32c_combine (the CRC of two joined pieces), and
+ * set_fold (the carry-less-multiply kernels on or off, for tests and A/B runs).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

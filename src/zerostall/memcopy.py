@@ -112,6 +112,8 @@ _crc_ext = _ext if _ext is not None and bool(getattr(_ext, "CRC32C", False)) els
 if _crc_ext is not None and hasattr(_crc_ext, "set_fold") and not env_switch(
         "ZEROSTALL_CRC_FOLD", "the carry-less-multiply CRC kernels"):
     _crc_ext.set_fold(False)
+# The extension's CRC-only kernel (None where it is not built, or built before it existed)
+_crc_only: Callable[[Any, int], int] | None = getattr(_crc_ext, "crc32c", None)
 #: Whether large copies use streaming stores (the extension is built and the CPU has them).
 #: Read at every copy, so a benchmark may switch it for a paired A/B.
 STREAMING: bool = _ext is not None and _switch()
@@ -170,9 +172,7 @@ def crc32c(view: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
     is the three-lane crc32-instruction loop.
     :func:`zerostall.checksum.checksum` uses it and falls back to the ``crc32c`` package.
     """
-    if _crc_ext is None or not hasattr(_crc_ext, "crc32c"):
-        return None
-    return int(_crc_ext.crc32c(view, crc))
+    return None if _crc_only is None else int(_crc_only(view, crc))
 
 
 def _address(a: np.ndarray[Any, Any]) -> int:

@@ -374,3 +374,15 @@ def test_a_bad_switch_is_warned_about_once_not_again_by_the_writer_process(tmp_p
     assert out.stderr.count("ZEROSTALL_STREAMING_COPY='maybe'") == 1, out.stderr
     assert memcopy.settled_switches({"ZEROSTALL_STAGE_CRC": "off", "OTHER": "x"}) == {"ZEROSTALL_STAGE_CRC": "off",
                                                                                      "OTHER": "x"}
+
+
+def test_checksum_is_the_same_with_and_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    import zerostall.checksum as cks
+
+    if memcopy._crc_only is None:
+        pytest.fail("the CRC kernel is not built here (see test_the_extension_is_built_where_it_can_be)")
+    rng = np.random.default_rng(9)
+    cases = [(rng.bytes(n), int(rng.integers(0, 1 << 32))) for n in (0, 3, 255, 4096 + 7, 1 << 20)]
+    fast = [cks.checksum(b, v) for b, v in cases]
+    monkeypatch.setattr(cks, "_fast_crc", lambda *a: None)  # as where the extension is not built
+    assert [cks.checksum(b, v) for b, v in cases] == fast == [crc32c.crc32c(b, v) for b, v in cases]
