@@ -44,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -251,6 +252,8 @@ class Dcp:
     def save(self, trainer: Trainer) -> tuple[Any, Any, Any]:
         self.n += 1
         path = str(self.dir / f"dcp-{self.n}")
+        # keep the last two, as the zerostall systems do (keep_last=2): 4.8 GB saves fill a small disk
+        shutil.rmtree(self.dir / f"dcp-{self.n - 2}", ignore_errors=True)
         sd = trainer.state_dicts()
         resp = self.dcp.async_save(sd, checkpoint_id=path, async_stager=self.stager)
         staging = getattr(resp, "staging_completion", None)
@@ -294,6 +297,7 @@ class TorchSave:
     def save(self, trainer: Trainer) -> tuple[Any, Any, Any]:
         self.n += 1
         path = self.dir / f"torch-{self.n}.pt"
+        (self.dir / f"torch-{self.n - 2}.pt").unlink(missing_ok=True)
         with open(path, "wb") as f:
             torch.save(trainer.state_dicts(), f)
             f.flush()
@@ -345,6 +349,7 @@ def measure_system(name: str, trainer: Trainer, directory: Path, saves: int, eve
         log(f"{name} save {i + 1}: blocked {row['host_blocked_s'] * 1e3:.1f} ms, step +{row['step_increase_s'] * 1e3:.1f} ms "
             f"over {len(in_flight)} iterations, durable {durable_s:.2f} s")
     system.close()
+    shutil.rmtree(directory / name, ignore_errors=True)
     med = {k: statistics.median(r[k] for r in rows) for k in ("host_blocked_s", "step_increase_s", "durable_s")}
     return {"system": name, "saves": rows, "median": med}
 
@@ -366,6 +371,7 @@ def torn_check(name: str, trainer: Trainer, directory: Path, saves: int) -> dict
             torn += 1
             log(f"{name} torn save {i + 1}: {len(bad)} tensors differ, e.g. {bad[0]}")
     system.close()
+    shutil.rmtree(directory / "torn" / name, ignore_errors=True)
     return {"system": name, "saves": saves, "torn": torn}
 
 
@@ -436,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         torn_s = f"{torn['torn']}/{torn['saves']}" if "torn" in torn else "-"
         print(f"{name:>20} {m['host_blocked_s'] * 1e3:11.1f} {m['host_blocked_s'] / d2h:7.2f} "
               f"{m['step_increase_s'] * 1e3:9.1f} {m['step_increase_s'] / d2h:7.2f} {m['durable_s']:10.2f} {torn_s:>8}")
+    for name, res in out["torn"].items():
+        print(f"torn check {name}: " + (f"{res['torn']} torn of {res['saves']}" if "torn" in res else res["error"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -5,6 +5,9 @@
 #   scripts/gpu-session.sh prepare       # here, with PyPI: the missing wheels into .whl/ (git-ignored)
 #   scripts/gpu-session.sh tests         # there (carry .whl): gputests/ + the overlap unit tests, on CUDA
 #   scripts/gpu-session.sh bench [ARGS]  # there (carry .whl): benchmarks/gpu.py ARGS (what make bench-gpu runs)
+#   scripts/gpu-session.sh all           # there (carry .whl): tests, bench (3 saves), torn check (50 saves of a
+#                                        # small model), the JAX unit tests on the GPU; each under its own limit
+#                                        # so that one call of the device tool (<= 10 min) brings every part back
 #
 # Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu.
 set -o pipefail
@@ -21,7 +24,7 @@ case "$what" in
       --platform manylinux1_x86_64 -d .whl "crc32c>=2.4" || exit 1
     ls -l .whl
     exit 0 ;;
-  tests|bench) ;;
+  tests|bench|all) ;;
   *) sed -n 2,9p "$0"; exit 2 ;;
 esac
 out=${OUT:-/tmp/zerostall-gpu}; mkdir -p "$out"
@@ -33,7 +36,19 @@ export PYTHONPATH=$PWD/src:$PWD:/tmp/zs-site PYTHONUNBUFFERED=1
 python3 -c "import torch, zerostall; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())" | tee "$out/env.txt"
 nvidia-smi >> "$out/env.txt" 2>&1
 python3 -c "import zerostall.memcopy as m; print('streaming copies', m.STREAMING)" | tee -a "$out/env.txt"
-if [ "$what" = tests ]; then
+if [ "$what" = all ]; then
+  # one part running long must not take the others' time: each has its own limit (seconds)
+  timeout -k 5 "${T_TESTS:-170}" python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests \
+    tests/unit/test_overlap.py tests/unit/test_stager.py > "$out/tests.log" 2>&1; echo "tests rc $?" | tee -a "$out/tests.log"
+  timeout -k 5 "${T_BENCH:-210}" python3 benchmarks/gpu.py --out "$out/gpu.json" --saves 3 --torn-saves 0 \
+    > "$out/bench.log" 2>&1; echo "bench rc $?" | tee -a "$out/bench.log"
+  # the torn check is about the guard, not the size: 50 saves per system of a ~0.3 GB state
+  timeout -k 5 "${T_TORN:-110}" python3 benchmarks/gpu.py --out "$out/torn.json" --systems "" --torn-saves 50 \
+    --layers 4 --d 512 --vocab 8000 --seq 512 --dir /tmp/zsgpu-torn > "$out/torn.log" 2>&1; echo "torn rc $?" | tee -a "$out/torn.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${T_JAX:-90}" python3 -m pytest -q -p no:cacheprovider \
+    tests/unit/test_jax.py > "$out/jax.log" 2>&1; echo "jax rc $?" | tee -a "$out/jax.log"
+  tail -n 3 "$out/tests.log" "$out/jax.log"; tail -n 8 "$out/bench.log" "$out/torn.log"
+elif [ "$what" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
 else
   python3 benchmarks/gpu.py --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log"
