@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,16 @@ class Dcp:
         self.dir = directory
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=_pin(), use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=_pin()))
+        # Some torch releases (2.11 on the GPU machine) close the caller's stager inside async_save,
+        # which clears its copy dispatch table: the next save fails with KeyError: <class 'type'>.
+        # A persistent stager is the recipe (torchtitan), so its close waits for ours.
+        self._really_close = self.stager.close
+        self.closed_by_dcp = 0
+
+        def _count_close() -> None:
+            self.closed_by_dcp += 1
+
+        self.stager.close = _count_close  # type: ignore[method-assign]
         self.n = 0
 
     def prepare(self, trainer: Trainer) -> None:
@@ -273,7 +284,10 @@ class Dcp:
         return staged, upload.result, load
 
     def close(self) -> None:
-        self.stager.close()
+        if self.closed_by_dcp:
+            log(f"dcp_async: async_save closed the persistent stager {self.closed_by_dcp} times (torch "
+                f"{torch.__version__}); kept open")
+        self._really_close()
 
 
 def _cpu_like(tree: Any) -> Any:
@@ -423,12 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out["systems"][name] = measure_system(name, trainer, directory, args.saves, args.every, t0)
         except Exception as exc:
-            log(f"{name} failed: {type(exc).__name__}: {exc}")
+            log(f"{name} failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
             out["systems"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     for name in (s for s in args.torn_systems.split(",") if s and args.torn_saves > 0):
         try:
             out["torn"][name] = torn_check(name, trainer, directory, args.torn_saves)
         except Exception as exc:
+            log(f"torn check {name} failed:\n{traceback.format_exc()}")
             out["torn"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     d2h = out["systems"].get("floor_d2h", {}).get("seconds", math.nan)
     print(f"state {nbytes / 1e9:.2f} GB on {out['device']}; iteration {t0 * 1e3:.1f} ms; pinned D2H floor "
