@@ -18,6 +18,8 @@ Systems (``--systems``, comma-separated):
 * ``zerostall_overlap``: ``Checkpointer.save_pytree_async`` with ``SaveOptions(staging="overlap")``
   (default): parameters and optimizer state are copied on a side stream behind the call;
   zerostall's guard makes the next ``optimizer.step()``'s kernels wait for that copy;
+* ``zerostall_overlap_inline``: the same with the CUDA copies enqueued in the call, on the
+  training thread (``ZEROSTALL_CUDA_ENQUEUE_THREAD=0``), not by zerostall's enqueuer thread;
 * ``zerostall_blocking``: the same with ``staging="blocking"``;
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` with one persistent ``DefaultStager``
   (pinned memory, async staging, non-blocking copies) and, as torchtitan does, a wait on
@@ -27,8 +29,9 @@ Systems (``--systems``, comma-separated):
 Per save (between ``--saves`` saves, every ``--every`` iterations), medians reported:
 
 * ``host_blocked_s``: time the training thread spent in the save call plus any wait it needed
-  before the next ``step()`` (DCP's ``staging_completion``; zerostall's guard on CUDA only
-  enqueues an event wait, so it blocks nothing);
+  before the next ``step()`` (DCP's ``staging_completion``) or inside it (zerostall's guard:
+  ``optimizer.step()``'s host time over its baseline median, ``step_wait_s``; on CUDA the guard
+  waits on the host only until its enqueuer thread has enqueued the copies);
 * ``step_increase_s``: the iterations from the save call until the copy is in host memory, their
   wall time minus as many baseline iterations;
 * ``durable_s``: from the call until the checkpoint is committed.
@@ -41,6 +44,7 @@ and compared bit for bit with the clone. Prints a table and writes ``--out`` (JS
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -70,7 +74,8 @@ def _pin() -> bool:
     return DEV == "cuda"
 
 
-SYSTEMS = ["floor_d2h", "floor_disk", "zerostall_overlap", "zerostall_blocking", "dcp_async", "torch_save"]
+SYSTEMS = ["floor_d2h", "floor_disk", "zerostall_overlap", "zerostall_overlap_inline", "zerostall_blocking", "dcp_async",
+           "torch_save"]
 TORN_SYSTEMS = ["zerostall_overlap", "zerostall_blocking", "dcp_async"]
 
 
@@ -123,6 +128,10 @@ class Trainer:
         self.vocab = args.vocab
         #: called right before optimizer.step() (DCP's staging wait goes here)
         self.before_step: Any = None
+        #: host seconds the last ``optimizer.step()`` call took (see ``step_wait_s`` of measure_system)
+        self.step_host_s = 0.0
+        #: its median over the baseline iterations (set by main)
+        self.step_host_base_s = 0.0
 
     def forward_backward(self) -> None:
         with torch.autocast(DEV, dtype=torch.bfloat16):
@@ -138,7 +147,9 @@ class Trainer:
             self.before_step()
             waited = time.perf_counter() - t
             self.before_step = None
-        self.opt.step()
+        t = time.perf_counter()
+        self.opt.step()  # host time: launching the step, plus any wait of zerostall's guard
+        self.step_host_s = time.perf_counter() - t
         self.opt.zero_grad(set_to_none=True)
         _sync()
         return waited
@@ -208,9 +219,14 @@ def floor_disk(trainer: Trainer, directory: Path, repeats: int) -> dict[str, Any
 # -- systems ------------------------------------------------------------------------------------
 
 class Zerostall:
-    def __init__(self, directory: Path, staging: str) -> None:
+    def __init__(self, directory: Path, staging: str, enqueue_thread: bool = True) -> None:
         import zerostall
+        import zerostall.stage.overlap as overlap
         from zerostall.options import DistributedOptions
+
+        # zerostall_overlap_inline: the CUDA copies enqueued in the call, on the training thread
+        # (ZEROSTALL_CUDA_ENQUEUE_THREAD=0, as before round 9), for an A/B in one run
+        overlap.CUDA_ENQUEUE_THREAD = enqueue_thread
 
         self.zs = zerostall
         opts = zerostall.SaveOptions(staging=staging, distributed=DistributedOptions(enabled=False))
@@ -248,6 +264,12 @@ class Dcp:
         # Some torch releases (2.11 on the GPU machine) close the caller's stager inside async_save,
         # which clears its copy dispatch table: the next save fails with KeyError: <class 'type'>.
         # A persistent stager is the recipe (torchtitan), so its close waits for ours.
+        # torch 2.11's StateDictStager has no copier for classes (later releases copy them as
+        # atomic, as copy.deepcopy does): its first save failed with KeyError: <class 'type'>.
+        table = getattr(getattr(self.stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+        if isinstance(table, dict) and type not in table:
+            table[type] = copy._deepcopy_atomic  # type: ignore[attr-defined]
+            log(f"dcp_async: torch {torch.__version__}'s stager had no copier for classes; added the atomic one")
         self._really_close = self.stager.close
         self.closed_by_dcp = 0
 
@@ -329,6 +351,8 @@ def make_system(name: str, directory: Path) -> Any:
         return Zerostall(d, "overlap")
     if name == "zerostall_blocking":
         return Zerostall(d, "blocking")
+    if name == "zerostall_overlap_inline":
+        return Zerostall(d, "overlap", enqueue_thread=False)
     if name == "dcp_async":
         return Dcp(d)
     if name == "torch_save":
@@ -346,25 +370,29 @@ def measure_system(name: str, trainer: Trainer, directory: Path, saves: int, eve
         staged, durable, _ = system.save(trainer)
         call_s = time.perf_counter() - start
         waited = 0.0
+        step_wait = 0.0
         in_flight = []
         while True:
             was_staged = staged()
             t = time.perf_counter()
             waited += trainer.step()
             in_flight.append(time.perf_counter() - t)
+            step_wait += max(0.0, trainer.step_host_s - trainer.step_host_base_s)
             if was_staged or staged():
                 break
         durable()
         durable_s = time.perf_counter() - start
-        row = {"call_s": call_s, "host_blocked_s": call_s + waited,
+        row = {"call_s": call_s, "host_blocked_s": call_s + waited + step_wait, "step_wait_s": step_wait,
                "step_increase_s": sum(in_flight) - len(in_flight) * t0, "iterations_in_flight": len(in_flight),
                "durable_s": durable_s}
         rows.append(row)
-        log(f"{name} save {i + 1}: blocked {row['host_blocked_s'] * 1e3:.1f} ms, step +{row['step_increase_s'] * 1e3:.1f} ms "
+        log(f"{name} save {i + 1}: blocked {row['host_blocked_s'] * 1e3:.1f} ms (call {call_s * 1e3:.1f}, "
+            f"in step() {step_wait * 1e3:.1f}), step +{row['step_increase_s'] * 1e3:.1f} ms "
             f"over {len(in_flight)} iterations, durable {durable_s:.2f} s")
     system.close()
     shutil.rmtree(directory / name, ignore_errors=True)
-    med = {k: statistics.median(r[k] for r in rows) for k in ("host_blocked_s", "step_increase_s", "durable_s")}
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("host_blocked_s", "call_s", "step_wait_s", "step_increase_s", "durable_s")}
     return {"system": name, "saves": rows, "median": med}
 
 
@@ -420,8 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(args)
     timed_iterations(trainer, 3)  # AdamW state, cuBLAS handles, autotuning
     nbytes = sum(t.numel() * t.element_size() for t in trainer.tensors())
-    base = timed_iterations(trainer, 10)
+    base = []
+    step_host = []
+    for _ in range(10):
+        base += timed_iterations(trainer, 1)
+        step_host.append(trainer.step_host_s)
     t0 = statistics.median(base)
+    trainer.step_host_base_s = statistics.median(step_host)
     device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run: no figures)"
     log(f"{device}: state {nbytes / 1e9:.2f} GB, iteration {t0 * 1e3:.1f} ms")
     out: dict[str, Any] = {"device": device, "state_bytes": nbytes, "iteration_s": t0,
@@ -448,14 +481,16 @@ def main(argv: list[str] | None = None) -> int:
     d2h = out["systems"].get("floor_d2h", {}).get("seconds", math.nan)
     print(f"state {nbytes / 1e9:.2f} GB on {out['device']}; iteration {t0 * 1e3:.1f} ms; pinned D2H floor "
           f"{d2h * 1e3:.1f} ms")
-    print(f"{'system':>20} {'blocked ms':>11} {'x D2H':>7} {'step+ ms':>9} {'x D2H':>7} {'durable s':>10} {'torn':>8}")
+    print(f"{'system':>24} {'blocked ms':>11} {'x D2H':>7} {'(call':>7} {'step())':>8} {'step+ ms':>9} {'x D2H':>7} "
+          f"{'durable s':>10} {'torn':>8}")
     for name, res in out["systems"].items():
         if "median" not in res:
             continue
         m = res["median"]
         torn = out["torn"].get(name, {})
         torn_s = f"{torn['torn']}/{torn['saves']}" if "torn" in torn else "-"
-        print(f"{name:>20} {m['host_blocked_s'] * 1e3:11.1f} {m['host_blocked_s'] / d2h:7.2f} "
+        print(f"{name:>24} {m['host_blocked_s'] * 1e3:11.1f} {m['host_blocked_s'] / d2h:7.2f} "
+              f"{m['call_s'] * 1e3:7.1f} {m['step_wait_s'] * 1e3:8.1f} "
               f"{m['step_increase_s'] * 1e3:9.1f} {m['step_increase_s'] / d2h:7.2f} {m['durable_s']:10.2f} {torn_s:>8}")
     for name, res in out["torn"].items():
         print(f"torn check {name}: " + (f"{res['torn']} torn of {res['saves']}" if "torn" in res else res["error"]))

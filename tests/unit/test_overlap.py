@@ -493,6 +493,77 @@ def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monk
     assert not GUARD.installed
 
 
+@pytest.mark.parametrize("outcome_kind", ["enqueued", "enqueue_failed"])
+def test_cuda_guard_waits_for_the_background_enqueue_then_orders_the_step(monkeypatch, outcome_kind):
+    """The copies of a CUDA part are enqueued by a background thread (``CUDA_ENQUEUE_THREAD``): a
+    step that comes first waits on the host until they are, then orders itself after their event;
+    an enqueue that failed fails the save and blocks nothing."""
+    from zerostall.stage.overlap import _ENQUEUER, GUARD, _run_task
+
+    stream = _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.5)
+    w.grad = torch.ones(4)
+    task, _, outcome = _cuda_task(w.detach())
+    part = task.cuda[0]
+    part.enqueued.clear()  # as build_task leaves it for the enqueuer
+    part.event = None
+    event = _StandInEvent()
+    event.complete.set()
+    release = threading.Event()
+    order: list[str] = []
+
+    def enqueue() -> None:
+        release.wait(10)
+        order.append("enqueued")
+        if outcome_kind == "enqueued":
+            part.event = event
+        else:
+            part.failure = RuntimeError("CUDA error: an illegal memory access was encountered")
+        part.enqueued.set()
+
+    GUARD.add(task)
+    _ENQUEUER.put(enqueue)
+    copier = threading.Thread(target=_run_task, args=(task,))
+    copier.start()
+    stepper = threading.Thread(target=lambda: (opt.step(), order.append("stepped")))
+    try:
+        stepper.start()
+        stepper.join(0.3)
+        assert stepper.is_alive() and order == []  # the step waits for the enqueue, on the host
+        release.set()
+        stepper.join(10)
+        assert order == ["enqueued", "stepped"]
+        assert stream.waited == ([event] if outcome_kind == "enqueued" else [])
+    finally:
+        release.set()
+        copier.join(10)
+        GUARD.tidy()
+    assert len(outcome) == 1
+    if outcome_kind == "enqueued":
+        assert outcome[0] is None
+    else:
+        assert isinstance(outcome[0], RuntimeError) and "illegal memory access" in str(outcome[0])
+    assert not GUARD.installed
+
+
+def test_enqueue_copies_records_a_failure_instead_of_raising():
+    """``_enqueue_copies`` on a thread must never die with the part left unenqueued (the guard
+    would wait forever): any error becomes the part's failure."""
+    from zerostall.stage.overlap import _CudaPart, _enqueue_copies
+
+    class Broken:
+        def wait_event(self, event: object) -> None:
+            raise RuntimeError("stream is gone")
+
+    part = _CudaPart("cuda:0", None, [("w", torch.ones(2), None, 0)], enqueued=threading.Event())
+    _enqueue_copies(part, Broken(), object(), [torch.empty(2)])
+    assert part.enqueued.is_set() and part.event is None
+    with pytest.raises(RuntimeError, match="stream is gone"):
+        part.wait_enqueued()
+
+
 def test_which_leaves_are_deferred():
     from zerostall.stage.ownership import deferrable
     from zerostall.tree import flatten

@@ -12,13 +12,14 @@ can run while the next forward and backward passes do. Two parts make that safe:
   leaves idle (a copy that takes a core from a barrier-synchronised OpenMP loop stalls the
   whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA
   tensor is copied on a side stream that first waits for an event recorded on the caller's
-  current stream at the call; the thread waits for the copy's event. Each source's storage is
+  current stream at the call; one background thread enqueues those copies (the call only
+  records the event, see :data:`CUDA_ENQUEUE_THREAD`) and the copier waits for their event. Each source's storage is
   referenced until its copy is done, so a parameter whose ``.data`` is replaced, or a block the
   CUDA caching allocator would hand out again, still yields the bytes of the call.
 * **The guard** (:class:`Guard`, one global optimizer step pre-hook, installed while a copy is
   in flight). Before any optimizer's ``step()``: on CPU it copies the pieces nobody has started
   and waits for those in progress; on CUDA the current stream waits for the copy's event (the
-  host does not block).
+  host waits only until the enqueuer has enqueued the copies, not for the copies).
 
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
 before the copy was done (an in-place change outside ``step()``) fails the save with
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import logging
 import os
 import sys
@@ -49,7 +51,7 @@ from typing import Any, Literal, Protocol, cast
 from zerostall.checksum import join_crcs
 from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
-from zerostall.memcopy import copy
+from zerostall.memcopy import copy, env_switch
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
@@ -156,12 +158,83 @@ class _Pieces:
             return len(self._items) - self._next
 
 
+def _set_event() -> threading.Event:
+    done = threading.Event()
+    done.set()
+    return done
+
+
 @dataclass
 class _CudaPart:
     device: Any
-    event: Any  # recorded on the side stream after the copies
+    event: Any  # recorded on the side stream after the copies (None until they are enqueued)
     entries: list[tuple[str, Any, Any, int]]  # key, tensor, storage, version at the call
     sealed: bool = False  # a guard ordered later work after the copy; versions judged then
+    #: set once the copies are enqueued and ``event`` recorded, or the enqueue failed (``failure``)
+    enqueued: threading.Event = field(default_factory=_set_event)
+    failure: BaseException | None = None
+
+    def wait_enqueued(self) -> Any:
+        """The copy's event, once the enqueuer recorded it; raises the enqueue's failure."""
+        self.enqueued.wait()
+        if self.event is None:
+            raise self.failure or RuntimeError("the CUDA copies of this save were never enqueued")
+        return self.event
+
+
+#: Where an overlapped save's CUDA copies are enqueued. On (the default): by one background
+#: thread (:class:`_Enqueuer`), so the save call only records an event on the caller's stream.
+#: Each ``copy_`` costs the host ~17 us in torch and the driver (H200 host: 22 ms for the
+#: 1,268 tensors of benchmarks/gpu.py's model, half of the whole call), and a step needs the
+#: copies enqueued only before its own kernels are. ``ZEROSTALL_CUDA_ENQUEUE_THREAD=0`` enqueues
+#: them in the call, on the training thread (before round 9; for A/B runs).
+CUDA_ENQUEUE_THREAD = env_switch("ZEROSTALL_CUDA_ENQUEUE_THREAD", "background CUDA copy enqueues")
+
+
+def _enqueue_copies(part: _CudaPart, stream: Any, ready: Any, dsts: list[Any]) -> None:
+    """Enqueue ``part``'s copies on ``stream`` after ``ready`` and record their event (any thread)."""
+    torch = sys.modules["torch"]
+    try:
+        stream.wait_event(ready)
+        # the stream and grad mode are per thread: both are set here, on the thread that copies
+        with torch.cuda.stream(stream), torch.no_grad():
+            for (_, t, _, _), dst in zip(part.entries, dsts, strict=True):
+                dst.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        part.event = done
+    except BaseException as exc:  # noqa: BLE001 - fails the save (wait_enqueued raises it)
+        part.failure = exc
+    finally:
+        part.enqueued.set()
+
+
+class _Enqueuer:
+    """One daemon thread that enqueues the CUDA copies of overlapped saves, in submission order."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def put(self, fn: Callable[[], None]) -> None:
+        with self._cond:
+            self._queue.append(fn)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="zerostall-cuda-enqueue", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                fn = self._queue.popleft()
+            fn()  # _enqueue_copies: catches everything, sets the part's event
+
+
+_ENQUEUER = _Enqueuer()
 
 
 class BackgroundSource(Protocol):
@@ -230,6 +303,9 @@ class OverlapTask:
     owners: set[int] = field(default_factory=set)
     #: memory of the deferred leaves, to judge an optimizer not among ``owners``
     spans: Spans = field(default_factory=Spans)
+    #: the deferred tensors whose spans join ``spans`` when first needed (rarely: an optimizer
+    #: not among ``owners``), not in the save call
+    span_tensors: list[Any] = field(default_factory=list)
     _verdicts: dict[int, bool] = field(default_factory=dict)
     #: background sources (see :func:`register_background_source`), copied after ``cpu``
     host: list[_HostCopy] = field(default_factory=list)
@@ -266,6 +342,11 @@ class OverlapTask:
             # Another optimizer over the same tensors (not known at the call): judged by memory,
             # once per task. An optimizer whose tensors cannot be listed is assumed to concern it.
             try:
+                for t in self.span_tensors:
+                    sp = span(t)
+                    if sp is not None:
+                        self.spans.add(sp)
+                self.span_tensors = []
                 spans = (span(t) for t in optimizer_tensors(optimizer))
                 verdict = any(sp is not None and self.spans.overlaps(sp) for sp in spans)
             except Exception:  # noqa: BLE001 - a foreign optimizer-like object: be safe
@@ -283,9 +364,15 @@ class OverlapTask:
             for part in self.cuda:
                 if part.sealed:
                     continue
+                try:
+                    event = part.wait_enqueued()  # the host waits only if the enqueuer is still at it
+                except BaseException as exc:  # noqa: BLE001 - the save fails; nothing to order after
+                    self.error = self.error or exc
+                    part.sealed = True
+                    continue
                 # From here on everything the caller enqueues on this stream runs after the
                 # copy, so only a change made before this point can tear it.
-                torch.cuda.current_stream(part.device).wait_event(part.event)
+                torch.cuda.current_stream(part.device).wait_event(event)
                 if self.error is None:
                     self.error = _moved(self.path, [(k, t, v) for k, t, _, v in part.entries])
                 part.sealed = True
@@ -361,7 +448,7 @@ class OverlapTask:
         self.host = []  # the sources may be freed (or donated) now
         for part in self.cuda:
             try:
-                part.event.synchronize()
+                part.wait_enqueued().synchronize()
             except BaseException as exc:  # noqa: BLE001 - a CUDA error fails this save
                 self.error = self.error or exc
             with self.lock:
@@ -372,6 +459,7 @@ class OverlapTask:
             self.sync(0)  # nobody did (no step, no wait): judged here, as late as a commit can wait
         self.cpu = []
         self.cuda = []  # the sources may be freed now
+        self.span_tensors = []
 
 
 def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError | None:
@@ -413,9 +501,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         t = leaf.value
         version = int(t._version)
         storage = t.untyped_storage()
-        sp = span(t)
-        if sp is not None:
-            task.spans.add(sp)
+        task.span_tensors.append(t)
         if t.is_cuda:  # not device.type: a device object per leaf costs ~0.5 us (r5leaves)
             by_device.setdefault(t.device, []).append((leaf.key, t, storage, version, dst))
         else:
@@ -429,15 +515,17 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
                 stream = torch.cuda.Stream(device=device)
                 if streams is not None:
                     streams[device] = stream
+            # The copies read the state as it is when this event completes: everything the
+            # caller enqueued before the call; the guard orders every later step after them.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream), torch.no_grad():
-                for _, t, _, _, dst in entries:
-                    dst.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-            task.cuda.append(_CudaPart(device, done, [(k, t, s, v) for k, t, s, v, _ in entries]))
+            part = _CudaPart(device, None, [(k, t, s, v) for k, t, s, v, _ in entries], enqueued=threading.Event())
+            dsts = [dst for *_, dst in entries]
+            task.cuda.append(part)
+            if CUDA_ENQUEUE_THREAD:
+                _ENQUEUER.put(functools.partial(_enqueue_copies, part, stream, ready, dsts))
+            else:
+                _enqueue_copies(part, stream, ready, dsts)
     if not task.owners and task.host and any(leaf.kind == "torch" for leaf in leaves):
         GUARD.learn()  # as for a save with nothing to overlap: an optimizer outside the tree is known next time
     if not task.cpu:

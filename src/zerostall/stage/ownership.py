@@ -150,30 +150,51 @@ def optimizer_tensors(opt: Any) -> list[Any]:
 
 def owners_of(leaves: list[ArrayLeaf], optimizers: list[Any]) -> list[int | None]:
     """Per leaf: the index in ``optimizers`` of one whose parameter or state tensor holds its bytes."""
-    owned = Spans()
-    # A leaf that is an optimizer's tensor itself (its state: exp_avg, ...) is owned without a
-    # span lookup (r5leaves: ~2 us a leaf at every save); the tensors live through this call.
+    # Cheapest first, since this runs in every save call (a GPT's 1,268 leaves: ~11 ms on an H200
+    # host with spans for all): a leaf that is an optimizer's tensor itself (its state: exp_avg...)
+    # by identity; one that starts where an optimizer's tensor starts and ends inside it (a
+    # state_dict's detached parameter) by address; only what is left by span containment.
+    tensors: list[tuple[Any, int]] = []
     by_id: dict[int, int] = {}
     for i, opt in enumerate(optimizers):
         for t in optimizer_tensors(opt):
-            sp = span(t)
-            if sp is not None:
-                owned.add(sp, i)
-                by_id.setdefault(id(t), i)
-    if not owned:
-        return [None] * len(leaves)
+            tensors.append((t, i))
+            by_id.setdefault(id(t), i)
     out: list[int | None] = []
-    for leaf in leaves:
+    rest: list[int] = []
+    for li, leaf in enumerate(leaves):
         owner = None
         if leaf.kind == "torch" and leaf.nbytes > 0:
             owner = by_id.get(id(leaf.value))
-            if owner is not None:
-                out.append(owner)
-                continue
-            sp = span(leaf.value)
-            if sp is not None:
-                owner = owned.containing(sp)
+            if owner is None:
+                rest.append(li)
         out.append(owner)
+    if not rest:
+        return out
+    by_start: dict[tuple[bool, int], tuple[Any, int]] = {}  # (on CUDA?, first byte) -> (tensor, owner)
+    for t, i in tensors:
+        try:
+            by_start.setdefault((bool(t.is_cuda), int(t.data_ptr())), (t, i))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            continue  # no memory of its own (span() says None too)
+    owned: Spans | None = None
+    for li in rest:
+        sp = span(leaves[li].value)
+        if sp is None:
+            continue
+        hit = by_start.get((sp[0], sp[1]))
+        if hit is not None:
+            hsp = span(hit[0])
+            if hsp is not None and hsp[1] == sp[1] and sp[2] <= hsp[2]:
+                out[li] = hit[1]
+                continue
+        if owned is None:
+            owned = Spans()
+            for t, i in tensors:
+                tsp = span(t)
+                if tsp is not None:
+                    owned.add(tsp, i)
+        out[li] = owned.containing(sp)
     return out
 
 
