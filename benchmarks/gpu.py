@@ -44,7 +44,6 @@ and compared bit for bit with the clone. Prints a table and writes ``--out`` (JS
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -261,22 +260,15 @@ class Dcp:
         self.dir = directory
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=_pin(), use_shared_memory=False,
                                                    use_async_staging=True, use_non_blocking_copy=_pin()))
-        # Some torch releases (2.11 on the GPU machine) close the caller's stager inside async_save,
-        # which clears its copy dispatch table: the next save fails with KeyError: <class 'type'>.
-        # A persistent stager is the recipe (torchtitan), so its close waits for ours.
-        # torch 2.11's StateDictStager has no copier for classes (later releases copy them as
-        # atomic, as copy.deepcopy does): its first save failed with KeyError: <class 'type'>.
-        table = getattr(getattr(self.stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-        if isinstance(table, dict) and type not in table:
-            table[type] = copy._deepcopy_atomic  # type: ignore[attr-defined]
-            log(f"dcp_async: torch {torch.__version__}'s stager had no copier for classes; added the atomic one")
-        self._really_close = self.stager.close
-        self.closed_by_dcp = 0
-
-        def _count_close() -> None:
-            self.closed_by_dcp += 1
-
-        self.stager.close = _count_close  # type: ignore[method-assign]
+        # torch 2.11's DefaultStager._stage() closes its StateDictStager after every stage (read in
+        # 2.11's staging.py): that drops the cached pinned storages and clears the copy dispatch
+        # table, so the next save fails with KeyError: <class 'type'> (and a working one would
+        # allocate its pinned buffers again at every save). 2.13 keeps both for the stager's life,
+        # which is the persistent stager torchtitan's recipe relies on: that is what is measured.
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        self._inner_close = inner.close if inner is not None else None
+        if inner is not None:
+            inner.close = lambda: None
         self.n = 0
 
     def prepare(self, trainer: Trainer) -> None:
@@ -306,10 +298,9 @@ class Dcp:
         return staged, upload.result, load
 
     def close(self) -> None:
-        if self.closed_by_dcp:
-            log(f"dcp_async: async_save closed the persistent stager {self.closed_by_dcp} times (torch "
-                f"{torch.__version__}); kept open")
-        self._really_close()
+        if self._inner_close is not None:
+            self._inner_close()
+        self.stager.close()
 
 
 def _cpu_like(tree: Any) -> Any:
