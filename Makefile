@@ -30,6 +30,7 @@ bench: $(STAMP)
 # transformer loop (benchmarks/gpu.py); says so and exits 0 where there is no CUDA device.
 bench-gpu: $(STAMP)
 	$(PY) benchmarks/gpu.py --out benchmarks/results/gpu.json
+	$(PY) benchmarks/gpu_restore.py --out benchmarks/results/gpu_restore.json
 
 stress: $(STAMP)
 	ZEROSTALL_STRESS=1 $(PY) -m pytest -q -p no:cacheprovider tests -k "crash or stress"

@@ -408,13 +408,18 @@ def torn_check(name: str, trainer: Trainer, directory: Path, saves: int) -> dict
     return {"system": name, "saves": saves, "torn": torn}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """The trainer's size options (this script's and ``gpu_restore.py``'s)."""
     ap.add_argument("--layers", type=int, default=26)
     ap.add_argument("--d", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_args(ap)
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--every", type=int, default=3, help="iterations between saves")
     ap.add_argument("--torn-saves", type=int, default=50)

@@ -8,6 +8,11 @@
 #   scripts/gpu-session.sh all           # there (carry .whl): tests, bench (3 saves), torn check (50 saves of a
 #                                        # small model), the JAX unit tests on the GPU; each under its own limit
 #                                        # so that one call of the device tool (<= 10 min) brings every part back
+#   scripts/gpu-session.sh restore [ARGS] # there (carry .whl): benchmarks/gpu_restore.py ARGS (loads onto the GPU)
+#
+# A session's 15 minutes of device time (round 9: a start took ~30 s, `all` ~5 min, gpu.py alone
+# ~2 min, gpu_restore.py ~2 min) fit `all` in one call, then `bench` (the second consecutive run a
+# verdict needs) and `restore` together in a second; give the machine back between analyses.
 #
 # Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu.
 set -o pipefail
@@ -24,8 +29,8 @@ case "$what" in
       --platform manylinux1_x86_64 -d .whl "crc32c>=2.4" || exit 1
     ls -l .whl
     exit 0 ;;
-  tests|bench|all) ;;
-  *) sed -n 2,9p "$0"; exit 2 ;;
+  tests|bench|all|restore) ;;
+  *) sed -n 2,17p "$0"; exit 2 ;;
 esac
 out=${OUT:-/tmp/zerostall-gpu}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zs-site .whl/*.whl || exit 1
@@ -48,6 +53,8 @@ if [ "$what" = all ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${T_JAX:-90}" python3 -m pytest -q -p no:cacheprovider \
     tests/unit/test_jax.py > "$out/jax.log" 2>&1; echo "jax rc $?" | tee -a "$out/jax.log"
   tail -n 3 "$out/tests.log" "$out/jax.log"; tail -n 8 "$out/bench.log" "$out/torn.log"
+elif [ "$what" = restore ]; then
+  python3 benchmarks/gpu_restore.py --out "$out/restore.json" "$@" 2>&1 | tee "$out/restore.log"
 elif [ "$what" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
 else
