@@ -13,9 +13,10 @@ can run while the next forward and backward passes do. Two parts make that safe:
   whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA
   tensor is copied on a side stream that first waits for an event recorded on the caller's
   current stream at the call; one background thread enqueues those copies (the call only
-  records the event, see :data:`CUDA_ENQUEUE_THREAD`) and the copier waits for their event. Each source's storage is
-  referenced until its copy is done, so a parameter whose ``.data`` is replaced, or a block the
-  CUDA caching allocator would hand out again, still yields the bytes of the call.
+  records the event, see :data:`CUDA_ENQUEUE_THREAD`) and the copier waits for their event.
+  Each source's storage is referenced until its copy is done, so a parameter whose ``.data`` is
+  replaced, or a block the CUDA caching allocator would hand out again, still yields the bytes
+  of the call.
 * **The guard** (:class:`Guard`, one global optimizer step pre-hook, installed while a copy is
   in flight). Before any optimizer's ``step()``: on CPU it copies the pieces nobody has started
   and waits for those in progress; on CUDA the current stream waits for the copy's event (the
