@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -65,12 +66,14 @@ def _drop(d: Path) -> None:
         pass  # not root: the fadvise above did what it could
 
 
-_BUF: list[bytearray] = []
+_BUF: list[mmap.mmap] = []
 
 
 def _warm(d: Path) -> None:
     if not _BUF:
-        _BUF.append(bytearray(64 << 20))  # allocated (and zeroed) once, not per timed read
+        # Allocated once, not per timed read, and page-aligned: a read() into a bytearray ran at
+        # half the speed on this VM (docs/performance.md, "Ninth round").
+        _BUF.append(mmap.mmap(-1, 64 << 20))
     buf = _BUF[0]
     for p in _files(d):
         with open(p, "rb", buffering=0) as f:
