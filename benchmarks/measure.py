@@ -7,6 +7,7 @@ Kept free of any system under test so that every system is timed with the same c
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -436,7 +437,9 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         out["restore_correct"] = system.equal(state, restored)  # untimed: a fast wrong restore is no result
         del restored
         warm, cold, raw_cold = [], [], []
-        read_buf = memoryview(bytearray(64 << 20))
+        # page-aligned: a read() into a bytearray (16 bytes off a 64-byte boundary) ran at half
+        # speed on this VM, which made this floor slower than it is (performance.md, "Ninth round")
+        read_buf = memoryview(mmap.mmap(-1, 64 << 20))
         for r in range(repeats):
             warm.append(_timed_restore(system.restore, path, template, warm_cache))
             cold.append(_timed_restore(system.restore, path, template, drop_cache))
