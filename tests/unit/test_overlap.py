@@ -548,6 +548,23 @@ def test_cuda_guard_waits_for_the_background_enqueue_then_orders_the_step(monkey
     assert not GUARD.installed
 
 
+def test_enqueuer_runs_every_save_in_order_on_one_thread():
+    """Saves' CUDA copies are enqueued in submission order (a later save's copies must not overtake
+    an earlier one's on the side stream), all on one daemon thread."""
+    from zerostall.stage.overlap import _Enqueuer
+
+    enq = _Enqueuer()
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+    for i in range(200):
+        enq.put(lambda i=i: seen.append((i, threading.get_ident())))
+    enq.put(done.set)
+    assert done.wait(10)
+    assert [i for i, _ in seen] == list(range(200))
+    assert len({t for _, t in seen}) == 1 and seen[0][1] != threading.get_ident()
+    assert enq._thread is not None and enq._thread.daemon
+
+
 def test_enqueue_copies_records_a_failure_instead_of_raising():
     """``_enqueue_copies`` on a thread must never die with the part left unenqueued (the guard
     would wait forever): any error becomes the part's failure."""
