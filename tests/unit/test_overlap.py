@@ -458,16 +458,22 @@ def _cuda_task(t: torch.Tensor):
     return task, event, outcome
 
 
-@pytest.mark.parametrize("scenario", ["step_first", "mutated_then_step", "mutated_no_step"])
-def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monkeypatch, scenario):
-    """The CUDA branch of the guard with stand-ins for the stream and event (the logic only)."""
-    from zerostall.stage.overlap import GUARD, _run_task
-
+def _stand_in_cuda_step(monkeypatch):
+    """A stand-in current stream, and an SGD step ready to run over one parameter."""
     stream = _StandInStream()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([w], lr=0.5)
     w.grad = torch.ones(4)
+    return stream, w, opt
+
+
+@pytest.mark.parametrize("scenario", ["step_first", "mutated_then_step", "mutated_no_step"])
+def test_cuda_guard_orders_the_step_on_the_stream_without_blocking_the_host(monkeypatch, scenario):
+    """The CUDA branch of the guard with stand-ins for the stream and event (the logic only)."""
+    from zerostall.stage.overlap import GUARD, _run_task
+
+    stream, w, opt = _stand_in_cuda_step(monkeypatch)
     task, event, outcome = _cuda_task(w.detach())
     GUARD.add(task)
     copier = threading.Thread(target=_run_task, args=(task,))
@@ -500,11 +506,7 @@ def test_cuda_guard_waits_for_the_background_enqueue_then_orders_the_step(monkey
     an enqueue that failed fails the save and blocks nothing."""
     from zerostall.stage.overlap import _ENQUEUER, GUARD, _run_task
 
-    stream = _StandInStream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    w = torch.nn.Parameter(torch.ones(4))
-    opt = torch.optim.SGD([w], lr=0.5)
-    w.grad = torch.ones(4)
+    stream, w, opt = _stand_in_cuda_step(monkeypatch)
     task, _, outcome = _cuda_task(w.detach())
     part = task.cuda[0]
     part.enqueued.clear()  # as build_task leaves it for the enqueuer
@@ -563,6 +565,23 @@ def test_enqueuer_runs_every_save_in_order_on_one_thread():
     assert [i for i, _ in seen] == list(range(200))
     assert len({t for _, t in seen}) == 1 and seen[0][1] != threading.get_ident()
     assert enq._thread is not None and enq._thread.daemon
+
+
+def test_enqueuer_survives_a_raising_item_and_logs_it(caplog):
+    """An item that raises is logged, and the thread goes on with the next save's copies."""
+    from zerostall.stage.overlap import _Enqueuer
+
+    enq = _Enqueuer()
+    done = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("driver said no")
+
+    with caplog.at_level("ERROR", logger="zerostall"):
+        enq.put(boom)
+        enq.put(done.set)
+        assert done.wait(10)
+    assert any("CUDA copy enqueue failed" in r.getMessage() for r in caplog.records)
 
 
 def test_enqueue_copies_records_a_failure_instead_of_raising():

@@ -232,7 +232,10 @@ class _Enqueuer:
                 while not self._queue:
                     self._cond.wait()
                 fn = self._queue.popleft()
-            fn()  # _enqueue_copies: catches everything, sets the part's event
+            try:
+                fn()  # _enqueue_copies records its own failure in the part, which fails the save
+            except BaseException:
+                log.exception("zerostall: CUDA copy enqueue failed")
 
 
 _ENQUEUER = _Enqueuer()
