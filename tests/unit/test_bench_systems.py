@@ -51,3 +51,16 @@ def test_every_benchmarked_system_saves_and_restores(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_the_pinning_ab_times_every_variant_and_leaves_the_switch_on(tmp_path: Path) -> None:
+    # benchmarks/pin_ab.py backs the "Tenth round" figures in docs/performance.md
+    script = ("import sys, zerostall.memcopy as m; from benchmarks import pin_ab; "
+              "out = pin_ab.main(['--size', '4M', '--pairs', '2', '--quiet', '0', '--dir', sys.argv[1]]); "
+              "assert sorted(out) == ['atomic pinned', 'atomic pool', 'streaming pinned', 'streaming pool'], out; "
+              "assert all(len(v) == 2 and min(v) > 0 for v in out.values()) and m.PIN_PASSES; print('ok')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not list(tmp_path.iterdir())  # the checkpoint is removed

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import pytest
 
+import zerostall.memcopy as memcopy
 from zerostall.checksum import checksum, checksum_combine
+from zerostall.cpus import PinnedTeam, pinned_team, usable_cpus
 from zerostall.restore.spans import join_crcs, run_all, split_chunks, split_even, workers
 
 
@@ -69,3 +72,70 @@ def test_run_all_runs_everything_then_raises_the_first_error() -> None:
     assert sorted(done) == [0, 1, 2, 3, 4]
     assert run_all(lambda i: i + 1, [1, 2, 3], 2) == [2, 3, 4]
     assert 1 <= workers(64) <= len(os.sched_getaffinity(0)) and workers(1) == 1
+
+
+def _where() -> tuple[str, frozenset[int]]:
+    return threading.current_thread().name, frozenset(os.sched_getaffinity(0))
+
+
+def test_pinned_team_runs_share_i_on_cpu_i_and_returns_errors_in_order() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    team = PinnedTeam(cpus)
+    try:
+        got = team.run(lambda i: _where(), list(range(len(cpus))))
+        assert [e for e, _ in got] == [None] * len(cpus)
+        assert [r for _, r in got] == [(f"zerostall-pass-cpu{c}", frozenset({c})) for c in cpus]
+
+        def fn(i: int) -> int:
+            if i == 0:
+                raise ValueError("share 0")
+            return i
+
+        out = team.run(fn, [0] * len(cpus))
+        assert all(isinstance(e, ValueError) and r is None for e, r in out)
+        with pytest.raises(ValueError, match="items for a team"):
+            team.run(fn, [1] * (len(cpus) + 1))
+    finally:
+        team.stop()
+
+
+def test_a_pass_on_every_cpu_runs_on_the_pinned_team_else_on_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    n = usable_cpus()
+    where = run_all(lambda i: _where(), list(range(n)), n)
+    if n >= 2:  # one share per CPU, each on the member pinned to it
+        assert [w for w in where] == [(f"zerostall-pass-cpu{c}", frozenset({c}))
+                                      for c in sorted(os.sched_getaffinity(0))]
+        # more shares than CPUs (a cold pass): the pool, unpinned
+        assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), [0] * (n + 1), n + 1))
+        monkeypatch.setattr(memcopy, "PIN_PASSES", False)  # the A/B switch
+        assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), list(range(n)), n))
+    else:
+        assert pinned_team() is None
+
+
+def test_the_team_follows_the_cpus_the_process_may_use() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        first = pinned_team()
+        assert first is None if len(cpus) < 2 else first.cpus == tuple(cpus)
+        os.sched_setaffinity(0, cpus[:1])  # taskset down to one CPU: no team
+        assert pinned_team() is None
+    finally:
+        os.sched_setaffinity(0, cpus)
+    again = pinned_team()
+    assert (again is None) if len(cpus) < 2 else (again is not None and again.cpus == tuple(cpus))
+
+
+def test_a_member_that_runs_a_pass_itself_runs_it_inline() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    team = PinnedTeam(cpus)
+    try:
+        # an item that starts a pass on the same team: queueing to itself would wait forever
+        got = team.run(lambda i: [r for _, r in team.run(lambda j: (j, threading.current_thread().name), [1, 2])],
+                       [0])
+        assert got[0][0] is None
+        inner = got[0][1]
+        assert inner is not None and [j for j, _ in inner] == [1, 2]
+        assert {name for _, name in inner} == {f"zerostall-pass-cpu{cpus[0]}"}  # the calling member
+    finally:
+        team.stop()

@@ -9,19 +9,25 @@ CRC32C. Each thread copies its share with one large copy per contiguous range, w
 stores (:mod:`zerostall.memcopy`: glibc's ``memmove`` uses them only for copies of hundreds of
 MiB; cached stores cost up to 1.8x as much, measured here).
 
-The threads come from one pool per process (:func:`zerostall.cpus.shared_pool`), made on first
-use: starting threads costs milliseconds per load on a busy machine.
+A pass on every CPU the process may use, one share per CPU, runs on
+:func:`zerostall.cpus.pinned_team`: one thread pinned to each CPU, so that no two shares start on
+the same core (``ZEROSTALL_PIN_PASSES=0`` turns that off, for A/B runs). Other passes (a cold
+one: more threads than CPUs, most waiting for the disk) take threads from one pool per process
+(:func:`zerostall.cpus.shared_pool`), made on first use: starting threads costs milliseconds per
+load on a busy machine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
+
+import zerostall.memcopy as memcopy
 
 # The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
 # sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
-from zerostall.cpus import shared_pool, usable_cpus
+from zerostall.cpus import pinned_team, shared_pool, usable_cpus
 
 __all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
 
@@ -56,6 +62,13 @@ def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_
     runs to its end before the first error (in item order) is raised."""
     if threads <= 1 or len(items) <= 1:
         return [fn(t) for t in items]
+    team = pinned_team() if memcopy.PIN_PASSES and threads == usable_cpus() and len(items) <= threads else None
+    if team is not None and len(items) <= len(team):
+        got = team.run(fn, items)
+        first = next((e for e, _ in got if e is not None), None)
+        if first is not None:
+            raise first
+        return [cast(_R, r) for _, r in got]  # no error: every item returned its result
     pool = shared_pool(threads)
     futures = [pool.submit(fn, t) for t in items]
     errors = [f.exception() for f in futures]
