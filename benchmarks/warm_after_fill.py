@@ -8,6 +8,8 @@ previous load's mapping is unmapped before each):
 
 - ``read``: one sequential ``read()`` of 64 MiB calls (one descriptor, one thread);
 - ``load``: zerostall's own cold load (32 MiB ``fill_cache`` pieces on two threads);
+- ``write``: the same bytes written again through the page cache (a buffered copy renamed over the
+  file), as a file written without ``O_DIRECT`` (safetensors', ``torch.save``'s) is cached;
 - ``read-pop`` / ``load-pop``: the same fills, then loads whose mapping is made with ``MAP_POPULATE``.
 """
 
@@ -59,6 +61,10 @@ def main() -> None:
                 with open(data, "rb") as fh:
                     while fh.read(64 << 20):
                         pass
+            elif fill == "write":
+                shutil.copyfile(data, data + ".tmp")
+                os.replace(data + ".tmp", data)
+                os.sync()
             else:
                 zerostall.load_pytree(ck, tmpl, options=opts)
             if fill.endswith("-pop"):
