@@ -4,7 +4,7 @@
 
 Saves the benchmark's state (``benchmarks.state.build_state``) once, then loads it in place into a
 template ``--pairs`` times per variant: all-or-nothing (``atomic=True``) and streaming
-(``atomic=False``), each with ``zerostall.memcopy.PIN_PASSES`` on (one thread pinned to each CPU,
+(``atomic=False``), each with ``zerostall.restore.spans.PIN_PASSES`` on (one thread pinned to each CPU,
 :func:`zerostall.cpus.pinned_team`) and off (the shared pool), in turn. As in ``make bench``,
 the files are read into the page cache right before each load (``measure.warm_cache``) and the
 process then sleeps ``--quiet`` seconds, so each load starts from idle cores. Prints medians and
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import zerostall
-import zerostall.memcopy as memcopy
+import zerostall.restore.spans as spans
 from benchmarks import measure
 from benchmarks.state import build_state, parse_size, template_like
 
@@ -51,14 +51,14 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         for _ in range(a.pairs):
             for mode, opts in modes.items():
                 for pin in (False, True):
-                    memcopy.PIN_PASSES = pin
+                    spans.PIN_PASSES = pin
                     measure.warm_cache(path)
                     time.sleep(a.quiet)
                     t0 = time.perf_counter()
                     zerostall.load_pytree(path, template, options=opts)
                     out.setdefault(f"{mode} {'pinned' if pin else 'pool'}", []).append(time.perf_counter() - t0)
     finally:
-        memcopy.PIN_PASSES = True
+        spans.PIN_PASSES = True
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.size}, {a.pairs} pairs, {a.quiet:g} s idle before each load, {os.cpu_count()} CPUs")
     for name, xs in out.items():

@@ -1,4 +1,5 @@
-"""How many CPUs this process may run on: the one answer every thread pool sizes itself by.
+"""How many CPUs this process may run on: the one answer every thread pool sizes itself by,
+and the process's threads for memory-bound passes (:func:`shared_pool`, :func:`pinned_team`).
 
 A bottom-layer module (it imports nothing of zerostall) so that ``stage``, ``restore`` and
 ``persist``, which may not import one another, ask the same question the same way.

@@ -126,10 +126,6 @@ MIN_STREAM = 256 << 10
 #: A :func:`copy_many` piece: large enough to run at memory bandwidth, small enough to share a
 #: tensor between threads evenly.
 PIECE = 16 << 20
-#: Whether a load's memory-bound pass on every usable CPU runs one share per CPU on
-#: :func:`zerostall.cpus.pinned_team` (:func:`zerostall.restore.spans.run_all`);
-#: ``ZEROSTALL_PIN_PASSES=0`` turns it off (the shares then go to the shared pool), for A/B runs.
-PIN_PASSES: bool = env_switch("ZEROSTALL_PIN_PASSES", "passes pinned one thread per CPU")
 
 
 def copy(dst: int, src: int, n: int, crc: int | None = None) -> int | None:
@@ -229,9 +225,9 @@ def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None,
     (default: one per usable CPU). Returns once every piece is copied; the first error is raised
     after every piece has run.
 
-    Not on the pinned team (:data:`PIN_PASSES`): the blocking save's stall was the same either way
-    (256 MiB, 12 pairs in one process: 17.0 ms pooled, 17.2 ms pinned; docs/performance.md,
-    "Tenth round").
+    Not on the pinned team that a load's passes use (:data:`zerostall.restore.spans.PIN_PASSES`):
+    there the blocking save's stall was the same (256 MiB, 12 pairs in one process: 17.0 ms
+    pooled, 17.2 ms pinned; docs/performance.md, "Tenth round").
 
     With ``crc`` and :data:`CRC_COPY`, returns each piece's ``((item, start, end), CRC32C)``,
     computed in the copy's own pass (:func:`zerostall.checksum.join_crcs` makes the items' CRCs

@@ -55,7 +55,7 @@ def test_every_benchmarked_system_saves_and_restores(tmp_path: Path) -> None:
 
 def test_the_pinning_ab_times_every_variant_and_leaves_the_switch_on(tmp_path: Path) -> None:
     # benchmarks/pin_ab.py backs the "Tenth round" figures in docs/performance.md
-    script = ("import sys, zerostall.memcopy as m; from benchmarks import pin_ab; "
+    script = ("import sys, zerostall.restore.spans as m; from benchmarks import pin_ab; "
               "out = pin_ab.main(['--size', '4M', '--pairs', '2', '--quiet', '0', '--dir', sys.argv[1]]); "
               "assert sorted(out) == ['atomic pinned', 'atomic pool', 'streaming pinned', 'streaming pool'], out; "
               "assert all(len(v) == 2 and min(v) > 0 for v in out.values()) and m.PIN_PASSES; print('ok')")

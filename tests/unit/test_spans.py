@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-import zerostall.memcopy as memcopy
+import zerostall.restore.spans as spans
 from zerostall.checksum import checksum, checksum_combine
 from zerostall.cpus import PinnedTeam, pinned_team, usable_cpus
 from zerostall.restore.spans import join_crcs, run_all, split_chunks, split_even, workers
@@ -105,9 +105,19 @@ def test_a_pass_on_every_cpu_runs_on_the_pinned_team_else_on_the_pool(monkeypatc
     if n >= 2:  # one share per CPU, each on the member pinned to it
         assert [w for w in where] == [(f"zerostall-pass-cpu{c}", frozenset({c}))
                                       for c in sorted(os.sched_getaffinity(0))]
+        ran: list[int] = []
+
+        def fails_first(i: int) -> int:
+            ran.append(i)
+            if i == 0:
+                raise ValueError("share 0")
+            return i
+        with pytest.raises(ValueError, match="share 0"):  # raised once every share has run
+            run_all(fails_first, list(range(n)), n)
+        assert sorted(ran) == list(range(n))
         # more shares than CPUs (a cold pass): the pool, unpinned
         assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), [0] * (n + 1), n + 1))
-        monkeypatch.setattr(memcopy, "PIN_PASSES", False)  # the A/B switch
+        monkeypatch.setattr(spans, "PIN_PASSES", False)  # the A/B switch
         assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), list(range(n)), n))
     else:
         assert pinned_team() is None

@@ -20,16 +20,20 @@ load on a busy machine.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
-
-import zerostall.memcopy as memcopy
+from concurrent.futures import Future
+from typing import Any, TypeVar, cast
 
 # The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
 # sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
 from zerostall.cpus import pinned_team, shared_pool, usable_cpus
+from zerostall.memcopy import env_switch
 
-__all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
+__all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs", "PIN_PASSES"]
+
+#: Whether a pass with one share per usable CPU runs on :func:`zerostall.cpus.pinned_team`
+#: (``ZEROSTALL_PIN_PASSES=0``: on the shared pool, for A/B runs).
+PIN_PASSES: bool = env_switch("ZEROSTALL_PIN_PASSES", "passes pinned one thread per CPU")
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -58,21 +62,24 @@ def split_chunks(groups: Sequence[Sequence[tuple[int, int]]], chunk: int) -> lis
 
 
 def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_R]:
-    """``fn`` over ``items`` on up to ``threads`` pooled threads, results in order; every item
-    runs to its end before the first error (in item order) is raised."""
+    """``fn`` over ``items`` on up to ``threads`` threads (the pinned team, or the pool; see the
+    module's text), results in order; every item runs to its end before the first error (in
+    item order) is raised."""
     if threads <= 1 or len(items) <= 1:
         return [fn(t) for t in items]
-    team = pinned_team() if memcopy.PIN_PASSES and threads == usable_cpus() and len(items) <= threads else None
+    team = pinned_team() if PIN_PASSES and threads == usable_cpus() else None
+    got: list[tuple[BaseException | None, _R | None]]
     if team is not None and len(items) <= len(team):
         got = team.run(fn, items)
-        first = next((e for e, _ in got if e is not None), None)
-        if first is not None:
-            raise first
-        return [cast(_R, r) for _, r in got]  # no error: every item returned its result
-    pool = shared_pool(threads)
-    futures = [pool.submit(fn, t) for t in items]
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
+    else:
+        got = [_outcome(f) for f in [shared_pool(threads).submit(fn, t) for t in items]]
+    first = next((e for e, _ in got if e is not None), None)
     if first is not None:
         raise first
-    return [f.result() for f in futures]
+    return [cast(_R, r) for _, r in got]  # no error: every item returned its result
+
+
+def _outcome(f: Future[Any]) -> tuple[BaseException | None, Any]:
+    """A finished future as the team reports an item: ``(error, None)`` or ``(None, result)``."""
+    exc = f.exception()
+    return (exc, None) if exc is not None else (None, f.result())
