@@ -9,7 +9,9 @@ all-or-nothing load's fill does) against a read into a buffer, and the copy/CRC 
 a fill. Each repeat runs every variant in turn, the paired raw read (``benchmarks.measure.raw_read``,
 the reference of ``restore_ab --cold``) first and again last, so the disk's swings show up in the
 reference too. Prints wall and CPU seconds per variant, medians, and each one's ratio to the
-median raw read. A diagnosis tool: compare within one run.
+median raw read. The ``pipe_*`` variants are the pass since the twelfth session: one thread fills
+the file front to back on one descriptor while others checksum each piece behind it (``fresh``:
+a descriptor per piece). A diagnosis tool: compare within one run.
 """
 
 from __future__ import annotations
@@ -138,6 +140,47 @@ def main() -> None:
                         m.close()
             return run
 
+        def pipe(piece: int, crc_threads: int = 1, copy: bool = False, fresh_fd: bool = False) -> Callable[[], None]:
+            """One descriptor read front to back by one thread (the raw read's pattern, into the
+            cache only), each piece checksummed by the other threads as soon as it has landed."""
+            import queue
+            import threading
+
+            def run() -> None:
+                fd = os.open(path, os.O_RDONLY)
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+                q: queue.Queue[tuple[int, int] | None] = queue.Queue()
+
+                def filler() -> None:
+                    for a, n in _ranges(size, piece):
+                        pos = a
+                        f = os.open(path, os.O_RDONLY) if fresh_fd else fd
+                        while pos < a + n:
+                            pos += os.sendfile(_DEVNULL, f, pos, a + n - pos)
+                        if fresh_fd:
+                            os.close(f)
+                        q.put((a, n))
+                    for _ in range(crc_threads):
+                        q.put(None)
+
+                def checker() -> None:
+                    while (r := q.get()) is not None:
+                        checksum(memoryview(m)[r[0]:r[0] + r[1]])
+                ts = [threading.Thread(target=filler)] + [threading.Thread(target=checker) for _ in range(crc_threads)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                if copy:
+                    src = np.frombuffer(m, dtype=np.uint8)
+                    half = size // 2 // 4096 * 4096
+                    _parallel(2, [(0, half), (half, size - half)],
+                              lambda r: np.copyto(dst[r[0]:r[0] + r[1]], src[r[0]:r[0] + r[1]]))
+                    del src
+                m.close()
+                os.close(fd)
+            return run
+
         variants: dict[str, Callable[[], object]] = {
             "raw_read": lambda: measure.raw_read(path, buf[:size]),
             "direct_1x8M": direct(1, 8 << 20),
@@ -168,6 +211,14 @@ def main() -> None:
             "fill_2x32M_shared_crc_copy": fill(2, 32 << 20, crc=True, copy=True, fresh_fd=False),
             "fill_2x32M_crc": fill(2, 32 << 20, crc=True),
             "fill_2x32M_crc_copy": fill(2, 32 << 20, crc=True, copy=True),
+            "pipe_32M_crc": pipe(32 << 20),
+            "pipe_8M_crc": pipe(8 << 20),
+            "pipe_32M_crc_copy": pipe(32 << 20, copy=True),
+            "pipe_8M_crc_copy": pipe(8 << 20, copy=True),
+            "pipe_8M_crc_fresh": pipe(8 << 20, fresh_fd=True),
+            "pipe_8M_crc_copy_fresh": pipe(8 << 20, copy=True, fresh_fd=True),
+            "pipe_8M_crc2_copy": pipe(8 << 20, crc_threads=2, copy=True),
+            "pipe_4M_crc_copy": pipe(4 << 20, copy=True),
             "raw_read_again": lambda: measure.raw_read(path, buf[:size]),
         }
         if args.only:

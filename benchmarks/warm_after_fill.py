@@ -7,7 +7,7 @@ page cache and read back one way, then ``--loads`` warm streaming loads are time
 previous load's mapping is unmapped before each):
 
 - ``read``: one sequential ``read()`` of 64 MiB calls (one descriptor, one thread);
-- ``load``: zerostall's own cold load (32 MiB ``fill_cache`` pieces on two threads);
+- ``load``: zerostall's own cold load (``fill_cache`` front to back on one reader thread, 8 MiB pieces);
 - ``write``: the same bytes written again through the page cache (a buffered copy renamed over the
   file), as a file written without ``O_DIRECT`` (safetensors', ``torch.save``'s) is cached;
 - ``read-pop`` / ``load-pop``: the same fills, then loads whose mapping is made with ``MAP_POPULATE``.

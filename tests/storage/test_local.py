@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,7 +125,7 @@ def test_a_read_error_in_a_streaming_fill_keeps_its_errno(tmp_path, monkeypatch:
     path = str(tmp_path / "ck")
     zerostall.save_pytree(path, state)
 
-    def failing_fill(self: LocalStorage, key: str, offset: int, length: int) -> None:
+    def failing_fill(self: LocalStorage, key: str, offset: int, length: int, **kw: Any) -> None:
         raise OSError(errno.EIO, "injected read error")
 
     monkeypatch.setattr(LocalStorage, "fill_cache", failing_fill)

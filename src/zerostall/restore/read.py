@@ -37,10 +37,11 @@ __all__ = ["execute_reads", "prepare_reads", "available_memory", "ATOMIC_MEMORY_
 log = logging.getLogger("zerostall")
 
 _VERIFY_CHUNK = 4 << 20
-#: A verify pass that reads as it goes (bytes not yet in the page cache) fills and checks pieces
-#: of this size in file order, on every core: one thread's piece is read while another's is
-#: checked, so the pass costs the read and little more.
-_FILL_CHUNK = 32 << 20
+#: A pass that reads as it goes (bytes not yet in the page cache) works in pieces of this size in
+#: file order: one thread (:class:`_FillAhead`) brings them into the cache front to back while the
+#: pass's threads check (and copy) each piece right behind it, so the pass costs the read and
+#: little more.
+_FILL_CHUNK = 8 << 20
 
 #: ``atomic="auto"`` holds a load's in-place bytes back (in the page cache, or in a staging copy)
 #: only while they are at most this fraction of the memory the kernel reports available.
@@ -374,10 +375,8 @@ class _Reader:
         if self.resident(reqs):
             return True, split_even([q.leaf.nbytes for q in reqs], n)
         index = {id(q): i for i, q in enumerate(reqs)}
-        # Neighbours are packed up to a whole piece: each piece is read by a descriptor of its own,
-        # whose readahead starts small, so a piece per leaf (6.5 MiB in the benchmark's state) read
-        # slower than the paired raw read. 1 GiB cold, 5 repeats, same machine: 0.451 -> 0.356 s
-        # all-or-nothing, 0.413 -> 0.314 s streaming (docs/performance.md, "Sixth round").
+        # Neighbours are packed up to a whole piece: a piece is the unit the reader reports filled
+        # and a thread then checks, so small leaves would add a hand-over each.
         groups = [[(index[id(q)], q.leaf.nbytes) for q in g] for g in _group(reqs, _FILL_CHUNK)]
         return False, split_chunks(groups, _FILL_CHUNK)
 
@@ -389,24 +388,44 @@ class _Reader:
             return
         n = workers(self.opts.io_threads)
         warm, pieces = self.pieces(reqs, n)
-        n = n if warm else max(n, self.opts.io_threads)  # cold: the threads mostly wait for the disk
-        parts = [p for got in run_all(lambda piece: self.verify_piece(reqs, piece, warm), pieces, n)
-                 for p in got]
+        with self.fill_ahead(reqs, pieces, warm) as filler:
+            if filler is None and not warm:
+                n = max(n, self.opts.io_threads)  # the threads' own reads mostly wait for the disk
+            parts = [p for got in run_all(lambda k: self.verify_piece(reqs, pieces[k], warm, filler, k),
+                                          range(len(pieces)), n) for p in got]
         for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
             self.check(q, crc or 0)
 
-    def verify_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool) -> list[tuple[Span, int]]:
-        """Checksum a piece's spans (``warm``: all resident a moment ago, so not asked again:
-        ``mincore`` over a GiB costs tens of milliseconds)."""
-        first = reqs[piece[0][0]].leaf
-        if not warm and getattr(self.storage, "fill_cache", None) is not None:
-            last = reqs[piece[-1][0]].leaf
-            start, end = first.offset + piece[0][1], last.offset + piece[-1][2]
-            if not self._maps[first.file].cached(start, end - start):
-                try:  # into the page cache only, read errors reported here; checked there below
-                    self.storage.fill_cache(self.key(first), start, end - start)  # type: ignore[attr-defined]
-                except (EOFError, OSError) as exc:
-                    raise self.fail(exc, first) from exc
+    def fill_ahead(self, reqs: list[ReadRequest], pieces: list[list[Span]], warm: bool) -> _FillAhead:
+        """The pass's reader: fills ``pieces`` in order on a thread of its own when they are not
+        resident and the storage can fill its page cache (else it enters as None)."""
+        fill = None if warm else getattr(self.storage, "fill_cache", None)
+        if fill is None:
+            return _FillAhead(None, [])
+        spans = []
+        for piece in pieces:
+            first, last = reqs[piece[0][0]].leaf, reqs[piece[-1][0]].leaf
+            spans.append((first.file, self.key(first), first.offset + piece[0][1], last.offset + piece[-1][2]))
+        return _FillAhead(fill, spans)
+
+    def filled(self, filler: _FillAhead | None, k: int, leaf: LeafEntry) -> None:
+        """Wait until the reader has brought piece ``k`` into the page cache (or stopped short of
+        it); its read error, if it had one, raised here against ``leaf``."""
+        if filler is None:
+            return
+        exc = filler.wait(k)
+        if exc is None:
+            return
+        if isinstance(exc, (EOFError, OSError)):
+            raise self.fail(exc, leaf) from exc
+        raise exc
+
+    def verify_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool, filler: _FillAhead | None,
+                     k: int) -> list[tuple[Span, int]]:
+        """Checksum a piece's spans: straight from the mapping when the pass found everything
+        resident (``warm``: not asked again, ``mincore`` over a GiB costs tens of milliseconds),
+        else once the reader has filled it (if there is one), each span asked first."""
+        self.filled(filler, k, reqs[piece[0][0]].leaf)
         out = []
         for i, lo, hi in piece:
             leaf = reqs[i].leaf
@@ -466,25 +485,21 @@ class _Reader:
             return
         n = workers(self.opts.io_threads)
         warm, pieces = self.pieces(reqs, n)
-        n = n if warm else max(n, self.opts.io_threads)  # cold: the threads mostly wait for the disk
-        parts = [p for got in run_all(lambda piece: self.stream_piece(reqs, piece, warm), pieces, n) for p in got]
+        with self.fill_ahead(reqs, pieces, warm) as filler:
+            if filler is None and not warm:
+                n = max(n, self.opts.io_threads)  # the threads' own reads mostly wait for the disk
+            parts = [p for got in run_all(lambda k: self.stream_piece(reqs, pieces[k], warm, filler, k),
+                                          range(len(pieces)), n) for p in got]
         for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
             if self.opts.verify and q.verify:
                 self.check(q, crc or 0)
 
-    def stream_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool) -> list[tuple[Span, int]]:
+    def stream_piece(self, reqs: list[ReadRequest], piece: list[Span], warm: bool, filler: _FillAhead | None,
+                     k: int) -> list[tuple[Span, int]]:
         """Copy a piece's spans into their destinations, checksummed in the copy's own pass (or
-        ``_FUSE`` bytes at a time right before they are copied, read from memory once)."""
-        first = reqs[piece[0][0]].leaf
-        if not warm and getattr(self.storage, "fill_cache", None) is not None:
-            # A cold piece lies in one file (split_chunks cuts file-order groups); a warm one may not.
-            last = reqs[piece[-1][0]].leaf
-            start, end = first.offset + piece[0][1], last.offset + piece[-1][2]
-            if not self._maps[first.file].cached(start, end - start):
-                try:  # into the page cache only, read errors reported here with their errno
-                    self.storage.fill_cache(self.key(first), start, end - start)  # type: ignore[attr-defined]
-                except (EOFError, OSError) as exc:
-                    raise self.fail(exc, first) from exc
+        ``_FUSE`` bytes at a time right before they are copied, read from memory once); cold,
+        once the reader has filled the piece (see :meth:`verify_piece`)."""
+        self.filled(filler, k, reqs[piece[0][0]].leaf)
         out = []
         for i, lo, hi in piece:
             q = reqs[i]
@@ -517,6 +532,91 @@ class _Reader:
         for mf in maps:
             if mf is not None:
                 mf.close()
+
+
+class _FillAhead:
+    """A cold pass's reader: brings its pieces into the page cache in file order, on a thread of
+    its own, while the pass's threads check (and copy) each piece as soon as it has landed.
+
+    Why one reader and not each thread reading its own piece: the disk is read the way the raw
+    read reads it, one stream front to back, and the checks trail it by a piece instead of
+    waiting for a whole round of reads (256 MiB cold: filled by four threads 32 MiB at a time and
+    checked by each, 0.123 s; one reader and checks 8 MiB behind, 0.097-0.109 s; the raw read
+    0.101-0.112 s; benchmarks/cold_read_probe.py). Neighbouring pieces of one file are one
+    ``fill_cache`` call, one descriptor: its readahead keeps growing.
+
+    A piece the reader did not fill (it stopped at a read error, or the storage filled nothing)
+    is reported as done anyway: the pass asks the page cache span by span and reads what is
+    missing itself. A read error is handed to the thread that waits for the piece it hit.
+    """
+
+    #: Pieces this close together in one file are filled by one call, the gap read too.
+    _JOIN_GAP = 1 << 20
+
+    def __init__(self, fill: Callable[..., None] | None, spans: list[tuple[int, str, int, int]]) -> None:
+        self._fill, self._spans = fill, spans  # per piece: (file, key, start, end)
+        self._done = [threading.Event() for _ in spans]
+        self._errors: list[BaseException | None] = [None] * len(spans)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _FillAhead | None:
+        if self._fill is None or not self._spans:
+            return None
+        self._thread = threading.Thread(target=self._run, name="zerostall-fill", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True  # the pass ended (or failed): read no further
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self, k: int) -> BaseException | None:
+        """Block until piece ``k`` is filled or will not be; the read error that stopped it, if any."""
+        self._done[k].wait()
+        return self._errors[k]
+
+    def _runs(self) -> list[tuple[str, int, int, list[int]]]:
+        runs: list[tuple[str, int, int, list[int]]] = []
+        last_file = -1
+        for k, (file, key, start, end) in enumerate(self._spans):
+            if runs and file == last_file and 0 <= start - runs[-1][2] < self._JOIN_GAP:
+                key0, start0, _, ks = runs[-1]
+                ks.append(k)
+                runs[-1] = (key0, start0, end, ks)
+            else:
+                runs.append((key, start, end, [k]))
+            last_file = file
+        return runs
+
+    def _run(self) -> None:
+        assert self._fill is not None
+        for key, start, end, ks in self._runs():
+            nxt = 0  # the run's first piece not yet reported
+
+            def on_filled(pos: int, ks: list[int] = ks) -> None:
+                nonlocal nxt
+                while nxt < len(ks) and self._spans[ks[nxt]][3] <= pos:
+                    self._done[ks[nxt]].set()
+                    nxt += 1
+                if self._stop:
+                    raise _Stopped
+            try:
+                if not self._stop:
+                    self._fill(key, start, end - start, piece=_FILL_CHUNK, on_filled=on_filled)
+            except _Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that checks the piece it hit
+                if nxt < len(ks):
+                    self._errors[ks[nxt]] = exc
+            finally:
+                for k in ks[nxt:]:
+                    self._done[k].set()
+
+
+class _Stopped(Exception):
+    """Raised inside a fill to end it early: the pass it reads for has ended."""
 
 
 #: Where the copy cannot checksum in its own pass (``memcopy.CRC_COPY`` off), a streaming pass

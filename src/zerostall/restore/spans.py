@@ -12,7 +12,7 @@ MiB; cached stores cost up to 1.8x as much, measured here).
 A pass on every CPU the process may use, one share per CPU, runs on
 :func:`zerostall.cpus.pinned_team`: one thread pinned to each CPU, so that no two shares start on
 the same core (``ZEROSTALL_PIN_PASSES=0`` turns that off, for A/B runs). Other passes (a cold
-one: more threads than CPUs, most waiting for the disk) take threads from one pool per process
+one: many pieces, each taken by whichever thread is free once it has been read) take threads from one pool per process
 (:func:`zerostall.cpus.shared_pool`), made on first use: starting threads costs milliseconds per
 load on a busy machine.
 """

@@ -261,13 +261,19 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def fill_cache(self, key: str, offset: int, length: int) -> None:
+    def fill_cache(self, key: str, offset: int, length: int, *, piece: int = 0,
+                   on_filled: Callable[[int], None] | None = None) -> None:
         """Bring the range into the page cache, reporting read errors, without copying it anywhere.
 
         ``sendfile`` to ``/dev/null``: the kernel reads the pages into the cache and discards
         them at the other end (a tenth of the CPU of reading them into a buffer, measured), and a
         failed read is an ``OSError`` with its errno here, not later. Does nothing where that is
         not available; the caller checks what is cached either way.
+
+        With ``on_filled``, the range is read front to back in ``piece``-byte calls on this one
+        descriptor, whose readahead window keeps growing (a descriptor per piece read 256 MiB
+        cold in 0.126 s against 0.097 s, benchmarks/cold_read_probe.py), and
+        ``on_filled(end)`` is called after each with the file offset filled up to.
         """
         if not length or not hasattr(os, "sendfile"):
             return
@@ -276,17 +282,22 @@ class LocalStorage:
             null = _devnull()
             if null is None:
                 return
-            pos, end = offset, offset + length
-            while pos < end:
-                try:
-                    n = os.sendfile(null, fd, pos, min(end - pos, 1 << 30))
-                except OSError as exc:
-                    if exc.errno in (errno.EINVAL, errno.ENOSYS) and pos == offset:
-                        return  # this kernel or filesystem cannot: the caller reads instead
-                    raise
-                if n == 0:
-                    raise EOFError(f"{key}: object ends before byte {end}")
-                pos += n
+            end = offset + length
+            step = piece if piece > 0 and on_filled is not None else end - offset
+            for a in range(offset, end, step):
+                pos, stop = a, min(a + step, end)
+                while pos < stop:
+                    try:
+                        n = os.sendfile(null, fd, pos, min(stop - pos, 1 << 30))
+                    except OSError as exc:
+                        if exc.errno in (errno.EINVAL, errno.ENOSYS) and pos == offset:
+                            return  # this kernel or filesystem cannot: the caller reads instead
+                        raise
+                    if n == 0:
+                        raise EOFError(f"{key}: object ends before byte {end}")
+                    pos += n
+                if on_filled is not None:
+                    on_filled(stop)
         finally:
             os.close(fd)
 
