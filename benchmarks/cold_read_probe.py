@@ -11,7 +11,10 @@ the reference of ``restore_ab --cold``) first and again last, so the disk's swin
 reference too. Prints wall and CPU seconds per variant, medians, and each one's ratio to the
 median raw read. The ``pipe_*`` variants are the pass since the twelfth session: one thread fills
 the file front to back on one descriptor while others checksum each piece behind it (``fresh``:
-a descriptor per piece). A diagnosis tool: compare within one run.
+a descriptor per piece). ``pipe_8M_undo`` sketches an all-or-nothing load that writes each verified
+piece straight into its destination, having first copied the destination's old bytes aside while
+the disk is the bottleneck (to put back if a later piece fails); not what the load does (yet). A
+diagnosis tool: compare within one run.
 """
 
 from __future__ import annotations
@@ -140,7 +143,12 @@ def main() -> None:
                         m.close()
             return run
 
-        def pipe(piece: int, crc_threads: int = 1, copy: bool = False, fresh_fd: bool = False) -> Callable[[], None]:
+        backup = np.empty(size, dtype=np.uint8) if "pipe_8M_undo" in (args.only or "pipe_8M_undo") else None
+        if backup is not None:
+            backup[:] = 1  # faulted in, not timed
+
+        def pipe(piece: int, crc_threads: int = 1, copy: bool = False, fresh_fd: bool = False,
+                 undo: bool = False) -> Callable[[], None]:
             """One descriptor read front to back by one thread (the raw read's pattern, into the
             cache only), each piece checksummed by the other threads as soon as it has landed."""
             import queue
@@ -164,8 +172,13 @@ def main() -> None:
                         q.put(None)
 
                 def checker() -> None:
+                    if undo:  # keep the destination's old bytes first (the disk is the bottleneck)
+                        assert backup is not None
+                        np.copyto(backup, dst)
                     while (r := q.get()) is not None:
                         checksum(memoryview(m)[r[0]:r[0] + r[1]])
+                        if undo:  # verified piece straight into the destination
+                            np.copyto(dst[r[0]:r[0] + r[1]], np.frombuffer(m, dtype=np.uint8, count=r[1], offset=r[0]))
                 ts = [threading.Thread(target=filler)] + [threading.Thread(target=checker) for _ in range(crc_threads)]
                 for t in ts:
                     t.start()
@@ -219,6 +232,7 @@ def main() -> None:
             "pipe_8M_crc_copy_fresh": pipe(8 << 20, copy=True, fresh_fd=True),
             "pipe_8M_crc2_copy": pipe(8 << 20, crc_threads=2, copy=True),
             "pipe_4M_crc_copy": pipe(4 << 20, copy=True),
+            "pipe_8M_undo": pipe(8 << 20, undo=True),
             "raw_read_again": lambda: measure.raw_read(path, buf[:size]),
         }
         if args.only:
