@@ -48,6 +48,9 @@ _FILL_CHUNK = 8 << 20
 ATOMIC_MEMORY_FRACTION = 0.5
 
 _T = TypeVar("_T")
+#: A pass's work on one piece: ``(requests, piece, warm, reader, piece index)`` -> the piece's
+#: spans with their CRC32Cs (see ``_Reader.verify_piece``, ``_Reader.stream_piece``).
+_PieceFn = Callable[[list[ReadRequest], list[Span], bool, "_FillAhead | None", int], list[tuple[Span, int]]]
 
 
 def available_memory() -> int | None:
@@ -386,15 +389,20 @@ class _Reader:
         and checked right behind the read. Raises for the first bad leaf in file order."""
         if not reqs:
             return
+        for q, crc in zip(reqs, self.by_pieces(reqs, self.verify_piece), strict=True):
+            self.check(q, crc or 0)
+
+    def by_pieces(self, reqs: list[ReadRequest], do: _PieceFn) -> list[int | None]:
+        """Run ``do`` over the pieces of a pass over ``reqs`` (:meth:`pieces`; cold, behind the
+        reader of :meth:`fill_ahead`) on every core; each request's CRC32C joined from its parts."""
         n = workers(self.opts.io_threads)
         warm, pieces = self.pieces(reqs, n)
         with self.fill_ahead(reqs, pieces, warm) as filler:
             if filler is None and not warm:
                 n = max(n, self.opts.io_threads)  # the threads' own reads mostly wait for the disk
-            parts = [p for got in run_all(lambda k: self.verify_piece(reqs, pieces[k], warm, filler, k),
-                                          range(len(pieces)), n) for p in got]
-        for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
-            self.check(q, crc or 0)
+            parts = [p for got in run_all(lambda k: do(reqs, pieces[k], warm, filler, k), range(len(pieces)), n)
+                     for p in got]
+        return join_crcs(parts, len(reqs))
 
     def fill_ahead(self, reqs: list[ReadRequest], pieces: list[list[Span]], warm: bool) -> _FillAhead:
         """The pass's reader: fills ``pieces`` in order on a thread of its own when they are not
@@ -483,14 +491,7 @@ class _Reader:
         has been copied."""
         if not reqs:
             return
-        n = workers(self.opts.io_threads)
-        warm, pieces = self.pieces(reqs, n)
-        with self.fill_ahead(reqs, pieces, warm) as filler:
-            if filler is None and not warm:
-                n = max(n, self.opts.io_threads)  # the threads' own reads mostly wait for the disk
-            parts = [p for got in run_all(lambda k: self.stream_piece(reqs, pieces[k], warm, filler, k),
-                                          range(len(pieces)), n) for p in got]
-        for q, crc in zip(reqs, join_crcs(parts, len(reqs)), strict=True):
+        for q, crc in zip(reqs, self.by_pieces(reqs, self.stream_piece), strict=True):
             if self.opts.verify and q.verify:
                 self.check(q, crc or 0)
 
