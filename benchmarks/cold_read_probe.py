@@ -143,7 +143,8 @@ def main() -> None:
                         m.close()
             return run
 
-        backup = np.empty(size, dtype=np.uint8) if "pipe_8M_undo" in (args.only or "pipe_8M_undo") else None
+        wants_undo = not args.only or "pipe_8M_undo" in args.only.split(",")
+        backup = np.empty(size, dtype=np.uint8) if wants_undo else None  # the old bytes, set aside
         if backup is not None:
             backup[:] = 1  # faulted in, not timed
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import zerostall
+from benchmarks import measure
 from zerostall import Checkpointer, LoadOptions, MemoryTier
 
 
@@ -101,12 +102,7 @@ def run(gib: float, repeats: int, root: str | None) -> None:
         f = glob.glob(os.path.join(d, f"step_{persisted:08d}", "data", "*"))[0]
 
         def cold() -> None:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            measure.drop_cache(f)
             zerostall.load_pytree(os.path.join(d, f"step_{persisted:08d}"), tmpl)
 
         t_cold = _best(cold, repeats)

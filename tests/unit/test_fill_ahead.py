@@ -5,13 +5,13 @@ its data file through one descriptor."""
 from __future__ import annotations
 
 import errno
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from benchmarks.measure import drop_cache
 
 import zerostall
 from zerostall import LoadOptions, SaveOptions, WriterKind
@@ -91,16 +91,6 @@ def test_the_reader_stops_when_the_pass_ends() -> None:
     assert len(fill.reported) <= 1
 
 
-def _cold(path: Path) -> None:
-    for f in (path / "data").iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
 def test_a_cold_load_reads_its_file_front_to_back_on_one_descriptor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     atomic: bool) -> None:
@@ -108,7 +98,7 @@ def test_a_cold_load_reads_its_file_front_to_back_on_one_descriptor(tmp_path: Pa
     state = {f"w{i}": torch.randn(MiB + 1000 * i, generator=g) for i in range(10)}  # about 40 MiB
     path = tmp_path / "ck"
     zerostall.save_pytree(path, state, options=SaveOptions(writer=WriterKind.THREAD))
-    _cold(path)
+    drop_cache(path / "data")  # cold: the reader has every piece to fill
     calls: list[tuple[int, int, list[int]]] = []
     real = LocalStorage.fill_cache
 
