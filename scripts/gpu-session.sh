@@ -6,7 +6,9 @@
 #   scripts/gpu-session.sh tests         # there (carry .whl): gputests/ + the overlap unit tests, on CUDA
 #   scripts/gpu-session.sh bench [ARGS]  # there (carry .whl): benchmarks/gpu.py ARGS (what make bench-gpu runs)
 #   scripts/gpu-session.sh all           # there (carry .whl): tests, bench (3 saves), torn check (50 saves of a
-#                                        # small model), the JAX unit tests on the GPU; each under its own limit
+#                                        # small model), the JAX unit tests on the GPU, the loads onto the GPU
+#                                        # (gpu_restore.py); each under its own limit (T_TESTS, T_BENCH, T_TORN,
+#                                        # T_JAX, T_RESTORE seconds; T_JAX=0 / T_RESTORE=0 leave that part out)
 #                                        # so that one call of the device tool (<= 10 min) brings every part back
 #   scripts/gpu-session.sh restore [ARGS] # there (carry .whl): benchmarks/gpu_restore.py ARGS (loads onto the GPU)
 #
@@ -50,9 +52,17 @@ if [ "$what" = all ]; then
   # the torn check is about the guard, not the size: 50 saves per system of a ~0.3 GB state
   timeout -k 5 "${T_TORN:-110}" python3 benchmarks/gpu.py --out "$out/torn.json" --systems "" --torn-saves 50 \
     --layers 4 --d 512 --vocab 8000 --seq 512 --dir /tmp/zsgpu-torn > "$out/torn.log" 2>&1; echo "torn rc $?" | tee -a "$out/torn.log"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${T_JAX:-90}" python3 -m pytest -q -p no:cacheprovider \
-    tests/unit/test_jax.py > "$out/jax.log" 2>&1; echo "jax rc $?" | tee -a "$out/jax.log"
-  tail -n 3 "$out/tests.log" "$out/jax.log"; tail -n 8 "$out/bench.log" "$out/torn.log"
+  if [ "${T_JAX:-90}" != 0 ]; then
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${T_JAX:-90}" python3 -m pytest -q -p no:cacheprovider \
+      tests/unit/test_jax.py > "$out/jax.log" 2>&1; echo "jax rc $?" | tee -a "$out/jax.log"
+  fi
+  # loads onto the GPU (benchmarks/gpu_restore.py at its defaults); T_RESTORE=0 leaves it out
+  if [ "${T_RESTORE:-150}" != 0 ]; then
+    timeout -k 5 "${T_RESTORE:-150}" python3 benchmarks/gpu_restore.py --out "$out/restore.json" \
+      > "$out/restore.log" 2>&1; echo "restore rc $?" | tee -a "$out/restore.log"
+  fi
+  tail -n 3 "$out/tests.log" "$out/jax.log" 2>/dev/null; tail -n 8 "$out/bench.log" "$out/torn.log"
+  tail -n 12 "$out/restore.log" 2>/dev/null
 elif [ "$what" = restore ]; then
   python3 benchmarks/gpu_restore.py --out "$out/restore.json" "$@" 2>&1 | tee "$out/restore.log"
 elif [ "$what" = tests ]; then
