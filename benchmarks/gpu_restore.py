@@ -15,6 +15,9 @@ file first, and ``/proc/sys/vm/drop_caches`` where writable), ``--repeats`` time
   the live CUDA parameters and optimizer state, every byte verified (the default load,
   ``LoadOptions(atomic="auto")``);
 * ``zerostall_streaming``: the same through a ``Checkpointer`` with ``LoadOptions(atomic=False)``;
+* ``zerostall_host_tmp``: the default load the way before the device pass (``restore.device``):
+  each leaf read into a fresh host tensor, then one synchronous copy per leaf (what
+  ``ZEROSTALL_DEVICE_LOADS=0`` selects), for the A/B in one process;
 * ``safetensors``: ``safetensors.torch.load_file(path, device="cuda")`` of one file holding the same
   tensors (new tensors, as its users do);
 * ``dcp``: ``torch.distributed.checkpoint.load`` into the live model and optimizer state dicts;
@@ -44,7 +47,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu  # the trainer and its helpers
 
-SYSTEMS = ["floor_h2d", "floor_read", "zerostall", "zerostall_streaming", "safetensors", "dcp", "torch_load"]
+SYSTEMS = ["floor_h2d", "floor_read", "zerostall", "zerostall_streaming", "zerostall_host_tmp", "safetensors", "dcp",
+           "torch_load"]
 
 
 def _files(d: Path) -> list[Path]:
@@ -128,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     streaming = zerostall.Checkpointer(zdir, load_options=LoadOptions(atomic=False), read_only=True)
     loads["zerostall_streaming"] = (zdir, lambda: streaming.load_pytree(1, trainer.tree()))
     loads["floor_read"] = (zdir, lambda: _warm(zdir))
+
+    def host_tmp() -> Any:
+        from zerostall.restore import plan
+
+        was, plan.DEVICE_LOADS = plan.DEVICE_LOADS, False
+        try:
+            return ck.load_pytree(1, trainer.tree())
+        finally:
+            plan.DEVICE_LOADS = was
+    loads["zerostall_host_tmp"] = (zdir, host_tmp)
     if "safetensors" in systems:
         from safetensors.torch import load_file, save_file
 

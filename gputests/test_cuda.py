@@ -257,3 +257,47 @@ def test_step_replayed_from_a_cuda_graph_never_tears(tmp_path: Path) -> None:
             o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3, capturable=True)
             zerostall.load_pytree(r.result().path, {"model": m2, "optim0": o2})
             assert not _equal(_snapshot(m2, [o2]), snap)
+
+
+@pytest.mark.parametrize("where", ["device", "host", "straight"])
+def test_load_into_cuda_templates_is_all_or_nothing(tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device pass (restore.device): every byte in place and verified; a bad leaf fails the
+    load with every CUDA template unchanged, whether the bytes were held back on the device, in host
+    memory (no room on the device), or (``atomic=False``) sent straight in."""
+    import json
+
+    from zerostall.restore import device
+
+    if where == "host":
+        monkeypatch.setattr(device, "_device_scratch", lambda *a: None)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    state = {"w": torch.randn(3000, 1000, device=DEV, generator=g),  # 12 MB: several pieces
+             "b": [torch.randn(17 + i, device=DEV, generator=g).to(torch.bfloat16) for i in range(50)],
+             "i": torch.arange(5000, device=DEV)}
+    path = tmp_path / "ck"
+    zerostall.save_pytree(path, state)
+
+    def fresh() -> dict[str, Any]:
+        return {"w": torch.full_like(state["w"], 7), "b": [torch.full_like(t, 7) for t in state["b"]],
+                "i": torch.full_like(state["i"], 7)}
+    opts = zerostall.LoadOptions(atomic=where != "straight")
+    tmpl = fresh()
+    ptrs = [t.data_ptr() for t in [tmpl["w"], *tmpl["b"], tmpl["i"]]]
+    got = zerostall.load_pytree(path, tmpl, options=opts)
+    assert [t.data_ptr() for t in [got["w"], *got["b"], got["i"]]] == ptrs
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["i"], state["i"])
+    assert all(torch.equal(a, b) for a, b in zip(got["b"], state["b"], strict=True))
+    m = json.loads((path / "manifest.json").read_bytes())
+    leaf = next(lf for lf in m["leaves"] if lf["key"].endswith("b/49"))
+    f = next((path / "data").iterdir())
+    with open(f, "r+b") as fh:
+        fh.seek(leaf["offset"] + 3)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0x20]))
+    tmpl = fresh()
+    with pytest.raises(zerostall.ChecksumMismatchError):
+        zerostall.load_pytree(path, tmpl, options=opts)
+    if where != "straight":
+        assert bool((tmpl["w"] == 7).all()) and bool((tmpl["i"] == 7).all())
+        assert all(bool((t == 7).all()) for t in tmpl["b"])

@@ -118,7 +118,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         index = {(lf.file, lf.offset, lf.nbytes): i for i, lf in enumerate(m.leaves)}
         for r in planner.reads:
             li = index.get((r.leaf.file, r.leaf.offset, r.leaf.nbytes))
-            if li is not None and li in reps and r.verify:
+            if li is not None and li in reps and r.verify and r.device is None:
                 by_leaf.setdefault(li, []).append(r)
             else:
                 own.append(r)

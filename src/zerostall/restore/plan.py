@@ -33,6 +33,7 @@ from zerostall.errors import (
     UnsupportedFormatError,
 )
 from zerostall.manifest import LeafEntry, Manifest
+from zerostall.memcopy import env_switch
 from zerostall.restore.files import DataFiles
 from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations
 
@@ -161,6 +162,18 @@ class ReadRequest:
     verify: bool = True  # False for part of a leaf (a resharded read): its checksum covers the whole
     in_place: bool = False  # dest is a template's own memory: an all-or-nothing load writes it last
     keep: Any = None  # what owns ``dest``'s memory when ``dest`` does not hold it itself (see _memory_of)
+    #: a template tensor on an accelerator, loaded by ``restore.device`` (``dest`` is then empty)
+    device: Any = None
+
+
+#: Whether templates on an accelerator are loaded by :mod:`zerostall.restore.device`'s pass
+#: (``ZEROSTALL_DEVICE_LOADS=0``: through a host tensor per leaf and one synchronous copy each, the
+#: way before; for A/B runs).
+DEVICE_LOADS: bool = env_switch("ZEROSTALL_DEVICE_LOADS", "loads into CUDA templates through page-locked rings")
+#: The device types that pass loads into. A test adds "cpu" to send CPU templates through the same
+#: pass (no streams, no page-locked memory: its logic, not its speed).
+DEVICE_TYPES: set[str] = {"cuda"}
+_NO_BYTES = memoryview(b"")
 
 
 class ReadPlanner:
@@ -206,7 +219,7 @@ class ReadPlanner:
             raise self.mismatch(key, "shape", list(leaf.shape), list(t.shape))
         if leaf.nbytes == 0:
             return lambda: t
-        if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg() and "cpu" not in DEVICE_TYPES:
             # Read straight into the template's memory: no second full-size buffer. (A contiguous
             # tensor is never an expand()ed view: those have a zero stride on a dimension > 1.)
             self.reads.append(ReadRequest(leaf, _memory_of(t, leaf.nbytes), in_place=True, keep=t))
@@ -217,7 +230,13 @@ class ReadPlanner:
             raise MismatchError("the template tensor is an expand()ed (broadcast) view whose elements share "
                                 f"memory (strides {list(t.stride())}), so it cannot be loaded in place: pass a "
                                 "tensor with its own memory, e.g. t.clone()", path=self.path, key=key)
-        if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        if plain and DEVICE_LOADS and t.device.type in DEVICE_TYPES:
+            # Read, checked and sent to the device piece by piece (restore.device); held back on the
+            # device until everything verified when the load is all or nothing.
+            self.reads.append(ReadRequest(leaf, _NO_BYTES, in_place=True, device=t))
+            return lambda: t
+        if plain and t.device.type == "cpu":
             # Read straight into the template's memory: no second full-size buffer.
             dest = t.detach().reshape(-1).view(torch.uint8).numpy()
             self.reads.append(ReadRequest(leaf, memoryview(dest).cast("B"), in_place=True))

@@ -27,6 +27,7 @@ from zerostall.checksum import checksum
 from zerostall.errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
 from zerostall.manifest import LeafEntry, Manifest
 from zerostall.options import LoadOptions
+from zerostall.restore.device import prepare_device_reads
 from zerostall.restore.files import missing_file_error
 from zerostall.restore.plan import ReadRequest
 from zerostall.restore.spans import Span, join_crcs, run_all, split_chunks, split_even, workers
@@ -83,6 +84,22 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
     if not reads:
         return _nothing
     r = _Reader(storage, name, m, opts, path)
+    on_device = [q for q in reads if q.device is not None]
+    if on_device:
+        # First, so that a bad leaf there fails the load before any host template is touched
+        # either; held back on the device (or host) when all or nothing: see restore.device.
+        held = [q for q in on_device if q.verify] if opts.verify else []
+        hold = bool(held) and opts.atomic is not False
+        send = prepare_device_reads(r, storage, on_device, verify=opts.verify, hold=hold,
+                                    host_ok=lambda: _atomic(held, opts, path), group=_group,
+                                    io_threads=opts.io_threads)
+        rest = [q for q in reads if q.device is None]
+        host = prepare_reads(storage, name, m, rest, opts, path) if rest else _nothing
+
+        def both() -> None:
+            host()
+            send()
+        return both
     held = [q for q in reads if q.in_place and q.verify] if opts.verify else []
     if not held or not _atomic(held, opts, path):
         # One pass. Leaves whose data file maps (local files, a memory-tier image) are read by byte
