@@ -149,7 +149,7 @@ def main() -> None:
             backup[:] = 1  # faulted in, not timed
 
         def pipe(piece: int, crc_threads: int = 1, copy: bool = False, fresh_fd: bool = False,
-                 undo: bool = False) -> Callable[[], None]:
+                 undo: bool = False, fresh_undo: bool = False) -> Callable[[], None]:
             """One descriptor read front to back by one thread (the raw read's pattern, into the
             cache only), each piece checksummed by the other threads as soon as it has landed."""
             import queue
@@ -172,11 +172,18 @@ def main() -> None:
                     for _ in range(crc_threads):
                         q.put(None)
 
+                old = np.empty(size, dtype=np.uint8) if fresh_undo else None  # not faulted in: timed
+
                 def checker() -> None:
                     if undo:  # keep the destination's old bytes first (the disk is the bottleneck)
                         assert backup is not None
                         np.copyto(backup, dst)
                     while (r := q.get()) is not None:
+                        if old is not None:  # per piece: the old bytes aside, then copy and checksum
+                            np.copyto(old[r[0]:r[0] + r[1]], dst[r[0]:r[0] + r[1]])
+                            np.copyto(dst[r[0]:r[0] + r[1]], np.frombuffer(m, dtype=np.uint8, count=r[1], offset=r[0]))
+                            checksum(memoryview(m)[r[0]:r[0] + r[1]])
+                            continue
                         checksum(memoryview(m)[r[0]:r[0] + r[1]])
                         if undo:  # verified piece straight into the destination
                             np.copyto(dst[r[0]:r[0] + r[1]], np.frombuffer(m, dtype=np.uint8, count=r[1], offset=r[0]))
@@ -234,6 +241,7 @@ def main() -> None:
             "pipe_8M_crc2_copy": pipe(8 << 20, crc_threads=2, copy=True),
             "pipe_4M_crc_copy": pipe(4 << 20, copy=True),
             "pipe_8M_undo": pipe(8 << 20, undo=True),
+            "pipe_8M_undo_fresh2": pipe(8 << 20, crc_threads=2, fresh_undo=True),
             "raw_read_again": lambda: measure.raw_read(path, buf[:size]),
         }
         if args.only:
