@@ -436,12 +436,19 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         out["restore_first_s"] = now() - t0
         out["restore_correct"] = system.equal(state, restored)  # untimed: a fast wrong restore is no result
         del restored
-        warm, cold, raw_cold = [], [], []
+        warm, cold, raw_warm, raw_cold = [], [], [], []
         # page-aligned: a read() into a bytearray (16 bytes off a 64-byte boundary) ran at half
         # speed on this VM, which made this floor slower than it is (performance.md, "Ninth round")
         read_buf = memoryview(mmap.mmap(-1, 64 << 20))
+        read_buf[:] = bytes(len(read_buf))  # faulted in here, not in the first timed read
         for r in range(repeats):
             warm.append(_timed_restore(system.restore, path, template, warm_cache))
+            # The paired warm floor: the same files read the same way right after, under the same
+            # conditions (warmed, then a quiet wait). The floors child reads a file it has just
+            # written, with no wait: hotter caches and clocks than any restore here gets.
+            warm_cache(path)
+            wait_for_quiet(max_wait_s=QUIET_WAIT_S)
+            raw_warm.append(raw_read(path, read_buf))
             cold.append(_timed_restore(system.restore, path, template, drop_cache))
             drop_cache(path)
             wait_for_quiet(max_wait_s=QUIET_WAIT_S)
@@ -449,6 +456,7 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
             log(f"{system.name} restore {r}: warm {warm[-1]:.3f}s cold {cold[-1]:.3f}s")
         out["restore_warm_s"] = warm
         out["restore_cold_s"] = cold
+        out["read_warm_paired_s"] = raw_warm
         out["read_cold_paired_s"] = raw_cold
         for vname, fn in system.restore_variants().items():
             vw, vc = [], []
