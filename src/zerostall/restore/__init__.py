@@ -3,8 +3,9 @@
 Two passes. The first (:mod:`~zerostall.restore.plan`) walks the manifest's tree against the
 template, checks every asked-for leaf (key, shape, dtype), picks where its bytes go and builds
 closures that assemble the result. The second (:mod:`~zerostall.restore.read`) reads all ranges
-in parallel and verifies checksums; then the closures run: copies into device / strided
-templates, custom decoders, ``load_state_dict``. :func:`load_items` is the local load; the
+in parallel and verifies checksums (templates on a CUDA device through
+:mod:`~zerostall.restore.device`'s pass); then the closures run: copies into strided templates,
+custom decoders, ``load_state_dict``. :func:`load_items` is the local load; the
 collective load in :mod:`zerostall.distributed` uses the same public planning and reading API.
 
 :func:`verify_checkpoint` checks a whole checkpoint and reports every problem, not the first.
