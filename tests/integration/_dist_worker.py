@@ -442,6 +442,19 @@ def scenario_atomic(rank: int, world: int, d: str) -> dict:
     return {"error": err, "untouched": untouched, "loaded": loaded, "good": good, "valid": valid}
 
 
+def scenario_atomic_device(rank: int, world: int, d: str) -> dict:
+    """``scenario_atomic`` with the templates loaded by the device pass (``restore.device``; CPU
+    templates sent through it, as tests/unit/test_device_load.py does): the bytes held back in its
+    scratch until every rank verified, the replicated leaf read by each rank itself."""
+    from zerostall.restore import plan
+
+    plan.DEVICE_TYPES.add("cpu")
+    try:
+        return scenario_atomic(rank, world, d)
+    finally:
+        plan.DEVICE_TYPES.discard("cpu")
+
+
 def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240,
            script: str | None = None) -> list[dict]:
     """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results.

@@ -35,7 +35,8 @@ def four(tmp_path_factory):
 def two(tmp_path_factory, four):
     d = str(tmp_path_factory.mktemp("two"))
     dt = os.path.join(four[0], "dtensor_save", "dt")
-    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "views", "atomic"], 2, d, env={"ZS_DTENSOR_CKPT": dt})
+    return d, worker.launch(["roundtrip", "dtensor_load", "kill", "sigkill0", "slow", "objstore", "faults", "views", "atomic", "atomic_device"], 2, d,
+                         env={"ZS_DTENSOR_CKPT": dt})
 
 
 def _ok(results: list[dict], scenario: str) -> list[dict]:
@@ -198,8 +199,10 @@ def test_steps_latest_and_retention_agree_when_views_differ(two, four, world):
     assert all(r["steps_after_5"] == [4, 5] for r in res)
 
 
-def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two):
-    """LoadOptions.atomic across the group: no rank writes until every rank verified."""
-    for res in _ok(two[1], "atomic"):
+@pytest.mark.parametrize("scenario", ["atomic", "atomic_device"])
+def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two, scenario):
+    """LoadOptions.atomic across the group: no rank writes until every rank verified (also with
+    the templates loaded through restore.device's pass)."""
+    for res in _ok(two[1], scenario):
         got = {k: res[k] for k in ("error", "untouched", "loaded", "good", "valid")}
         assert got == {"error": "ChecksumMismatchError", "untouched": True, "loaded": 1, "good": True, "valid": 1}

@@ -152,7 +152,7 @@ def prepare_device_reads(reader: Checks, storage: Storage, reqs: list[ReadReques
             continue
         scratch = _device_scratch(torch, dev, qs)
         if scratch is None and not host_ok():
-            for q in qs:  # no room anywhere to hold them back: straight in (logged by the caller)
+            for q in qs:  # no room anywhere to hold them back: straight in (host_ok() logged why)
                 dests[id(q)] = _flat(q.device)
             continue
         if scratch is None:
@@ -166,9 +166,10 @@ def prepare_device_reads(reader: Checks, storage: Storage, reqs: list[ReadReques
             pos += -(-n // _ALIGN) * _ALIGN
     if host_held:
         _read_held_on_host(reader, storage, host_held, verify, io_threads, commits)
-    sent = [q for q in reqs if id(q) in dests]
-    for dev, qs in _by_device(sent).items():
-        _send(torch, reader, storage, dev, qs, dests, verify, group, io_threads)
+    for dev, qs in by_device.items():
+        sent = [q for q in qs if id(q) in dests]  # the rest were read into host memory above
+        if sent:
+            _send(torch, reader, storage, dev, sent, dests, verify, group, io_threads)
 
     def commit() -> None:
         streams = set()
@@ -180,13 +181,6 @@ def prepare_device_reads(reader: Checks, storage: Storage, reqs: list[ReadReques
             torch.cuda.current_stream(dev).synchronize()
         commits.clear()
     return commit
-
-
-def _by_device(reqs: list[ReadRequest]) -> dict[Any, list[ReadRequest]]:
-    out: dict[Any, list[ReadRequest]] = {}
-    for q in reqs:
-        out.setdefault(q.device.device, []).append(q)
-    return out
 
 
 def _device_scratch(torch: Any, dev: Any, qs: list[ReadRequest]) -> Any:
