@@ -10,7 +10,9 @@
 #                                        # (gpu_restore.py); each under its own limit (T_TESTS, T_BENCH, T_TORN,
 #                                        # T_JAX, T_RESTORE seconds; T_JAX=0 / T_RESTORE=0 leave that part out)
 #                                        # so that one call of the device tool (<= 10 min) brings every part back
-#   scripts/gpu-session.sh restore [ARGS] # there (carry .whl): benchmarks/gpu_restore.py ARGS (loads onto the GPU)
+#   scripts/gpu-session.sh restore [ARGS] # there (carry .whl): the load tests of gputests/, then
+#                                        # benchmarks/gpu_restore.py ARGS (loads onto the GPU: zerostall's device
+#                                        # pass against its old path, zerostall_host_tmp, and the peers)
 #
 # A session's 15 minutes of device time (round 9: a start took ~30 s, `all` ~5 min, gpu.py alone
 # ~2 min, gpu_restore.py ~2 min) fit `all` in one call, then `bench` (the second consecutive run a
@@ -64,6 +66,9 @@ if [ "$what" = all ]; then
   tail -n 3 "$out/tests.log" "$out/jax.log" 2>/dev/null; tail -n 8 "$out/bench.log" "$out/torn.log"
   tail -n 12 "$out/restore.log" 2>/dev/null
 elif [ "$what" = restore ]; then
+  # the loads' own GPU tests first (restore.device: in place, all or nothing, three ways), then the figures
+  timeout -k 5 "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests \
+    -k "round_trip or all_or_nothing" > "$out/restore_tests.log" 2>&1; echo "restore tests rc $?" | tee -a "$out/restore_tests.log"
   python3 benchmarks/gpu_restore.py --out "$out/restore.json" "$@" 2>&1 | tee "$out/restore.log"
 elif [ "$what" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
