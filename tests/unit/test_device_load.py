@@ -123,10 +123,13 @@ def test_a_bad_leaf_leaves_every_template_as_it_was(ckpt: Path, key: str, where:
     assert untouched(tmpl)
 
 
-def test_held_in_host_memory_where_the_device_has_no_room(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_held_in_host_memory_where_the_device_has_no_room(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(device, "_device_scratch", lambda *a: None)
+    caplog.set_level(logging.INFO, logger="zerostall")
     out = zerostall.load_pytree(ckpt, sentinel())
     assert all(torch.equal(a, b) for a, b in zip(tensors(out), tensors(state()), strict=True))
+    assert "held in host memory instead" in caplog.text
     flip(ckpt, "pytree/small/20", 0.5)
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError):
@@ -148,6 +151,28 @@ def test_straight_in_without_room_anywhere(ckpt: Path, monkeypatch: pytest.Monke
     with pytest.raises(ChecksumMismatchError):
         zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(atomic=True))
     assert untouched(tmpl)
+
+
+def test_an_interrupt_mid_pass_changes_no_template_and_keeps_its_rings_out(ckpt: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerostall.storage.local import LocalStorage
+
+    device._RINGS.clear()
+    real = LocalStorage.read_into
+    calls = [0]
+
+    def interrupted(self: Any, key: str, offset: int, buf: memoryview) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # a few pieces already sent to the scratch
+            raise KeyboardInterrupt
+        real(self, key, offset, buf)
+    monkeypatch.setattr(LocalStorage, "read_into", interrupted)
+    tmpl = sentinel()
+    with pytest.raises(KeyboardInterrupt):
+        zerostall.load_pytree(ckpt, tmpl)
+    assert calls[0] > 3 and untouched(tmpl)
+    # a piece may still have held a ring when the pass was interrupted: none is handed out again
+    assert not any(device._RINGS.values())
 
 
 def test_not_atomic_still_raises_for_a_bad_leaf(ckpt: Path) -> None:

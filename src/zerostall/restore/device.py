@@ -26,6 +26,7 @@ Which templates come here is the planner's choice (``restore.plan``: ``ReadReque
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import sys
 import threading
@@ -39,6 +40,8 @@ from zerostall.restore.spans import Span, join_crcs, run_all, split_chunks, work
 from zerostall.storage import Storage
 
 __all__ = ["PIECE", "DEVICE_MARGIN", "prepare_device_reads"]
+
+log = logging.getLogger("zerostall")
 
 #: The unit a thread reads, checksums and sends: small enough that two per thread stay cheap to pin
 #: and the checksum finds the bytes in cache, large enough that a copy's fixed cost is noise.
@@ -62,6 +65,7 @@ class Checks(Protocol):
     def key(self, leaf: LeafEntry) -> str: ...
     def fail(self, exc: BaseException, leaf: LeafEntry) -> BaseException: ...
     def check(self, r: ReadRequest, got: int) -> None: ...
+    def read_fresh(self, reqs: list[ReadRequest]) -> None: ...
 
 
 class _Ring:
@@ -156,6 +160,8 @@ def prepare_device_reads(reader: Checks, storage: Storage, reqs: list[ReadReques
                 dests[id(q)] = _flat(q.device)
             continue
         if scratch is None:
+            log.info("loading %d leaves into %s: no room on the device to hold them back until they verify; "
+                     "held in host memory instead", len(qs), dev)
             host_held.extend(qs)
             continue
         pos = 0
@@ -165,7 +171,7 @@ def prepare_device_reads(reader: Checks, storage: Storage, reqs: list[ReadReques
             commits.append((_flat(q.device), dests[id(q)]))
             pos += -(-n // _ALIGN) * _ALIGN
     if host_held:
-        _read_held_on_host(reader, storage, host_held, verify, io_threads, commits)
+        _hold_on_host(reader, host_held, commits)
     for dev, qs in by_device.items():
         sent = [q for q in qs if id(q) in dests]  # the rest were read into host memory above
         if sent:
@@ -196,22 +202,14 @@ def _device_scratch(torch: Any, dev: Any, qs: list[ReadRequest]) -> Any:
         return None
 
 
-def _read_held_on_host(reader: Checks, storage: Storage, qs: list[ReadRequest], verify: bool, io_threads: int,
-                       commits: list[tuple[Any, Any]]) -> None:
-    """The held bytes in host memory, read and checked leaf by leaf; the commit copies them over."""
+def _hold_on_host(reader: Checks, qs: list[ReadRequest], commits: list[tuple[Any, Any]]) -> None:
+    """The held bytes in host memory, read and checked by the load's own reads (grouped, vectored,
+    ``O_DIRECT`` when cold); the commit copies them over."""
     torch = sys.modules["torch"]
-
-    def one(q: ReadRequest) -> None:
-        host = torch.empty(q.leaf.nbytes, dtype=torch.uint8)
-        view = memoryview(host.numpy()).cast("B")
-        try:
-            storage.read_into(reader.key(q.leaf), q.leaf.offset, view)
-        except (EOFError, OSError) as exc:
-            raise reader.fail(exc, q.leaf) from exc
-        if verify and q.verify:
-            reader.check(q, checksum(view))
-        commits.append((_flat(q.device), host))
-    run_all(one, qs, workers(io_threads))
+    host = [torch.empty(q.leaf.nbytes, dtype=torch.uint8) for q in qs]
+    reader.read_fresh([ReadRequest(q.leaf, memoryview(h.numpy()).cast("B"), q.verify)
+                       for q, h in zip(qs, host, strict=True)])
+    commits.extend((_flat(q.device), h) for q, h in zip(qs, host, strict=True))
 
 
 def _send(torch: Any, reader: Checks, storage: Storage, dev: Any, qs: list[ReadRequest], dests: dict[int, Any],

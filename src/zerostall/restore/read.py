@@ -111,14 +111,14 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
         ids = {id(q) for q in streamed}
         try:
             r.stream_spans(streamed)
-            r.run(r.tasks([q for q in reads if id(q) not in ids]), r.read_group)
+            r.read_fresh([q for q in reads if id(q) not in ids])
         finally:
             r.close()
         return _nothing
     fresh = [q for q in reads if not (q.in_place and q.verify)]
     if r.scan is None:  # no way to look at the bytes where they lie: verify a staging copy
         staged = [ReadRequest(q.leaf, _scratch(q.leaf.nbytes), q.verify) for q in held]
-        r.run(r.tasks(fresh + staged), r.read_group)
+        r.read_fresh(fresh + staged)
 
         def copy_staged() -> None:
             for q, s in zip(held, staged, strict=True):
@@ -189,6 +189,10 @@ class _Reader:
         # Largest first, so one big read does not finish last on its own.
         tasks.sort(key=lambda g: -sum(r.leaf.nbytes for r in g))
         return tasks
+
+    def read_fresh(self, reqs: list[ReadRequest]) -> None:
+        """Read and check ``reqs`` into their own (not template) memory, group by group."""
+        self.run(self.tasks(reqs), self.read_group)
 
     def run(self, tasks: list[_T], fn: Callable[[_T], None]) -> None:
         if self.opts.io_threads == 1 or len(tasks) <= 1:
