@@ -194,8 +194,9 @@ def load_checkpointables(
     that is corrupt (``CorruptCheckpointError``, checksums included) or gone
     (``CheckpointNotFoundError``) is skipped with a WARNING on the ``zerostall`` logger naming it
     and why, and another naming the one loaded instead; other errors (a template mismatch)
-    are raised at once. In-place loads are all-or-nothing (``LoadOptions.atomic``), so a skipped
-    step leaves the templates as they were.
+    are raised at once. The step finally loaded overwrites every leaf the templates ask for, so
+    nothing of a skipped step remains in them (with ``LoadOptions(atomic=True)`` a skipped step
+    never touched them).
     """
     where = _path(path)
     if items is not None:

@@ -192,13 +192,16 @@ class LoadOptions:
         replicated: collective loads only; see :class:`Replicated` (a string value is accepted).
         distributed: collective behaviour under ``torch.distributed``; see :class:`DistributedOptions`.
         atomic: whether a failed load may leave a template partly overwritten (docs/guarantees.md,
-            "All-or-nothing loads"). ``True``: every leaf is read and verified before the first
-            byte is written into a template's own memory (the local backend checks the bytes in
-            the page cache, other backends in a staging copy of the in-place bytes), so a load that
-            raises leaves every template as it was. ``"auto"`` (default): ``True`` while the bytes
-            loaded in place are at most half the memory the kernel reports available
-            (``MemAvailable``), else ``False``. ``False``: one streaming pass; a failure leaves the
-            leaves read before it, and part of the failing one, overwritten. Only with ``verify``.
+            "All-or-nothing loads"). ``False`` (default): one verified streaming pass, each byte
+            checksummed as it is copied in (the fastest load: 1.3-1.4x ``safetensors.load_file``
+            warm); a load that raises has left the leaves read before the failure, and part of the
+            failing one, overwritten, and its error says so. ``True``: every leaf is read and
+            verified before the first byte is written into a template's own memory (the local
+            backend checks the bytes in the page cache, other backends in a staging copy of the
+            in-place bytes), so a load that raises leaves every template as it was; it costs a
+            second pass over the bytes. ``"auto"``: ``True`` while the bytes loaded in place are
+            at most half the memory the kernel reports available (``MemAvailable``), else
+            ``False``. Only with ``verify``.
     """
 
     verify: bool = True
@@ -206,7 +209,7 @@ class LoadOptions:
     chunk_bytes: int = 32 * MiB
     replicated: Replicated = Replicated.BROADCAST
     distributed: DistributedOptions | None = None
-    atomic: bool | Literal["auto"] = "auto"
+    atomic: bool | Literal["auto"] = False
 
     def __post_init__(self) -> None:
         check_bool("LoadOptions.verify", self.verify)

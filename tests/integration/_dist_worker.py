@@ -428,18 +428,25 @@ def scenario_atomic(rank: int, world: int, d: str) -> dict:
             f.write(bytes([b[0] ^ 1]))
     dist.barrier()
     tmpl = {"mine": torch.full((200_000,), -1.0), "shared": torch.full((3000,), -1.0)}
-    with Checkpointer(f"{d}/ck") as ck:
+    with Checkpointer(f"{d}/ck", load_options=LoadOptions(atomic=True)) as ck:
         try:
             ck.load_pytree(2, tmpl)
             err = None
         except ZerostallError as exc:
             err = type(exc).__name__
         untouched = bool((tmpl["mine"] == -1).all() and (tmpl["shared"] == -1).all())
+    with Checkpointer(f"{d}/ck") as ck:  # the default load streams: every rank still raises
+        try:
+            ck.load_pytree(2, tmpl)
+            streamed = None
+        except ZerostallError as exc:
+            streamed = type(exc).__name__
         ck.load_pytree(template=tmpl, fallback=True)
         loaded = ck.last_loaded_step
         good = torch.equal(tmpl["mine"], state(1)["mine"]) and torch.equal(tmpl["shared"], state(1)["shared"])
         valid = ck.latest_valid_step()
-    return {"error": err, "untouched": untouched, "loaded": loaded, "good": good, "valid": valid}
+    return {"error": err, "untouched": untouched, "streamed": streamed, "loaded": loaded, "good": good,
+            "valid": valid}
 
 
 def scenario_atomic_device(rank: int, world: int, d: str) -> dict:

@@ -4,7 +4,8 @@ A load that raises leaves every template exactly as it was: a flipped byte in an
 mid-size, small neighbours read with one vectored call, numpy), the file warm or evicted from the
 page cache, through the local backend (verified in the page cache) and through a backend
 without ``scan`` (verified in a staging copy); ``load_state_dict`` of a Stateful template is not
-called. ``atomic=False`` streams and leaves what docs/guarantees.md says it leaves.
+called. ``atomic=False`` (the default since the fourteenth session) streams and leaves what
+docs/guarantees.md says it leaves, and its error says so.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from zerostall import ChecksumMismatchError, LoadOptions, SaveOptions, StorageEr
 from zerostall.restore import read as restore_read
 
 MiB = 1 << 20
+ATOMIC = LoadOptions(atomic=True)
 
 
 def state() -> dict[str, Any]:
@@ -120,7 +122,7 @@ def test_partial_template_and_fresh_items(ckpt: Path) -> None:
     flip(ckpt, "pytree/mid")
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError) as info:
-        zerostall.load_checkpointables(ckpt, {"pytree": {"big": tmpl["big"], "mid": None}})
+        zerostall.load_checkpointables(ckpt, {"pytree": {"big": tmpl["big"], "mid": None}}, options=ATOMIC)
     assert info.value.key == "pytree/mid" and bool((tmpl["big"] == -7.0).all())
 
 
@@ -140,7 +142,7 @@ def test_a_stateful_template_is_not_touched_and_not_called(tmp_path: Path) -> No
     orig = model2.load_state_dict
     model2.load_state_dict = lambda *a, **k: (calls.append("model"), orig(*a, **k))[1]  # type: ignore[method-assign]
     with pytest.raises(ChecksumMismatchError):
-        zerostall.load_pytree(path, {"model": model2, "opt": opt2})
+        zerostall.load_pytree(path, {"model": model2, "opt": opt2}, options=ATOMIC)
     assert calls == [] and opt2.state_dict()["state"] == {}
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
 
@@ -163,23 +165,34 @@ def no_scan_url(tmp_path: Path) -> Iterator[str]:
 def test_staging_copy_on_a_backend_without_scan(ckpt: Path, no_scan_url: str, key: str) -> None:
     url = f"{no_scan_url}/{ckpt.name}"
     tmpl = sentinel()
-    zerostall.load_pytree(url, tmpl)  # intact: the staged bytes are copied in
+    zerostall.load_pytree(url, tmpl, options=ATOMIC)  # intact: the staged bytes are copied in
     assert torch.equal(tmpl["big"], state()["big"]) and np.array_equal(tmpl["np"], state()["np"])
     flip(ckpt, key)
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError) as info:
-        zerostall.load_pytree(url, tmpl)
+        zerostall.load_pytree(url, tmpl, options=ATOMIC)
     assert info.value.key == key and untouched(tmpl)
 
 
-def test_streaming_leaves_earlier_leaves_overwritten(ckpt: Path) -> None:
-    """atomic=False: one pass, largest leaf first; what guarantees.md says a failure leaves."""
+@pytest.mark.parametrize("options", [None, LoadOptions(atomic=False, io_threads=1)], ids=["default", "False"])
+def test_streaming_leaves_earlier_leaves_overwritten(ckpt: Path, options: LoadOptions | None) -> None:
+    """atomic=False (the default): one pass, largest leaf first; what guarantees.md says a failure
+    leaves, and the error says the templates may be partly overwritten."""
     flip(ckpt, "pytree/small/5")
     tmpl = sentinel()
-    with pytest.raises(ChecksumMismatchError):
-        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(atomic=False, io_threads=1))
+    with pytest.raises(ChecksumMismatchError) as info:
+        zerostall.load_pytree(ckpt, tmpl, options=options)
+    assert info.value.key == "pytree/small/5"
+    assert "partly overwritten" in str(info.value) and "atomic=True" in str(info.value)
     assert torch.equal(tmpl["big"], state()["big"])  # read (and verified) before the corrupt leaf
     assert not bool((tmpl["small"][5] == -7.0).all())  # the corrupt leaf's bytes landed too
+
+
+def test_an_atomic_error_does_not_say_partly_overwritten(ckpt: Path) -> None:
+    flip(ckpt, "pytree/small/5")
+    with pytest.raises(ChecksumMismatchError) as info:
+        zerostall.load_pytree(ckpt, sentinel(), options=ATOMIC)
+    assert "overwritten" not in str(info.value)
 
 
 def test_auto_streams_beyond_its_memory_bound_and_says_so(ckpt: Path, monkeypatch: pytest.MonkeyPatch,
@@ -188,7 +201,7 @@ def test_auto_streams_beyond_its_memory_bound_and_says_so(ckpt: Path, monkeypatc
     flip(ckpt, "pytree/small/5")
     tmpl = sentinel()
     with caplog.at_level(logging.INFO, logger="zerostall"), pytest.raises(ChecksumMismatchError):
-        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(io_threads=1))
+        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(atomic="auto", io_threads=1))
     assert torch.equal(tmpl["big"], state()["big"])
     assert any("not all-or-nothing" in r.message for r in caplog.records)
     tmpl = sentinel()
@@ -227,7 +240,7 @@ def test_a_read_error_in_the_verify_pass_leaves_templates_untouched(ckpt: Path, 
     cache(ckpt, warm=False)
     tmpl = sentinel()
     with pytest.raises(StorageError) as info:  # one thread: the large leaf first, then the rest
-        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(io_threads=1))
+        zerostall.load_pytree(ckpt, tmpl, options=LoadOptions(atomic=True, io_threads=1))
     assert info.value.errno == errno.EIO and untouched(tmpl)
 
 
@@ -248,13 +261,13 @@ def test_a_corrupt_byte_in_a_leaf_split_between_threads(ckpt: Path, monkeypatch:
     monkeypatch.setattr(restore_read, "_FILL_CHUNK", 4 * MiB)  # cold: the leaf is read in pieces too
     tmpl = sentinel()
     cache(ckpt, warm)
-    zerostall.load_pytree(ckpt, tmpl)  # intact: every part joins to the leaf's checksum
+    zerostall.load_pytree(ckpt, tmpl, options=ATOMIC)  # intact: every part joins to the leaf's checksum
     assert torch.equal(tmpl["big"], state()["big"]) and np.array_equal(tmpl["np"], state()["np"])
     flip(ckpt, "pytree/big", where)
     cache(ckpt, warm)
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError) as info:
-        zerostall.load_pytree(ckpt, tmpl)
+        zerostall.load_pytree(ckpt, tmpl, options=ATOMIC)
     assert info.value.key == "pytree/big" and untouched(tmpl)
 
 

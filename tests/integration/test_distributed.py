@@ -201,8 +201,10 @@ def test_steps_latest_and_retention_agree_when_views_differ(two, four, world):
 
 @pytest.mark.parametrize("scenario", ["atomic", "atomic_device"])
 def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agrees(two, scenario):
-    """LoadOptions.atomic across the group: no rank writes until every rank verified (also with
-    the templates loaded through restore.device's pass)."""
+    """LoadOptions(atomic=True) across the group: no rank writes until every rank verified (also
+    with the templates loaded through restore.device's pass); the default streaming load raises
+    on every rank too, and the fallback then overwrites what it left."""
     for res in _ok(two[1], scenario):
-        got = {k: res[k] for k in ("error", "untouched", "loaded", "good", "valid")}
-        assert got == {"error": "ChecksumMismatchError", "untouched": True, "loaded": 1, "good": True, "valid": 1}
+        got = {k: res[k] for k in ("error", "untouched", "streamed", "loaded", "good", "valid")}
+        assert got == {"error": "ChecksumMismatchError", "untouched": True, "streamed": "ChecksumMismatchError",
+                       "loaded": 1, "good": True, "valid": 1}

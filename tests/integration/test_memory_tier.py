@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from zerostall import Checkpointer, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
+from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError
 from zerostall.messages import Image
@@ -470,7 +470,7 @@ def test_a_byte_changed_in_memory_after_the_save_is_never_loaded(tmp_path: Path)
     assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
     keys = [line.split()[1] for line in out.splitlines() if line.startswith("CORRUPTED ")]
     assert len(keys) == 1
-    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+    with Checkpointer(d, memory_tier=_memory(every=5), load_options=LoadOptions(atomic=True)) as ck:
         assert ck._engine.writer.pid == keeper
         img = _image(ck)
         assert img.step == 2 and not img.verified  # the keeper's check found it

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerostall import Checkpointer
+from zerostall import Checkpointer, LoadOptions
 from zerostall.errors import ChecksumMismatchError
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
@@ -185,7 +185,7 @@ def test_a_corrupted_step_is_still_caught(tmp_path: Path) -> None:
     d = tmp_path / "run"
     rc, keeper, saved = _run(d, 1, 2, 5, 60, "corrupt")  # flips a byte of leaf "w" after the save
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+    with Checkpointer(d, memory_tier=_memory(every=5), load_options=LoadOptions(atomic=True)) as ck:
         assert ck._engine.writer.pid == keeper and ck._premap is not None
         tmpl = state(0)
         with pytest.raises(ChecksumMismatchError) as err:

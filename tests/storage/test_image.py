@@ -75,7 +75,7 @@ def test_a_flipped_byte_anywhere_in_the_image_leaves_the_template_untouched(
     assert all(torch.equal(a, b) for a, b in zip(tmpl["small"], s["small"], strict=True))
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError) as info:
-        load_from_image(ckpt, tmpl, where)
+        load_from_image(ckpt, tmpl, where, LoadOptions(atomic=True))
     assert info.value.key == where[0] and untouched(tmpl)
 
 

@@ -23,6 +23,8 @@ from zerostall import ChecksumMismatchError, CorruptCheckpointError, LoadOptions
 from zerostall.restore import device, plan
 from zerostall.restore import read as restore_read
 
+ATOMIC = LoadOptions(atomic=True)
+
 
 @pytest.fixture(autouse=True)
 def cpu_as_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -118,7 +120,7 @@ def test_a_bad_leaf_leaves_every_template_as_it_was(ckpt: Path, key: str, where:
     flip(ckpt, key, where)
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError) as ei:
-        zerostall.load_pytree(ckpt, tmpl)
+        zerostall.load_pytree(ckpt, tmpl, options=ATOMIC)
     assert ei.value.key == key
     assert untouched(tmpl)
 
@@ -127,13 +129,13 @@ def test_held_in_host_memory_where_the_device_has_no_room(ckpt: Path, monkeypatc
                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(device, "_device_scratch", lambda *a: None)
     caplog.set_level(logging.INFO, logger="zerostall")
-    out = zerostall.load_pytree(ckpt, sentinel())
+    out = zerostall.load_pytree(ckpt, sentinel(), options=ATOMIC)
     assert all(torch.equal(a, b) for a, b in zip(tensors(out), tensors(state()), strict=True))
     assert "held in host memory instead" in caplog.text
     flip(ckpt, "pytree/small/20", 0.5)
     tmpl = sentinel()
     with pytest.raises(ChecksumMismatchError):
-        zerostall.load_pytree(ckpt, tmpl)
+        zerostall.load_pytree(ckpt, tmpl, options=ATOMIC)
     assert untouched(tmpl)
 
 
@@ -142,7 +144,7 @@ def test_straight_in_without_room_anywhere(ckpt: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(device, "_device_scratch", lambda *a: None)
     monkeypatch.setattr(restore_read, "available_memory", lambda: 1000)  # auto: too big to hold back
     caplog.set_level(logging.INFO, logger="zerostall")
-    out = zerostall.load_pytree(ckpt, sentinel())
+    out = zerostall.load_pytree(ckpt, sentinel(), options=LoadOptions(atomic="auto"))
     assert all(torch.equal(a, b) for a, b in zip(tensors(out), tensors(state()), strict=True))
     assert "not all-or-nothing" in caplog.text
     # atomic=True still holds back (in host memory) however little is available
@@ -169,17 +171,18 @@ def test_an_interrupt_mid_pass_changes_no_template_and_keeps_its_rings_out(ckpt:
     monkeypatch.setattr(LocalStorage, "read_into", interrupted)
     tmpl = sentinel()
     with pytest.raises(KeyboardInterrupt):
-        zerostall.load_pytree(ckpt, tmpl)
+        zerostall.load_pytree(ckpt, tmpl, options=ATOMIC)
     assert calls[0] > 3 and untouched(tmpl)
     # a piece may still have held a ring when the pass was interrupted: none is handed out again
     assert not any(device._RINGS.values())
 
 
-def test_not_atomic_still_raises_for_a_bad_leaf(ckpt: Path) -> None:
+@pytest.mark.parametrize("options", [None, LoadOptions(atomic=False)], ids=["default", "False"])
+def test_not_atomic_still_raises_for_a_bad_leaf(ckpt: Path, options: LoadOptions | None) -> None:
     flip(ckpt, "pytree/ints", 0.5)
     with pytest.raises(ChecksumMismatchError) as ei:
-        zerostall.load_pytree(ckpt, sentinel(), options=LoadOptions(atomic=False))
-    assert ei.value.key == "pytree/ints"
+        zerostall.load_pytree(ckpt, sentinel(), options=options)
+    assert ei.value.key == "pytree/ints" and "partly overwritten" in str(ei.value)
 
 
 def test_unverified_load_reads_a_bad_leaf_as_it_is(ckpt: Path) -> None:

@@ -5,7 +5,8 @@ open file (the local backend reads cold ranges with ``O_DIRECT``), checksummed p
 while each piece is still in cache; runs of neighbouring small leaves are read with one
 vectored call straight into their destinations.
 
-All or nothing (``LoadOptions.atomic``): reads into a template's own memory
+All or nothing (``LoadOptions(atomic=True)``; the default streams, one verified pass, see
+:meth:`_Reader.stream_spans`): reads into a template's own memory
 (``ReadRequest.in_place``) are held back until everything verified. :func:`prepare_reads`
 checks those leaves where they lie -- the page cache's own pages through the local backend's
 ``scan``, or a staging copy on other backends -- and finishes every other read; only the callable
@@ -24,7 +25,7 @@ import numpy as np
 
 import zerostall.memcopy as memcopy
 from zerostall.checksum import checksum
-from zerostall.errors import ChecksumMismatchError, CorruptCheckpointError, StorageError
+from zerostall.errors import ChecksumMismatchError, CorruptCheckpointError, StorageError, ZerostallError
 from zerostall.manifest import LeafEntry, Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.device import prepare_device_reads
@@ -77,9 +78,22 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
 
     When the load is atomic (see ``LoadOptions.atomic``), no in-place destination has changed
     when this returns or raises, and the returned callable copies the verified bytes in (only an
-    I/O error can still fail it). Otherwise everything is read here and the callable does nothing.
+    I/O error can still fail it). Otherwise everything is read here and the callable does nothing;
+    an error raised then says that templates may be partly overwritten.
     A collective load calls the callable only once every rank has verified.
     """
+    try:
+        return _prepare(storage, name, m, reads, opts, path)
+    except ZerostallError as exc:
+        if opts.atomic is not True and any(q.in_place or q.device is not None for q in reads):
+            exc.message += (f"; this load was {'not ' if opts.atomic is False else 'perhaps not '}all or nothing, "
+                            "so templates loaded in place may be partly overwritten "
+                            "(LoadOptions(atomic=True) leaves them unchanged)")
+        raise
+
+
+def _prepare(storage: Storage, name: str, m: Manifest, reads: list[ReadRequest], opts: LoadOptions,
+             path: str) -> Callable[[], None]:
     # Every file read here was checked by _Files when its leaves were planned.
     if not reads:
         return _nothing
@@ -94,7 +108,7 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
                                     host_ok=lambda: _atomic(held, opts, path), group=_group,
                                     io_threads=opts.io_threads)
         rest = [q for q in reads if q.device is None]
-        host = prepare_reads(storage, name, m, rest, opts, path) if rest else _nothing
+        host = _prepare(storage, name, m, rest, opts, path) if rest else _nothing
 
         def both() -> None:
             host()
