@@ -518,8 +518,8 @@ class Checkpointer:
         opts = self.load_options
         if img.verified:
             # The keeper checked every leaf after the trainer that staged them died, and nothing
-            # writes to them since (persist.keeper): only the copy is left. Still all or nothing:
-            # with no checksum to fail, what can still fail (a key, shape or dtype the template
+            # writes to them since (persist.keeper): only the copy is left, all or nothing
+            # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a key, shape or dtype the template
             # does not match) is raised while planning, before the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
         premap = self._premap  # a save on another thread may drop it meanwhile (premap.done)
