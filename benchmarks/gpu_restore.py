@@ -12,9 +12,10 @@ file first, and ``/proc/sys/vm/drop_caches`` where writable), ``--repeats`` time
   ``non_blocking``, one synchronize): what no load can beat once the bytes are in host memory;
 * ``floor_read``: zerostall's data files read into one reused host buffer (``readinto``, 64 MiB);
 * ``zerostall``: ``Checkpointer.load_pytree(step, {"model": model, "optim": opt})``: in place, into
-  the live CUDA parameters and optimizer state, every byte verified (the default load,
-  ``LoadOptions(atomic="auto")``);
-* ``zerostall_streaming``: the same through a ``Checkpointer`` with ``LoadOptions(atomic=False)``;
+  the live CUDA parameters and optimizer state, every byte verified (the default load, which
+  streams: ``LoadOptions(atomic=False)``);
+* ``zerostall_atomic``: the same through a ``Checkpointer`` with ``LoadOptions(atomic=True)``
+  (all or nothing: held back in a device scratch until every leaf verified);
 * ``zerostall_host_tmp``: the default load the way before the device pass (``restore.device``):
   each leaf read into a fresh host tensor, then one synchronous copy per leaf (what
   ``ZEROSTALL_DEVICE_LOADS=0`` selects), for the A/B in one process;
@@ -47,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu  # the trainer and its helpers
 
-SYSTEMS = ["floor_h2d", "floor_read", "zerostall", "zerostall_streaming", "zerostall_host_tmp", "safetensors", "dcp",
+SYSTEMS = ["floor_h2d", "floor_read", "zerostall", "zerostall_atomic", "zerostall_host_tmp", "safetensors", "dcp",
            "torch_load"]
 
 
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ck.wait()
     loads: dict[str, tuple[Path, Callable[[], Any]]] = {}
     loads["zerostall"] = (zdir, lambda: ck.load_pytree(1, trainer.tree()))
-    streaming = zerostall.Checkpointer(zdir, load_options=LoadOptions(atomic=False), read_only=True)
-    loads["zerostall_streaming"] = (zdir, lambda: streaming.load_pytree(1, trainer.tree()))
+    atomic = zerostall.Checkpointer(zdir, load_options=LoadOptions(atomic=True), read_only=True)
+    loads["zerostall_atomic"] = (zdir, lambda: atomic.load_pytree(1, trainer.tree()))
     loads["floor_read"] = (zdir, lambda: _warm(zdir))
 
     def host_tmp() -> Any:
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if "warm" in res:
             gpu.log(f"{name}: warm {[round(x, 3) for x in res['warm']]} s, cold {[round(x, 3) for x in res['cold']]} s")
     ck.close()
-    streaming.close()
+    atomic.close()
     print(f"state {nbytes / 1e9:.2f} GB in {len(tensors)} tensors on {device}")
     print(f"{'system':>20} {'warm s':>8} {'GB/s':>6} {'cold s':>8} {'GB/s':>6}")
     for name, res in out["systems"].items():

@@ -42,7 +42,7 @@ def test_gpu_restore_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["systems"]["floor_h2d"]["warm"]
-    for name in ("floor_read", "zerostall", "zerostall_streaming", "safetensors", "dcp", "torch_load"):
+    for name in ("floor_read", "zerostall", "zerostall_atomic", "safetensors", "dcp", "torch_load"):
         got = res["systems"][name]
         assert "error" not in got and len(got["warm"]) == len(got["cold"]) == 1, (name, got)
     assert not (tmp_path / "w").exists()  # the checkpoints are removed (4.7 GB each on the GPU machine)
