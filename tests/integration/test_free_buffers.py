@@ -1,6 +1,9 @@
 """The free functions' staging buffers: reused across calls per layout, bounded, released on demand,
 and made ready ahead of the first save by ``zerostall.prepare`` (real writer processes)."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +136,27 @@ def test_prepare_allocates_then_the_first_save_only_copies(tmp_path):
     assert eng.pool.allocations == allocated
     out = zerostall.load_pytree(tmp_path / "a")
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+_FIRST_SAVE = """
+import sys, torch, zerostall
+state = {"w": torch.ones(4096)}
+assert "torch._dynamo" not in sys.modules, "imported already: nothing to check"
+zerostall.prepare(state)
+before = set(sys.modules)
+zerostall.save_pytree_async(sys.argv[1], state).result()
+print("NEW", sorted(m for m in set(sys.modules) - before if m.startswith("torch._dynamo")))
+"""
+
+
+def test_prepare_leaves_the_first_save_no_dynamo_import(tmp_path):
+    """The first overlapped save installs the optimizer-step hook, wrapped so that Dynamo never
+    traces it; wrapping imports torch._dynamo (1.2-1.5 s on this VM where nothing had), and
+    prepare() does that, not the first save on the training thread."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_SAVE, str(tmp_path / "a")], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "NEW []" in out.stdout, out.stdout
 
 
 def test_prepare_items_and_options(tmp_path):
