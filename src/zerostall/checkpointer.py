@@ -519,8 +519,9 @@ class Checkpointer:
         if img.verified:
             # The keeper checked every leaf after the trainer that staged them died, and nothing
             # writes to them since (persist.keeper): only the copy is left, all or nothing
-            # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a key, shape or dtype the template
-            # does not match) is raised while planning, before the first byte is copied.
+            # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a
+            # key, shape or dtype the template does not match) is raised while planning, before
+            # the first byte is copied.
             opts = dataclasses.replace(opts or LoadOptions(), verify=False)
         premap = self._premap  # a save on another thread may drop it meanwhile (premap.done)
         premapped = premap.take(img, fds) if premap is not None else None

@@ -79,16 +79,16 @@ def prepare_reads(storage: Storage, name: str, m: Manifest, reads: list[ReadRequ
     When the load is atomic (see ``LoadOptions.atomic``), no in-place destination has changed
     when this returns or raises, and the returned callable copies the verified bytes in (only an
     I/O error can still fail it). Otherwise everything is read here and the callable does nothing;
-    an error raised then says that templates may be partly overwritten.
+    with ``atomic=False`` an error raised then says that templates may be partly overwritten
+    (``"auto"`` beyond its memory bound says so in its INFO line instead).
     A collective load calls the callable only once every rank has verified.
     """
     try:
         return _prepare(storage, name, m, reads, opts, path)
     except ZerostallError as exc:
-        if opts.atomic is not True and any(q.in_place or q.device is not None for q in reads):
-            exc.message += (f"; this load was {'not ' if opts.atomic is False else 'perhaps not '}all or nothing, "
-                            "so templates loaded in place may be partly overwritten "
-                            "(LoadOptions(atomic=True) leaves them unchanged)")
+        if opts.atomic is False and any(q.in_place or q.device is not None for q in reads):
+            exc.message += ("; this load was not all or nothing, so templates loaded in place may be partly "
+                            "overwritten (LoadOptions(atomic=True) leaves them unchanged)")
         raise
 
 
