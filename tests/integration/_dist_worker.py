@@ -393,7 +393,10 @@ def scenario_slow(rank: int, world: int, d: str) -> dict:
         state = {"w": torch.full((4096,), float(rank)), "shared": torch.arange(5000.0)}
         r = ck.save_pytree_async(3, state)
         # Returned while the slow writer is still held: an ordering, not a timing threshold.
-        slow_report_seen = any("rank-%05d.json" % (world - 1) in f for _, _, fs in os.walk(d) for f in fs)
+        # Its report (<coord>/ranks/), not its hash table (<coord>/tables/), which the slow writer
+        # may already have put before the held write phase.
+        slow_report_seen = any(os.path.basename(root) == "ranks" and "rank-%05d.json" % (world - 1) in fs
+                               for root, _, fs in os.walk(d))
         done_at_return = r.done()
         with open(f"{d}/returned-{rank}", "w"):
             pass
