@@ -392,9 +392,7 @@ def prepare(tree: Any = None, *, items: dict[str, Any] | None = None, options: S
     """Get the free functions ready to save ``tree`` (or ``items``) cheaply, without saving it.
 
     Plans the layout, allocates and pre-faults the staging buffers for it (every in-flight slot
-    of ``options.max_in_flight``), builds the optimizer-step hook that overlapped saves of torch
-    tensors install (which imports ``torch._dynamo`` where nothing has yet: about 1.3 s here) and
-    starts the background writer, returning once it is up; the
+    of ``options.max_in_flight``) and starts the background writer, returning once it is up; the
     first :func:`save_pytree` (or :func:`save_checkpointables` for ``items``) of that layout with
     the same ``options`` then only copies and writes, like a later one. Call it once the state
     has its final layout (optimizers create their state at their first step). Returns the bytes

@@ -167,8 +167,6 @@ class Engine:
         finally:
             for slot in slots:
                 self.pool.release(slot)
-        if self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
-            GUARD.ready()  # the first save installs the step hook: built here, not on the training thread
         self.writer.start()
         return total
 

@@ -167,19 +167,21 @@ def test_load_of_a_step_being_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """While step 5 is written (held in the write phase), loading it says not found; afterwards
     it loads complete."""
     d = tmp_path / "run"
-    monkeypatch.setenv(ENV, json.dumps({"write": "sleep:0.5"}))
+    gate = tmp_path / "gate"  # the writer stays in its write phase until this exists
+    monkeypatch.setenv(ENV, json.dumps({"write": f"wait:{gate}"}))
     with Checkpointer(d) as c:
         r = c.save_pytree_async(5, state(5))
         seen_not_found = 0
-        while not r.done():
+        while not r.done() and seen_not_found < 3:
             try:
                 same(c.load_pytree(5), state(5))
                 break
             except CheckpointNotFoundError:
                 seen_not_found += 1
             time.sleep(0.01)
+        gate.touch()
         r.result()
-        assert seen_not_found > 0
+        assert seen_not_found == 3
         same(c.load_pytree(5), state(5))
 
 

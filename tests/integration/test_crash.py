@@ -225,7 +225,8 @@ def test_live_writers_partial_directory_is_not_removed(run_dir: Path, tmp_path: 
     another process survives it and commits."""
     mark = tmp_path / "mark"
     mark.mkdir()
-    t = Trainer(run_dir, 3, 3, env={ENV: json.dumps({"manifest": "sleep:1.5"}), MARK_ENV: str(mark)})
+    gate = tmp_path / "gate"  # the writer stays in its manifest phase until this exists
+    t = Trainer(run_dir, 3, 3, env={ENV: json.dumps({"manifest": f"wait:{gate}"}), MARK_ENV: str(mark)})
     try:
         t.read_until("WRITER")
         wait_for_mark(mark, "manifest")
@@ -233,6 +234,7 @@ def test_live_writers_partial_directory_is_not_removed(run_dir: Path, tmp_path: 
         assert len(partial) == 1
         with Checkpointer(run_dir, save_options=SaveOptions(writer=WriterKind.THREAD)):
             assert (run_dir / partial[0]).is_dir()
+        gate.touch()
         t.read_until("COMMITTED 3")
         t.finish()
     finally:

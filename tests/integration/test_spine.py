@@ -53,8 +53,10 @@ def _wait_gone(pid: int, timeout: float = 60) -> None:
 
 
 def test_trainer_sigkill_after_async_return_still_commits(ckdir):
-    # The writer is held in its write phase for a second, so the trainer dies mid-save.
-    env = dict(os.environ, ZEROSTALL_FAULTS=json.dumps({"write": "sleep:1"}))
+    # The writer is held in its write phase until the gate exists, so the trainer dies mid-save
+    # (an ordering, not a timing: a slow kill cannot let the save commit first).
+    gate = ckdir.parent / "gate"
+    env = dict(os.environ, ZEROSTALL_FAULTS=json.dumps({"write": f"wait:{gate}"}))
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "_trainer.py"), str(ckdir), "7", "16"],
                          stdout=subprocess.PIPE, env=env, text=True)
     line = p.stdout.readline()
@@ -63,6 +65,7 @@ def test_trainer_sigkill_after_async_return_still_commits(ckdir):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert not (ckdir / "step_00000007" / "manifest.json").exists()  # still being written
+    gate.touch()
     _wait_gone(writer_pid)  # the writer finishes the save, then exits on its own
     with Checkpointer(ckdir) as ck:
         assert ck.steps() == [7]

@@ -613,13 +613,6 @@ class Guard:
         self._handle: Any = None
         self._hook: Any = None
 
-    def ready(self) -> None:
-        """Build the hook now (``prepare()``, before training): wrapping it for Dynamo imports
-        ``torch._dynamo``, 1.2-1.5 s on this VM where nothing had imported it, which the first
-        overlapped save would otherwise pay on the training thread."""
-        with self._lock:
-            self._ready()
-
     def _ready(self) -> Any:
         if self._hook is None:
             import torch
@@ -634,7 +627,7 @@ class Guard:
     def add(self, task: OverlapTask) -> None:
         with self._lock:
             self._tasks.append(task)
-        self.learn()
+            self._install()
 
     def learn(self) -> None:
         """Install the hook until the next :meth:`tidy` only to see which optimizers step.
@@ -642,11 +635,20 @@ class Guard:
         A save whose tensors no known optimizer owns calls this: an optimizer kept outside the
         saved tree becomes known at its next step, so the next save can overlap its tensors.
         """
+        if "torch._dynamo" not in sys.modules:
+            # No torch optimizer exists in this process yet: constructing one imports
+            # torch._dynamo (torch wraps Optimizer.add_param_group for Dynamo). There is no step
+            # to see, and building the hook would import that module on the training thread
+            # (1.2-1.6 s on a small VM) for nothing; the first save after one exists learns it.
+            return
         with self._lock:
-            if self._handle is None:
-                from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._install()
 
-                self._handle = register_optimizer_step_pre_hook(self._ready())
+    def _install(self) -> None:
+        if self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handle = register_optimizer_step_pre_hook(self._ready())
 
     def discard(self, task: OverlapTask) -> None:
         with self._lock:
