@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             if not a.no_zerostall and not a.only_dip:
                 log(f"== {label}: zerostall")
                 res["systems"]["zerostall"] = run_child("zs", common, a.timeout)
+                log(f"== {label}: warm restore, zerostall and safetensors paired")
+                res["warm_pair"] = run_child("warm_pair", common, a.timeout)
             for name in ([] if a.only_dip else peer_names):
                 log(f"== {label}: {name}")
                 res["systems"][name] = run_child("peers", [*common, "--system", name], a.timeout)

@@ -1,5 +1,5 @@
-"""The benchmark suite's systems (``benchmarks/zs.py``, ``peers.py``, ``dip.py``): each one `make bench`
-times can save and restore.
+"""The benchmark suite's systems (``benchmarks/zs.py``, ``peers.py``, ``dip.py``, ``warm_pair.py``):
+each one `make bench` times can save and restore.
 
 ``Zerostall.restore`` once sat in a subclass defined between its methods, so `make bench`'s
 zerostall child raised ``NotImplementedError`` at its first restore and the suite had no
@@ -46,11 +46,16 @@ print("ok")
 """
 
 
-def test_every_benchmarked_system_saves_and_restores(tmp_path: Path) -> None:
+def _run(script: str, tmp_path: Path) -> None:
+    """``script`` in a fresh interpreter with the repository importable; it prints ``ok`` last."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_every_benchmarked_system_saves_and_restores(tmp_path: Path) -> None:
+    _run(_SCRIPT, tmp_path)
 
 
 def test_the_pinning_ab_times_every_variant_and_leaves_the_switch_on(tmp_path: Path) -> None:
@@ -59,8 +64,15 @@ def test_the_pinning_ab_times_every_variant_and_leaves_the_switch_on(tmp_path: P
               "out = pin_ab.main(['--size', '4M', '--pairs', '2', '--quiet', '0', '--dir', sys.argv[1]]); "
               "assert sorted(out) == ['atomic pinned', 'atomic pool', 'streaming pinned', 'streaming pool'], out; "
               "assert all(len(v) == 2 and min(v) > 0 for v in out.values()) and m.PIN_PASSES; print('ok')")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    _run(script, tmp_path)
     assert not list(tmp_path.iterdir())  # the checkpoint is removed
+
+
+def test_the_paired_warm_restore_loads_both_and_checks_the_template(tmp_path: Path) -> None:
+    # benchmarks/warm_pair.py: make bench's "warm restore faster than safetensors" verdict
+    script = ("import sys; from pathlib import Path; from benchmarks import warm_pair; "
+              "out = warm_pair.run(4 << 20, Path(sys.argv[1]), 3); "
+              "assert out['correct'] and len(out['st_x_zs']) == 3, out; "
+              "assert all(len(v) == 3 and min(v) > 0 for v in out['warm_s'].values()), out; print('ok')")
+    _run(script, tmp_path)
+    assert not list(tmp_path.iterdir())  # both files are removed
