@@ -645,6 +645,8 @@ class Guard:
             self._install()
 
     def _install(self) -> None:
+        # The caller holds self._lock (add() and learn() both do): two saves installing at once
+        # would register the hook twice and leave one handle that tidy() can never remove.
         if self._handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
