@@ -142,9 +142,9 @@ def summarize_system(r: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
 def _first_vs_later(prefix: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
     """The first save after ``prepare()`` against the later ones: raw, and each stall over the
     copy floor paired with it (the mean of the copies right before the save and right after its
-    commit, where both were taken: ``benchmarks.zs._paired_saves``). ``<prefix>_first_x_later`` is the judged figure: the paired
-    stall ratio, or the raw one where no pair was taken, and the commit ratio, whichever is
-    worse."""
+    commit, where both were taken: ``benchmarks.zs._paired_saves``). ``<prefix>_first_x_later``
+    is the judged figure: the paired stall ratio (the raw one where no pair was taken) or the
+    commit ratio, whichever is worse."""
     first, later = saves[0], saves[1:]
 
     def floor(x: dict[str, Any]) -> float | None:
@@ -316,7 +316,10 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             add("first save <= 2x later (free functions + prepare())", size, v, "<= 2", v <= FIRST_MAX_X_LATER,
                 f"zerostall.prepare(state) ({_f(zs.get('free_prepare_s'))}s): " + _first_detail(zs, "free_prep"))
         wp = s.get("warm_pair") or {}
-        if "st_x_zs" in wp:
+        if wp.get("error"):  # the child ran and failed: said in the table, not left out
+            add("warm restore faster than safetensors", size, None, "> 1", None,
+                f"the paired child gave no result: {wp['error']}")
+        elif "st_x_zs" in wp:
             v = wp["st_x_zs"]
             cross = _div(s["systems"].get("safetensors", {}).get("restore_warm_s"), zs.get("restore_warm_s"))
             add("warm restore faster than safetensors", size, v, "> 1", v > 1 and bool(wp["correct"]),

@@ -82,6 +82,8 @@ def test_warm_restore_against_safetensors_is_judged_on_the_pairs() -> None:
     wrong = {**pair, "correct": False}
     assert _row(report.targets(_summary(wrong)), "warm restore faster than safetensors")["verdict"] == "NOT met"
     assert _row(report.targets(_summary(None)), "warm restore faster than safetensors") is None
+    failed = _row(report.targets(_summary({"error": "timed out after 1800s"})), "warm restore faster than safetensors")
+    assert failed is not None and failed["verdict"] == "n/a" and "timed out" in failed["detail"], failed
 
 
 def test_cold_restore_is_judged_against_the_fastest_peer() -> None:
