@@ -10,10 +10,10 @@ copies the source into the destination ``--copies`` times with ``zerostall.memco
 the new buffer in turn. Each copy is printed with its seconds, the CPUs its threads ran on
 (``sched_getcpu()`` at every 16 MiB piece) and the steal ticks ``/proc/stat`` counted over it.
 
-What it showed on this VM: each process copies at its own speed (0.11 s for 4 GiB in some,
-0.17 s in others, steady within each), and in some processes the copies right after the
-pre-fault run slower into every buffer alike. Both threads run on their own cores all along,
-with no steal.
+What it showed on this VM (``benchmarks/reference/round15/copy_speed.txt``): a 4 GiB copy
+takes 0.11 s in some processes and 0.17 s in others, mostly steady within each, though one
+process went from 0.177 s to 0.111 s halfway; in some runs the copies right after the pre-fault
+ran slower into every buffer alike. Both threads ran on their own cores throughout, with no steal.
 """
 
 from __future__ import annotations
