@@ -12,6 +12,7 @@ Run alone: ``python -m benchmarks.zs --size 256M --repeats 1 --dir /tmp/zsb``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,8 @@ class _Floor:
         return measure.now() - t0
 
 
-def _paired_saves(save: Any, floor: _Floor, saves: int, label: str) -> list[dict[str, Any]]:
-    """``saves + 1`` calls of ``save(i)`` (returning a response with ``result()``), each timed
+def _paired_saves(save: Callable[[int], Any], floor: _Floor, saves: int, label: str) -> list[dict[str, Any]]:
+    """``saves + 1`` calls of ``save(i)`` (each returns a response with ``result()``), each timed
     between two ``floor`` copies: right before it, and right after its commit (``floor_s``,
     ``floor_after_s``).
 
