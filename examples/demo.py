@@ -1,15 +1,23 @@
-"""`make demo`: train, get SIGKILLed in the middle of a save, resume, and match an uninterrupted run bit for bit.
+"""`make demo`: train, get SIGKILLed right after a save reached the writer, resume, and match an uninterrupted run bit for bit.
 
 1. An uninterrupted reference run (no checkpointing) writes its final parameters.
-2. A checkpointed run saves asynchronously every 25 steps; this driver SIGKILLs it right after
-   a save returned, while the background writer is still persisting that save.
-3. A new process resumes from the latest committed step and trains to the end.
-4. The final parameters must equal the reference's exactly.
+2. A checkpointed run saves asynchronously every 25 steps. With overlapped staging (the default) a
+   save returns before the parameters and optimizer state are copied; the next `optimizer.step()`
+   waits for that copy, and the trainer prints `STAGED step N` once every byte of save N is in
+   host memory and the writer process has it. This driver SIGKILLs the trainer right after the
+   third such line: the guarantee says the writer still commits that step.
+3. The driver waits (bounded) for that step's manifest, then lists what is committed.
+4. A new process resumes from the newest committed step and trains to the end; the driver reads the
+   step it resumed from off its output.
+5. The final parameters must equal the reference's exactly, and every claim printed is checked
+   against the checkpoint directory (`tests/test_demo.py` runs the same logic, shorter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,28 +29,45 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, SAVE_EVERY, KILL_AFTER_SAVE = 150, 25, 3
+#: how long the orphaned writer may take to commit the save it was handed (it is a few MiB)
+COMMIT_WAIT_S = 60.0
 
 
-def train(args: list[str], kill_after_saves: int | None = None, on_kill=None) -> int:
-    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *args]
+@dataclasses.dataclass
+class Run:
+    rc: int
+    lines: list[str]
+    killed_after: int | None = None  # the step whose STAGED line triggered the kill
+    committed_at_kill: bool | None = None  # that step's manifest existed at the kill
+
+
+def train(args: list[str], steps: int, save_every: int, kill_after_staged: int | None = None,
+          manifest_of=None) -> Run:
+    cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", str(steps), "--save-every", str(save_every),
+           *args]
     # Bit-exact comparison across processes needs the same reduction order in every run: fix the
     # thread counts and stop MKL/OpenMP from shrinking them when the machine is busy.
     env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
-    saves = 0
+    run = Run(rc=0, lines=[])
+    staged = 0
     assert p.stdout is not None
     for line in p.stdout:
+        run.lines.append(line)
         print("   ", line.rstrip(), flush=True)
-        if line.startswith("SAVED"):
-            saves += 1
-            if kill_after_saves is not None and saves == kill_after_saves:
-                p.send_signal(signal.SIGKILL)  # the writer is still persisting this save
-                if on_kill is not None:
-                    on_kill()
-                print(f"    >>> SIGKILL sent to the trainer (pid {p.pid}) right after save #{saves} returned",
-                      flush=True)
+        m = re.match(r"STAGED step (\d+)", line)
+        if m:
+            staged += 1
+            if kill_after_staged is not None and staged == kill_after_staged:
+                p.send_signal(signal.SIGKILL)
+                run.killed_after = int(m.group(1))
+                run.committed_at_kill = os.path.exists(manifest_of(run.killed_after))
+                print(f"    >>> SIGKILL sent to the trainer (pid {p.pid}) right after step {run.killed_after} "
+                      f"was handed to the writer", flush=True)
                 break
-    return p.wait()
+    p.stdout.close()
+    run.rc = p.wait()
+    return run
 
 
 REPO = os.path.dirname(HERE)
@@ -83,48 +108,96 @@ def draw_timeline(src: str, dst: str) -> str | None:
     return dst
 
 
-def main() -> int:
-    work = tempfile.mkdtemp(prefix="zerostall-demo-")
+@dataclasses.dataclass
+class DemoResult:
+    killed_after: int  # the step handed to the writer right before the kill
+    committed_at_kill: bool  # its manifest already existed when the trainer was killed
+    committed: list[int]  # committed steps once the writer was done
+    resumed_from: int  # the step the resumed trainer loaded
+    equal: bool  # the resumed run's final parameters equal the reference's bit for bit
+    tensors: int
+    values: int
+
+
+def committed_steps(ckdir: str) -> list[int]:
+    return sorted(int(d[5:]) for d in os.listdir(ckdir)
+                  if re.fullmatch(r"step_\d+", d) and os.path.exists(os.path.join(ckdir, d, "manifest.json")))
+
+
+def run_demo(work: str, steps: int = STEPS, save_every: int = SAVE_EVERY, kill_after: int = KILL_AFTER_SAVE,
+             timeline_png: str | None = None) -> DemoResult:
+    """Run the four phases in ``work``; raise AssertionError where the guarantee does not hold."""
     ckdir = os.path.join(work, "checkpoints")
-    try:
-        t0 = time.time()
-        print("== 1. uninterrupted reference run (no checkpointing)", flush=True)
-        assert train(["--out", os.path.join(work, "reference.pt")]) == 0
 
-        print("== 2. checkpointed run, killed during a save", flush=True)
-        killed_step = KILL_AFTER_SAVE * SAVE_EVERY
-        manifest = os.path.join(ckdir, f"step_{killed_step:08d}", "manifest.json")
-        at_kill: list[bool] = []
-        rc = train(["--dir", ckdir], kill_after_saves=KILL_AFTER_SAVE,
-                   on_kill=lambda: at_kill.append(os.path.exists(manifest)))
-        print(f"    trainer exit status {rc} (SIGKILL); step {killed_step} was "
-              f"{'already committed' if at_kill and at_kill[0] else 'still being persisted'} at the kill", flush=True)
-        deadline = time.time() + 60  # the orphaned writer commits the save it had, then exits
-        while not os.path.exists(manifest) and time.time() < deadline:
+    def manifest_of(step: int) -> str:
+        return os.path.join(ckdir, f"step_{step:08d}", "manifest.json")
+
+    print("== 1. uninterrupted reference run (no checkpointing)", flush=True)
+    assert train(["--out", os.path.join(work, "reference.pt")], steps, save_every).rc == 0
+
+    print("== 2. checkpointed run, killed right after a save was handed to the writer", flush=True)
+    run = train(["--dir", ckdir], steps, save_every, kill_after_staged=kill_after, manifest_of=manifest_of)
+    assert run.killed_after is not None, "the trainer ended before the save to kill after was staged"
+    assert run.committed_at_kill is not None
+    killed = run.killed_after
+    print(f"    trainer exit status {run.rc} (SIGKILL); step {killed} was "
+          f"{'already committed' if run.committed_at_kill else 'still being persisted by the writer'} at the kill",
+          flush=True)
+    if not run.committed_at_kill:
+        # The writer process outlives the trainer and commits what it was handed, then exits.
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while not os.path.exists(manifest_of(killed)) and time.monotonic() < deadline:
             time.sleep(0.01)
-        print(f"    committed steps after the crash: "
-              f"{sorted(d for d in os.listdir(ckdir) if d.startswith('step_'))}", flush=True)
+        assert os.path.exists(manifest_of(killed)), (
+            f"step {killed} was handed to the writer before the kill but is not committed after {COMMIT_WAIT_S:.0f} s")
+        print(f"    the orphaned writer committed step {killed} after the kill", flush=True)
+    committed = committed_steps(ckdir)
+    print(f"    committed steps after the crash: {committed}", flush=True)
+    assert committed and committed[-1] == killed, f"newest committed step {committed[-1:]} is not {killed}"
 
-        print("== 3. resume from the latest committed step", flush=True)
-        timeline = os.path.join(work, "timeline.json")
-        assert train(["--dir", ckdir, "--out", os.path.join(work, "resumed.pt"), "--timeline", timeline]) == 0
-        png = draw_timeline(timeline, os.path.join(REPO, "out", "demo-timeline.png"))
+    print("== 3. resume from the newest committed step", flush=True)
+    timeline = os.path.join(work, "timeline.json")
+    resumed = train(["--dir", ckdir, "--out", os.path.join(work, "resumed.pt"), "--timeline", timeline],
+                    steps, save_every)
+    assert resumed.rc == 0, f"the resumed trainer exited with {resumed.rc}"
+    found = [int(m.group(1)) for line in resumed.lines if (m := re.match(r"resumed from step (\d+)", line))]
+    assert found, "the resumed trainer did not report a step to resume from"
+    if timeline_png:
+        png = draw_timeline(timeline, timeline_png)
         if png:
             print(f"    timeline of the resumed run (step times, save windows): {png}", flush=True)
 
-        print("== 4. compare with the reference", flush=True)
-        ref = torch.load(os.path.join(work, "reference.pt"), weights_only=True)
-        res = torch.load(os.path.join(work, "resumed.pt"), weights_only=True)
-        bad = [k for k in ref if not torch.equal(ref[k], res[k])]
-        if bad or ref.keys() != res.keys():
-            print(f"FAIL: {len(bad)} tensors differ from the uninterrupted run: {bad[:5]}", flush=True)
-            return 1
-        n = sum(v.numel() for v in ref.values())
-        print(f"OK: all {len(ref)} tensors ({n / 1e6:.2f}M values) equal the uninterrupted run bit for bit "
-              f"(the killed run resumed from step {killed_step}); demo took {time.time() - t0:.0f} s", flush=True)
-        return 0
+    print("== 4. compare with the reference", flush=True)
+    ref = torch.load(os.path.join(work, "reference.pt"), weights_only=True)
+    res = torch.load(os.path.join(work, "resumed.pt"), weights_only=True)
+    bad = [k for k in ref if k not in res or not torch.equal(ref[k], res[k])]
+    return DemoResult(killed_after=killed, committed_at_kill=run.committed_at_kill, committed=committed,
+                      resumed_from=found[0], equal=not bad and ref.keys() == res.keys(), tensors=len(ref),
+                      values=sum(v.numel() for v in ref.values()))
+
+
+def main() -> int:
+    work = tempfile.mkdtemp(prefix="zerostall-demo-")
+    t0 = time.time()
+    try:
+        r = run_demo(work, timeline_png=os.path.join(REPO, "out", "demo-timeline.png"))
+    except AssertionError as e:
+        print(f"FAIL: {e}", flush=True)
+        return 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if not r.equal:
+        print("FAIL: the resumed run's parameters differ from the uninterrupted run", flush=True)
+        return 1
+    if r.resumed_from != r.killed_after:
+        print(f"FAIL: resumed from step {r.resumed_from}, not from step {r.killed_after}, the step handed to the "
+              f"writer before the kill", flush=True)
+        return 1
+    print(f"OK: all {r.tensors} tensors ({r.values / 1e6:.2f}M values) equal the uninterrupted run bit for bit; "
+          f"the killed run resumed from step {r.resumed_from}, the save it had handed to the writer "
+          f"({'committed before' if r.committed_at_kill else 'committed after'} the kill); "
+          f"demo took {time.time() - t0:.0f} s", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def main() -> int:
     nparams = sum(p.numel() for p in model.parameters())
     baseline = None
     timeline: dict = {"steps": [], "saves": [], "commits": []}
+    pending: list[tuple[int, zerostall.Response]] = []  # saves not yet wholly in host memory
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         model.train()
@@ -85,9 +86,14 @@ def main() -> int:
         loss = loss_fn(model(x), y)
         optim.zero_grad(set_to_none=True)
         loss.backward()
-        optim.step()
+        optim.step()  # waits for the overlapped copy of the last save, if it is still running
         sched.step()
         timeline["steps"].append([step, t0, time.perf_counter() - t0])
+        for s, r in [p for p in pending if p[1].staged()]:
+            # Every byte of this save is in host memory and the writer process has it: from here
+            # on, a crash of this process no longer loses it (README, "What it does").
+            print(f"STAGED step {s}: handed to the writer process", flush=True)
+            pending.remove((s, r))
         if ckpt is not None and step == start + 1:
             # The optimizer has its state now: allocate the staging buffers before the first save.
             ckpt.prepare(tree={**state, "step": step})
@@ -101,6 +107,7 @@ def main() -> int:
             blocked = time.perf_counter() - ts
             timeline["saves"].append([step, ts, blocked])
             r.add_done_callback(lambda _r, s=step: timeline["commits"].append([s, time.perf_counter()]))
+            pending.append((step, r))
             mib = r.stats.nbytes / 2**20
             print(f"SAVED step {step}: training blocked {blocked * 1e3:.1f} ms for {mib:.1f} MiB "
                   f"({nparams / 1e6:.1f}M params + AdamW); a blocking torch.save takes {baseline * 1e3:.0f} ms",
