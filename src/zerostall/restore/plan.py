@@ -363,7 +363,6 @@ class ReadPlanner:
         gshape = tuple(node["shape"])
         dtype_name = node["dtype"]
         dtype = to_torch_dtype(dtype_name)
-        itemsize = ITEMSIZE[dtype_name]
         box = _box_of(tmpl) if tmpl is not None else None
         if tmpl is not None and box is None and not isinstance(tmpl, torch.Tensor):
             raise MismatchError(f"checkpoint has a tensor here but the template has {type(tmpl).__name__}",
@@ -378,39 +377,14 @@ class ReadPlanner:
         else:
             lo, ext = (0,) * len(gshape), gshape
             dest = tmpl if tmpl is not None else torch.empty(gshape, dtype=dtype)
-        hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
         copies: list[tuple[Any, tuple[slice, ...], tuple[slice, ...]]] = []
-        covered = 0
-        for sh in node["shards"]:
-            leaf = self.m.leaves[sh["leaf"]]
-            so, ss = tuple(sh["offset"]), tuple(sh["shape"])
-            if leaf.shape != ss or leaf.dtype != dtype_name:
-                raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
-                                             f"its box says {list(ss)} {dtype_name}", path=self.path, key=key)
-            ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
-            ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
-            if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
-                continue
-            covered += math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
-            if not gshape:  # a 0-d tensor: one element
-                a, b, row = 0, 1, itemsize
-            else:
-                a, b = ilo[0] - so[0], ihi[0] - so[0]
-                row = math.prod(ss[1:]) * itemsize
-            tmp = torch.empty((b - a, *ss[1:]) if gshape else (), dtype=dtype)
-            whole = a == 0 and b == (ss[0] if gshape else 1)
-            part = dataclasses.replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row,
-                                       crc32c=leaf.crc32c if whole else None)
-            if part.nbytes:
-                self._leaf(sh["leaf"])  # the data file is checked before anything is read from it
+        shards = [(tuple(sh["offset"]), tuple(sh["shape"]), sh["leaf"]) for sh in node["shards"]]
+        for piece in _pieces(self, key, dtype_name, shards, lo, ext):
+            tmp = torch.empty((piece.rows, *piece.shard_shape[1:]) if gshape else (), dtype=dtype)
+            if piece.part.nbytes:
                 raw: Any = tmp.reshape(-1).view(torch.uint8).numpy()
-                self.reads.append(ReadRequest(part, memoryview(raw).cast("B"), verify=whole))
-            src_idx = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
-            dst_idx = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
-            copies.append((tmp, src_idx[:len(gshape)], dst_idx))
-        if covered != math.prod(ext):
-            raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
-                                         "rank needs", path=self.path, key=key)
+                self.reads.append(ReadRequest(piece.part, memoryview(raw).cast("B"), verify=piece.whole))
+            copies.append((tmp, piece.src, piece.dst))
 
         def assemble() -> Any:
             with torch.no_grad():
@@ -537,6 +511,59 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
 Shard = tuple[tuple[int, ...], tuple[int, ...], int]  # saved box offset, extent, leaf index
 
 
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """What one saved shard contributes to a box: the rows of the shard that cover the intersection."""
+
+    shard_offset: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    part: LeafEntry  # the covering rows' byte range, with the leaf's checksum only when they are all of it
+    whole: bool
+    rows: int  # covering rows (1 for a 0-d tensor)
+    row: int  # bytes per row
+    src: tuple[slice, ...]  # the intersection within the covering rows
+    dst: tuple[slice, ...]  # the intersection within the box
+
+
+def _pieces(planner: ReadPlanner, key: str, name: str, shards: list[Shard], lo: tuple[int, ...],
+            ext: tuple[int, ...]) -> list[_Piece]:
+    """The saved shards' intersections with box ``lo``/``ext``, each data file checked before any read.
+
+    Raises CorruptCheckpointError when a shard's leaf disagrees with its box or the shards do not
+    cover the box exactly.
+    """
+    itemsize = ITEMSIZE[name]
+    hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
+    pieces: list[_Piece] = []
+    covered = 0
+    for so, ss, li in shards:
+        leaf = planner.m.leaves[li]
+        if leaf.shape != ss or leaf.dtype != name:
+            raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
+                                         f"its box says {list(ss)} {name}", path=planner.path, key=key)
+        ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
+        ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
+        if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
+            continue
+        covered += math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
+        if not ext:  # 0-d: the one element
+            a, b, row = 0, 1, itemsize
+        else:
+            a, b, row = ilo[0] - so[0], ihi[0] - so[0], math.prod(ss[1:]) * itemsize
+        whole = a == 0 and b == (ss[0] if ext else 1)
+        part = dataclasses.replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row,
+                                   crc32c=leaf.crc32c if whole else None)
+        if part.nbytes:
+            planner._leaf(li)  # the data file is checked before anything is read from it
+        src = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
+        dst = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
+        pieces.append(_Piece(so, ss, part, whole, b - a, row, src[:len(ext)], dst))
+    if covered != math.prod(ext):
+        raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
+                                     "process needs", path=planner.path, key=key)
+    return pieces
+
+
 def saved_shards(planner: ReadPlanner, node: dict[str, Any]) -> tuple[str, tuple[int, ...], list[Shard]]:
     if node["type"] == "array":
         leaf = planner.m.leaves[node["leaf"]]
@@ -567,44 +594,21 @@ def plan_box(planner: ReadPlanner, key: str, name: str, shards: list[Shard],
     otherwise its covering rows go to a temporary and the intersection is copied out.
     """
     dtype = numpy_dtype(name)
-    itemsize = ITEMSIZE[name]
     dest = _aligned_empty(ext, dtype)
     flat = dest.reshape(-1).view(np.uint8)
-    hi = tuple(a + b for a, b in zip(lo, ext, strict=True))
     copies: list[tuple[np.ndarray, tuple[slice, ...], tuple[slice, ...]]] = []
-    covered = 0
-    for so, ss, li in shards:
-        leaf = planner.m.leaves[li]
-        if leaf.shape != ss or leaf.dtype != name:
-            raise CorruptCheckpointError(f"shard leaf {leaf.key!r} has shape {list(leaf.shape)} {leaf.dtype}, "
-                                         f"its box says {list(ss)} {name}", path=planner.path, key=key)
-        ilo = tuple(max(a, b) for a, b in zip(lo, so, strict=True))
-        ihi = tuple(min(a, b + c) for a, b, c in zip(hi, so, ss, strict=True))
-        if any(a >= b for a, b in zip(ilo, ihi, strict=True)):
+    for piece in _pieces(planner, key, name, shards, lo, ext):
+        if not piece.part.nbytes:
             continue
-        n = math.prod(b - a for a, b in zip(ilo, ihi, strict=True))
-        covered += n
-        if not ext:  # 0-d: the one element
-            a, b, row = 0, 1, itemsize
-        else:
-            a, b, row = ilo[0] - so[0], ihi[0] - so[0], math.prod(ss[1:]) * itemsize
-        whole = a == 0 and b == (ss[0] if ext else 1)
-        part = dataclasses.replace(leaf, offset=leaf.offset + a * row, nbytes=(b - a) * row, crc32c=leaf.crc32c if whole else None)
-        if not part.nbytes:
-            continue
-        planner._leaf(li)  # the data file is checked before anything is read from it
+        so, ss = piece.shard_offset, piece.shard_shape
         if ss[1:] == ext[1:] and so[1:] == lo[1:]:  # whole rows of both: straight into the box
-            start = (ilo[0] - lo[0]) * row if ext else 0
-            planner.reads.append(ReadRequest(part, _as_view(flat[start:start + part.nbytes]), verify=whole))
+            start = piece.dst[0].start * piece.row if ext else 0
+            planner.reads.append(ReadRequest(piece.part, _as_view(flat[start:start + piece.part.nbytes]),
+                                             verify=piece.whole))
             continue
-        tmp = np.empty((b - a, *ss[1:]), dtype=dtype)
-        planner.reads.append(ReadRequest(part, _as_view(tmp.reshape(-1).view(np.uint8)), verify=whole))
-        src = (slice(None), *(slice(x - o, y - o) for x, y, o in zip(ilo[1:], ihi[1:], so[1:], strict=True)))
-        dst = tuple(slice(x - o, y - o) for x, y, o in zip(ilo, ihi, lo, strict=True))
-        copies.append((tmp, src, dst))
-    if covered != math.prod(ext):
-        raise CorruptCheckpointError(f"the saved shards cover {covered} of the {math.prod(ext)} elements this "
-                                     "process needs", path=planner.path, key=key)
+        tmp = np.empty((piece.rows, *ss[1:]), dtype=dtype)
+        planner.reads.append(ReadRequest(piece.part, _as_view(tmp.reshape(-1).view(np.uint8)), verify=piece.whole))
+        copies.append((tmp, piece.src, piece.dst))
 
     def assemble() -> np.ndarray:
         for tmp, src, dst in copies:
