@@ -5,4 +5,5 @@
 * ``cold_read_probe``: where a cold load's time goes, against a raw read of the same file.
 * ``memcopy_probe``: zerostall's copy and checksum kernels against ``memmove``.
 * ``s3_bench``: zerostall against S3 against raw boto3 on the same bytes.
+* ``jax_stall``: how long a save blocks a JAX trainer on CPU, background copy against blocking.
 """
