@@ -19,7 +19,7 @@
 # verdict needs) and `restore` together in a second; give the machine back between analyses.
 #
 # Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu. Back here, record
-# the figures: python -m benchmarks.history gpu DIR/gpu.json DIR/restore.json --commit C --machine M
+# the figures: python -m benchmarks.history gpu DIR/gpu.json DIR/restore.json --commit C --date D --machine M
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 what=${1:-}; shift || true
