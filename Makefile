@@ -22,15 +22,20 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The CPU suite (docs/performance.md): results in benchmarks/results/, figures appended to
+# benchmarks/reference/history.csv.
 bench: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(PY) benchmarks/run.py
 
 # One GPU: overlapped vs blocking staging vs DCP async_save vs torch.save on a >= 4 GB bf16
-# transformer loop (benchmarks/gpu.py); says so and exits 0 where there is no CUDA device.
+# transformer loop (benchmarks/gpu.py), then loads onto the GPU (benchmarks/gpu_restore.py); says
+# so and exits 0 where there is no CUDA device. Figures appended to benchmarks/reference/history.csv.
 bench-gpu: $(STAMP)
+	rm -f benchmarks/results/gpu.json benchmarks/results/gpu_restore.json
 	$(PY) benchmarks/gpu.py --out benchmarks/results/gpu.json
 	$(PY) benchmarks/gpu_restore.py --out benchmarks/results/gpu_restore.json
+	$(PY) -m benchmarks.history gpu benchmarks/results/gpu.json benchmarks/results/gpu_restore.json
 
 stress: $(STAMP)
 	ZEROSTALL_STRESS=1 $(PY) -m pytest -q -p no:cacheprovider tests -k "crash or stress"

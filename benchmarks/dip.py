@@ -56,7 +56,7 @@ NONE_WINDOW_S = PRE_S + 2.0 + POST_S
 #: so a jax checkpointer competes with the torch trainer for the cores like any other.
 SYSTEMS = ["none", "torch_save", "dcp_async", "dcp_async_stager", "orbax_save", "orbax_async", "zerostall",
            "zerostall_idle", "zerostall_memtier10"]
-#: zerostall_memtier10 persists every MEMTIER_K-th step (issue 13's target: a tenth of the persist per save)
+#: zerostall_memtier10 persists every MEMTIER_K-th step (the memory tier: a tenth of the persist per save)
 MEMTIER_K = 10
 DEFAULT = ["none", "torch_save", "dcp_async_stager", "zerostall"]
 

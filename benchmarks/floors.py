@@ -26,32 +26,9 @@ from typing import Any
 import torch
 
 from benchmarks import measure
-from benchmarks.state import build_state, iter_tensors, nbytes, parse_size
+from benchmarks.state import build_state, flat_views, nbytes, parse_size
 
-_KEEP: dict[int, mmap.mmap] = {}  # the mappings behind the flat buffers
 CHUNK = 64 << 20  # large enough that per-syscall overhead is noise, small enough to stream
-ALIGN = 64
-
-
-def _flat_views(state: Any) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One faulted-in uint8 buffer holding every tensor of the state, and (src, dst view) pairs."""
-    pairs_meta = []
-    off = 0
-    for _, t in iter_tensors(state):
-        pairs_meta.append((t, off))
-        off += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
-    # Page-aligned anonymous memory so that O_DIRECT can write straight from it; rounded up to
-    # whole pages so the last O_DIRECT write may be a full page.
-    size = (off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-    mem = mmap.mmap(-1, size)
-    flat = torch.frombuffer(mem, dtype=torch.uint8)
-    flat.zero_()  # every page faulted in now, not timed
-    _KEEP[id(flat)] = mem
-    pairs = []
-    for t, o in pairs_meta:
-        n = t.numel() * t.element_size()
-        pairs.append((t, flat[o : o + n].view(t.dtype).view(t.shape)))
-    return flat, pairs
 
 
 def _write_file(path: Path, buf: memoryview) -> None:
@@ -99,7 +76,7 @@ def _read_file(path: Path, buf: memoryview) -> int:
 def run(state: Any, directory: Path, repeats: int) -> dict[str, Any]:
     """Measure all floors ``repeats`` times on ``state``; returns lists of seconds per floor."""
     total = nbytes(state)
-    flat, pairs = _flat_views(state)
+    flat, pairs = flat_views(state)
     for src, dst in pairs:  # one untimed pass: caches, thread pool, lazy init
         dst.copy_(src)
     out: dict[str, Any] = {"nbytes": total, "memcpy_s": [], "memcpy_fresh_s": [],

@@ -224,7 +224,7 @@ class Zerostall:
         from zerostall.options import DistributedOptions
 
         # zerostall_overlap_inline: the CUDA copies enqueued in the call, on the training thread
-        # (ZEROSTALL_CUDA_ENQUEUE_THREAD=0, as before round 9), for an A/B in one run
+        # (ZEROSTALL_CUDA_ENQUEUE_THREAD=0), for an A/B in one run
         overlap.CUDA_ENQUEUE_THREAD = enqueue_thread
 
         self.zs = zerostall

@@ -77,7 +77,7 @@ _BUF: list[mmap.mmap] = []
 def _warm(d: Path) -> None:
     if not _BUF:
         # Allocated once, not per timed read, and page-aligned: a read() into a bytearray ran at
-        # half the speed on this VM (docs/performance.md, "Ninth round").
+        # half the speed on the reference VM.
         _BUF.append(mmap.mmap(-1, 64 << 20))
     buf = _BUF[0]
     for p in _files(d):

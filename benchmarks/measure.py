@@ -386,15 +386,14 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
     (``drop_cache`` before every read), each cold restore followed by a raw sequential read of the
     same files, also cold: the paired cold-read floor.
     """
-    from benchmarks.floors import _flat_views
-    from benchmarks.state import nbytes
+    from benchmarks.state import flat_views, nbytes
 
     out: dict[str, Any] = {"system": system.name, "nbytes": nbytes(state), "in_place": system.in_place}
     system.setup(directory)
     native = system.native(state)
     saves: list[dict[str, Any]] = []
     path: Path | None = None
-    flat, pairs = _flat_views(state)
+    flat, pairs = flat_views(state)
     for src, dst in pairs:
         dst.copy_(src)
     try:
@@ -438,7 +437,7 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
         del restored
         warm, cold, raw_warm, raw_cold = [], [], [], []
         # page-aligned: a read() into a bytearray (16 bytes off a 64-byte boundary) ran at half
-        # speed on this VM, which made this floor slower than it is (performance.md, "Ninth round")
+        # speed on this VM, which made this floor slower than it is
         read_buf = memoryview(mmap.mmap(-1, 64 << 20))
         read_buf[:] = bytes(len(read_buf))  # faulted in here, not in the first timed read
         for r in range(repeats):

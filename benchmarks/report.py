@@ -21,13 +21,13 @@ from benchmarks.measure import median
 GB = 1e9
 MiB = 1 << 20
 
-#: Targets of project issue 3.
+#: The targets each run is judged against (docs/performance.md, "What is measured").
 STALL_MAX_X_MEMCPY = 1.2
 PERSIST_MIN_X_WRITE = 0.9
 RESTORE_MIN_X_READ = 0.8
 LOST_MAX_X_BEST_PEER = 1 / 3
 FIRST_MAX_X_LATER = 2.0
-#: "Cost per byte flat" is not quantified by the issue; we call it flat if the per-byte cost at
+#: "Cost per byte flat" has no stated bound; we call it flat if the per-byte cost at
 #: the largest size, relative to the floor at that size, is within this factor of the smallest
 #: size's (either direction).
 FLAT_TOLERANCE = 1.25
@@ -148,8 +148,8 @@ def _first_vs_later(prefix: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
     first, later = saves[0], saves[1:]
 
     def floor(x: dict[str, Any]) -> float | None:
-        # Results before the fifteenth round have no floor: their only copy was torch's, before
-        # the save, and the first of those faulted its buffer in (seconds at 4 GiB).
+        # Results without the copy after the save have no floor: their only copy was torch's,
+        # before the save, and the first of those faulted its buffer in (seconds at 4 GiB).
         if not (x.get("floor_s") and x.get("floor_after_s")):
             return None
         return (x["floor_s"] + x["floor_after_s"]) / 2
@@ -432,7 +432,7 @@ def table(summary: dict[str, Any]) -> str:
                              f"lost/save {_f(v['lost'], '{:.1f}x')}")
         lines.append("")
     if summary["targets"]:
-        lines.append("targets (issue 3):")
+        lines.append("targets:")
         for t in summary["targets"]:
             lines.append(f"  [{t['verdict']:>7}] {t['target']:<32} {t['size'] or 'all':<5} "
                          f"{_f(t['value'], '{:.2f}')} ({t['limit']}): {t['detail']}")

@@ -8,7 +8,9 @@ system's memory, threads and first-save costs never show up in another's numbers
 run twice per size, before and after the systems, and their samples are pooled, because the
 machine is shared and drifts. Results: a table on stdout, ``results.json`` (raw samples and the
 summary), ``table.txt`` and ``chart.png`` in ``--out``. Partial results are written after every
-size so an interrupted run keeps what it measured.
+size so an interrupted run keeps what it measured. A finished run appends its figures to
+``benchmarks/reference/history.csv`` (``--history``; ``--quick`` appends nothing): see
+``benchmarks/history.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dip, peers, report  # noqa: E402
+from benchmarks import dip, history, peers, report  # noqa: E402
 from benchmarks.measure import log, parse_child_output  # noqa: E402
 from benchmarks.state import format_size, parse_size  # noqa: E402
+
+HISTORY = ROOT / "benchmarks" / "reference" / "history.csv"
 
 
 def child_env() -> dict[str, str]:
@@ -83,14 +87,6 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def git_rev() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def fs_of(path: Path) -> str | None:
     try:
         import psutil
@@ -118,9 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-zerostall", action="store_true", help="skip zerostall (e.g. before it is importable)")
     p.add_argument("--only-dip", action="store_true", help="floors and the training dip only (no save/restore runs)")
     p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
+    p.add_argument("--history", default=str(HISTORY),
+                   help="CSV the run's figures are appended to (default benchmarks/reference/history.csv; "
+                        "empty: none; --quick: none)")
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.repeats = "256M", 1
+        a.sizes, a.repeats, a.history = "256M", 1, ""
     return a
 
 
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     results: dict[str, Any] = {
         "meta": {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": git_rev(),
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git": history.git_commit(ROOT),
                  "repeats": a.repeats, "scratch": str(scratch),
                  "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ}, "filesystem": fs_of(scratch), "machine": machine()},
         "sizes": {},
@@ -174,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    report.write(results, out)
+    summary = report.write(results, out)
     (out / "results.partial.json").unlink(missing_ok=True)
     log(f"results in {out}/results.json, table.txt, chart.png")
+    if a.history:
+        meta = results["meta"]
+        n = history.append(Path(a.history), history.rows(meta["started"], meta["git"],
+                                                         history.machine_label(meta["machine"]),
+                                                         history.cpu_figures(summary)))
+        log(f"{n} figures appended to {a.history}")
     return 0
 
 

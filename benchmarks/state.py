@@ -16,6 +16,7 @@ Run ``python -m benchmarks.state 256M`` to print the layout for a size.
 
 from __future__ import annotations
 
+import mmap
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +30,10 @@ N_LAYERS = 8
 #: embedding is a large minority of the bytes, as in GPT-2-like models.
 VOCAB_PER_D = 8
 CONTEXT_PER_D = 1
+
+#: Alignment of each tensor in :func:`flat_views`' buffer.
+ALIGN = 64
+_KEEP: dict[int, mmap.mmap] = {}  # the mappings behind flat_views' buffers, kept alive
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -167,6 +172,29 @@ def trees_equal(a: Any, b: Any) -> bool:
     if [k for k, _ in ka] != [k for k, _ in kb]:
         return False
     return all(torch.equal(x, y) for (_, x), (_, y) in zip(ka, kb))
+
+
+def flat_views(state: Any) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One faulted-in uint8 buffer with room for every tensor of ``state`` (each at a 64-byte
+    aligned offset), and ``(tensor, view of the buffer)`` pairs: the destination of the memcpy
+    floors. The buffer is page-aligned anonymous memory, so ``O_DIRECT`` can write from it."""
+    pairs_meta = []
+    off = 0
+    for _, t in iter_tensors(state):
+        pairs_meta.append((t, off))
+        off += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+    # Page-aligned anonymous memory so that O_DIRECT can write straight from it; rounded up to
+    # whole pages so the last O_DIRECT write may be a full page.
+    size = (off + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    mem = mmap.mmap(-1, size)
+    flat = torch.frombuffer(mem, dtype=torch.uint8)
+    flat.zero_()  # every page faulted in now, not timed
+    _KEEP[id(flat)] = mem
+    pairs = []
+    for t, o in pairs_meta:
+        n = t.numel() * t.element_size()
+        pairs.append((t, flat[o : o + n].view(t.dtype).view(t.shape)))
+    return flat, pairs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,13 +6,13 @@ same template, alternating in one process, each pair followed by a read of zeros
 Why a child of its own: the zerostall and safetensors children of ``benchmarks.run`` run minutes
 apart, and on this VM the speed of a copy into memory changes 1.5-4x from one minute, or one
 process, to the next with nothing else running (the same 4 GiB copy took 0.106 s in one process and
-0.170 s in the next; docs/performance.md, "Fifteenth round"). A 4 GiB warm load is such a copy,
+0.170 s in the next; ``benchmarks/probes/copy_speed.py``). A 4 GiB warm load is such a copy,
 so comparing the two children's medians compared the machine's moments as much as the loaders.
 Here both load the same state into the same template, alternating which goes first, and the
 verdict is the median of the per-pair ratios.
 
 The state is freed once both files are written, so that at 4 GiB both files stay in the page cache
-beside the template (as ``benchmarks.restore_ab --lean``); the template is checked against the
+beside the template (as ``benchmarks.probes.restore_ab --lean``); the template is checked against the
 state's CRC32Cs at the end.
 """
 

@@ -54,8 +54,8 @@ class Zerostall(measure.System):
 
     def restore_variants(self) -> dict[str, Any]:
         # The default load verifies every leaf's checksum; timing it without shows whether a
-        # slow restore is I/O or checksum CPU. atomic=True (the default until the fourteenth
-        # session) shows what holding the bytes back until every leaf verified costs.
+        # slow restore is I/O or checksum CPU. atomic=True shows what holding the bytes back until
+        # every leaf verified costs.
         lo = getattr(self.zs, "LoadOptions", None)
         if lo is None:
             return {}
@@ -115,8 +115,8 @@ def _paired_saves(save: Callable[[int], Any], floor: _Floor, saves: int, label: 
 
     The pair is what the first save is judged against: on this VM a copy into memory runs 1.5-4x
     slower for a while, every copy in the process alike, with no page fault, reclaim or steal to
-    show for it (docs/performance.md, "Fifteenth round"); a first save that fell into such a
-    while was counted as a first-save cost. The copy after waits for the commit, so that the
+    show for it (``benchmarks/probes/copy_speed.py``); a first save that fell into such a while
+    was counted as a first-save cost. The copy after waits for the commit, so that the
     writer's work does not slow it.
     """
     out = []
@@ -165,8 +165,8 @@ def checkpointer_back_to_back(state: Any, directory: Path, saves: int) -> dict[s
     """Saves back to back right after ``Checkpointer()`` + ``prepare()``, no ``result()`` between.
 
     With one slot, save ``i`` waits until the writer has written save ``i - 1``; the second save
-    also waited for the writer's start-up while ``Checkpointer()`` did not wait for it (the
-    issue's 477 ms). ``open_s`` is the constructor (it now includes that start-up).
+    would wait for the writer's start-up if ``Checkpointer()`` did not. ``open_s`` is the
+    constructor, that start-up included.
     """
     import zerostall
 

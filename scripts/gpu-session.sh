@@ -14,11 +14,12 @@
 #                                        # benchmarks/gpu_restore.py ARGS (loads onto the GPU: zerostall's device
 #                                        # pass against its old path, zerostall_host_tmp, and the peers)
 #
-# A session's 15 minutes of device time (round 9: a start took ~30 s, `all` ~5 min, gpu.py alone
+# A session's 15 minutes of device time (measured: a start took ~30 s, `all` ~5 min, gpu.py alone
 # ~2 min, gpu_restore.py ~2 min) fit `all` in one call, then `bench` (the second consecutive run a
 # verdict needs) and `restore` together in a second; give the machine back between analyses.
 #
-# Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu.
+# Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu. Back here, record
+# the figures: python -m benchmarks.history gpu DIR/gpu.json DIR/restore.json --commit C --date D --machine M
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 what=${1:-}; shift || true

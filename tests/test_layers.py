@@ -74,3 +74,15 @@ def test_no_import_cycles() -> None:
     edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
     assert len(edges) > 30  # the whole package was read
     assert _cycles(edges) == []
+
+
+def test_no_import_cycles_in_the_benchmarks() -> None:
+    root = os.path.dirname(SRC)
+    sys.path.insert(0, root)
+    try:
+        graph = grimp.build_graph("benchmarks", cache_dir=None)
+    finally:
+        sys.path.remove(root)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert {"benchmarks.run", "benchmarks.floors", "benchmarks.measure"} <= set(edges)  # the suite was read
+    assert _cycles(edges) == []

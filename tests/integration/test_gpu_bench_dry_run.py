@@ -1,7 +1,7 @@
 """``benchmarks/gpu.py`` (``make bench-gpu``) and ``gpu_restore.py`` run their whole logic on CPU with ``--cpu-dry-run``.
 
-No GPU has been lent to any session so far, so nothing else would notice the script rotting
-before the first session that has one spends its device time on it. This runs every system of
+A GPU is rarely at hand, so nothing else would notice the scripts rotting before a run on one
+spends its device time on them. This runs every system of
 the script (floors, zerostall overlapped and blocking, DCP ``async_save`` with a persistent
 stager, ``torch.save``) on a tiny model and checks that each produced a result and that the torn
 check found nothing torn. No figure is asserted: timings belong to the benchmark itself.

@@ -159,7 +159,7 @@ def test_a_file_in_place_of_the_run_directory_is_not_a_directory(tmp_path: Path)
 
 def test_writer_is_up_when_the_constructor_returns(tmp_path: Path) -> None:
     # The first save's slot is freed only once the writer has written it: a writer still booting
-    # would add its start-up to the second save's stall (benchmarks/first_save.py measures it).
+    # would add its start-up to the second save's stall (make bench's "saves right after Checkpointer()" row).
     with Checkpointer(tmp_path / "run") as ck:
         writer = ck._engine.writer
         assert writer.alive() and writer.pid in writer_children()

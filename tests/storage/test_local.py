@@ -88,7 +88,7 @@ def test_cold_range_past_the_end_raises_eof(tmp_path, blob: bytes) -> None:
 def test_a_streaming_load_reads_cold_bytes_through_the_page_cache_verified(tmp_path) -> None:
     # A load that is not all-or-nothing reads cold bytes through the page cache (fill, checksum,
     # copy, piece by piece): O_DIRECT reads ran at a third of its rate on the VM measured
-    # (benchmarks/cold_read_probe.py). It must still check every byte it copies.
+    # (benchmarks/probes/cold_read_probe.py). It must still check every byte it copies.
     from zerostall.storage.release import wait_unmapped
 
     state = {"big": torch.arange(6 * MiB, dtype=torch.float32), "small": torch.ones(3)}

@@ -1,6 +1,6 @@
-"""``benchmarks/report.py``'s verdicts that pair a figure with a floor taken in the same moment
-(fifteenth round): the first save after ``prepare()`` against a copy right before and right after
-it, and warm restore against safetensors alternating in one process (``benchmarks/warm_pair.py``).
+"""``benchmarks/report.py``'s verdicts that pair a figure with a floor taken in the same moment:
+the first save after ``prepare()`` against a copy right before and right after it, and warm
+restore against safetensors alternating in one process (``benchmarks/warm_pair.py``).
 
 On this VM a copy into memory runs 1.5-4x slower for a while, every copy in the process alike;
 the raw figures counted such a while against zerostall's first save, and compared two children's
