@@ -169,16 +169,8 @@ class SaveOptions:
                 object.__setattr__(self, "staging", Staging(self.staging))
             except ValueError:
                 raise InvalidArgumentError(f"staging must be 'overlap' or 'blocking', got {self.staging!r}") from None
-        if not isinstance(self.writer, WriterKind):
-            raise ArgumentTypeError(f"writer must be a WriterKind, got {self.writer!r}")
-        if self.max_in_flight < 1:
-            raise InvalidArgumentError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
-        if self.io_threads < 1:
-            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
-        if self.chunk_bytes < MiB or self.chunk_bytes % 4096:
+        if self.chunk_bytes % 4096:
             raise InvalidArgumentError(f"chunk_bytes must be a multiple of 4096 and >= 1 MiB, got {self.chunk_bytes}")
-        if self.writer_sched not in ("batch", "idle", "normal"):
-            raise InvalidArgumentError(f"writer_sched must be 'batch', 'idle' or 'normal', got {self.writer_sched!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,17 +212,7 @@ class LoadOptions:
             check_choice("LoadOptions.atomic", self.atomic, (True, False, "auto"))
         if not isinstance(self.replicated, Replicated):
             check_choice("LoadOptions.replicated", self.replicated, tuple(r.value for r in Replicated))
-        if not (isinstance(self.atomic, bool) or self.atomic == "auto"):
-            raise InvalidArgumentError(f"atomic must be True, False or 'auto', got {self.atomic!r}")
-        if not isinstance(self.replicated, Replicated):
-            try:
-                object.__setattr__(self, "replicated", Replicated(self.replicated))
-            except ValueError:
-                raise InvalidArgumentError(f"replicated must be 'broadcast' or 'every_rank', got {self.replicated!r}") from None
-        if self.io_threads < 1:
-            raise InvalidArgumentError(f"io_threads must be >= 1, got {self.io_threads}")
-        if self.chunk_bytes < 4096:
-            raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+            object.__setattr__(self, "replicated", Replicated(self.replicated))
 
 
 def _check_memory_tier_types(tier: MemoryTier) -> None:
@@ -283,11 +265,10 @@ class MemoryTier:
     linger_s: float = 600.0
 
     def __post_init__(self) -> None:
-        _check_memory_tier_types(self)
-        if type(self.persist_interval_steps) is not int or self.persist_interval_steps < 1:
+        _check_memory_tier_types(self)  # from here on every field has its type
+        if self.persist_interval_steps < 1:
             raise InvalidArgumentError(f"persist_interval_steps must be a positive int, got {self.persist_interval_steps!r}")
-        if self.persist_interval_s is not None and not (
-                isinstance(self.persist_interval_s, (int, float)) and self.persist_interval_s > 0):
+        if self.persist_interval_s is not None and not self.persist_interval_s > 0:
             raise InvalidArgumentError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
-        if not (isinstance(self.linger_s, (int, float)) and self.linger_s >= 0):
+        if not self.linger_s >= 0:
             raise InvalidArgumentError(f"linger_s must be >= 0, got {self.linger_s!r}")
