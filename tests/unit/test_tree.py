@@ -109,7 +109,7 @@ def test_every_torch_dtype_has_a_name(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float4_e2m1fn_x2, torch.uint3, torch.int4, torch.bits16])
 def test_a_packed_or_shell_dtype_is_told_to_save_its_bytes_and_that_round_trips(dtype, tmp_path):
-    # The refusal used to suggest "t.to(torch.complex64) for complex32" for these too.
+    # Each gets the remedy for packed dtypes (view as uint8), not complex32's "t.to(torch.complex64)".
     t = torch.arange(8, dtype=torch.uint8).view(dtype)
     with pytest.raises(UnsupportedLeafError, match=r"t\.view\(torch\.uint8\)") as info:
         flatten({"p": {"t": t}})
