@@ -13,3 +13,20 @@ def ckdir(tmp_path):
     d = tmp_path / "ckpts"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def run_with_unreadable_newest(tmp_path):
+    """A run directory with committed steps 1 and 2, step 2's folder mode 000 (restored afterwards)."""
+    import torch
+
+    import zerostall
+
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(4)})
+        ckpt.save_pytree(2, {"w": torch.full((4,), 2.0)})
+    newest = run / "step_00000002"
+    newest.chmod(0)
+    yield run
+    newest.chmod(0o755)

@@ -81,6 +81,24 @@ def test_list_empty_and_missing(tmp_path: Path) -> None:
     assert rc == 1 and doc["ok"] is False and doc["error"]["class"] == "StorageError"
 
 
+def test_cli_list_of_a_directory_of_runs_names_the_runs_below(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A Lightning ModelCheckpoint dirpath holds one zerostall run per checkpoint name: list of it
+    # names those runs rather than only "no committed checkpoints".
+    from zerostall.cli import main
+
+    ckpts = tmp_path / "ckpts"
+    for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+        zerostall.save_pytree(ckpts / name / "step_00000001", {"w": torch.ones(2)})
+    (ckpts / "notes").mkdir()
+    assert main(["list", str(ckpts)]) == 0
+    out = capsys.readouterr().out
+    assert "no committed checkpoints" in out
+    assert "epoch=0-step=4.ckpt (1 step(s)), last.ckpt (1 step(s))" in out and "notes" not in out
+    assert main(["list", str(ckpts), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [b["name"] for b in doc["runs_below"]] == ["epoch=0-step=4.ckpt", "last.ckpt"]
+
+
 def test_inspect(cli_run: Path) -> None:
     path = cli_run / "step_00000020"
     p = zs("inspect", path)
@@ -234,7 +252,7 @@ def test_text_output_escapes_control_characters(tmp_path: Path) -> None:
     assert doc["bad_keys"] == [f"pytree/{evil}"]  # JSON keeps the key exact
 
 
-def test_cli_runectory_instead_of_a_step_gets_a_hint(cli_run: Path) -> None:
+def test_cli_run_directory_instead_of_a_step_gets_a_hint(cli_run: Path) -> None:
     for cmd in ("inspect",):  # verify takes a run directory (tests/test_cli_ops.py)
         p = zs(cmd, cli_run)
         assert p.returncode == 1

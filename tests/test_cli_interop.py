@@ -99,6 +99,28 @@ def test_export_of_a_run_directory_names_its_steps(tmp_path: Path) -> None:
     assert p.returncode == 1 and "step_00000003" in p.stderr
 
 
+class _Unregistered:
+    pass
+
+
+def test_cli_export_to_torch_of_a_custom_leaf_says_what_the_command_line_can_do(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # "register it with zerostall.register_handler before loading" is nothing a shell user can
+    # do: the message says the command line registers no handlers and offers .safetensors.
+    from zerostall.cli import main
+
+    zerostall.register_handler(_Unregistered, name="exporttest.U", format="json", encode=lambda u: 1,
+                               decode=lambda v: _Unregistered())
+    try:
+        zerostall.save_pytree(tmp_path / "c", {"u": _Unregistered(), "w": torch.ones(2)})
+    finally:
+        zerostall.unregister_handler(_Unregistered)
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "c.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "the command line registers no handlers" in err and ".safetensors" in err
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "c.safetensors")]) == 0
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_import_torch_file_and_dcp(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp

@@ -1,6 +1,6 @@
-"""The everyday operations of the command line (issue 12), run as real subprocesses:
-``rm``, ``--version``, ``python -m zerostall``, ``list`` on broken runs, ``verify`` on a run
-directory, ``inspect``'s values and rank column (a real two-rank gloo save)."""
+"""The everyday operations of the command line, run as real subprocesses: ``rm``, ``--version``,
+``python -m zerostall``, ``list`` on broken runs (unreadable steps, keeper-failure markers),
+``verify`` on a run directory, ``inspect``'s values and rank column (a real two-rank gloo save)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _permissions import as_user_without_dac
 
 import zerostall
 from zerostall import Checkpointer, SaveOptions, WriterKind
@@ -66,6 +67,20 @@ def test_rm_a_step_and_by_step_number(run: Path) -> None:
     assert Checkpointer(run, read_only=True).steps() == [3]
 
 
+def test_cli_rm_with_one_mistyped_target_deletes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # rm checks every target before it deletes any: one mistyped step among them must not leave
+    # the others deleted behind an error about that one.
+    from zerostall.cli import main
+
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+    assert main(["rm", str(run / "step_00000001"), str(run / "step_00000099")]) == 1
+    err = capsys.readouterr().err
+    assert "nothing was deleted" in err and "step_00000099" in err
+    assert zerostall.Checkpointer(run, read_only=True).steps() == [1]
+
+
 def test_checkpointer_delete(run: Path) -> None:
     with Checkpointer(run, save_options=THREAD) as c:
         c.delete(2)
@@ -88,6 +103,67 @@ def test_list_fails_on_an_unreadable_manifest_and_shows_partial_steps(run: Path)
     assert p.returncode == 1 and "UNREADABLE" in p.stdout and "step_00000003" in p.stdout
     rc, doc = zs_json("list", run)
     assert rc == 1 and doc["ok"] is False and doc["partial"] == ["step_00000009"]
+
+
+def test_cli_list_and_verify_show_an_unreadable_step_instead_of_calling_it_partial(
+        run_with_unreadable_newest: Path) -> None:
+    # A step folder that cannot be read may hold a committed step: list must not call it
+    # "PARTIAL" (in flight or crashed) and exit 0, nor may verify skip it and report the run OK.
+    run = str(run_with_unreadable_newest)
+    listing = as_user_without_dac(f"from zerostall.cli import main; raise SystemExit(main(['list', {run!r}]))")
+    assert listing.returncode == 1, listing.stdout + listing.stderr
+    assert "PARTIAL" not in listing.stdout
+    assert "step_00000002" in listing.stdout and "UNREADABLE" in listing.stdout and "EACCES" in listing.stdout
+    verify = as_user_without_dac(
+        f"from zerostall.cli import main; raise SystemExit(main(['verify', {run!r}, '--json']))")
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    doc = json.loads(verify.stdout)
+    assert [(s["step"], s["ok"]) for s in doc["steps"]] == [(1, True), (2, False)]
+    assert "EACCES" in doc["steps"][1]["problems"][0]["message"]
+
+
+def _failure(d: Path, step: int, rank: int) -> object:
+    from zerostall.commit import step_name
+    from zerostall.errors import StorageError, to_wire
+    from zerostall.persist.keeperfail import KeeperFailure
+
+    return KeeperFailure(step=step, path=f"{d}/{step_name(step)}", rank=rank, time=1.0,
+                         error=to_wire(StorageError("No space left on device", errno=28, path=str(d))))
+
+
+def test_list_says_where_a_keeper_failure_is_recorded_and_what_clears_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zerostall.cli import main as cli_main
+    from zerostall.persist.keeperfail import marker_key, write_marker
+    from zerostall.storage import open_storage
+
+    d = tmp_path / "run"
+    d.mkdir()
+    write_marker(open_storage(str(d)), str(d), 0, [_failure(d, 7, 0)])  # type: ignore[list-item]
+    assert cli_main(["list", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "KEEPER PERSIST FAILED: step 7 (rank 0)" in out
+    assert f"recorded in {d}/{marker_key(0)}" in out and "delete it once read" in out
+    assert cli_main(["list", str(d), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["keeper_failed"]
+    assert row["marker"] == f"{d}/{marker_key(0)}" and row["step"] == 7
+
+
+def test_list_names_this_hosts_fallback_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from zerostall.cli import main as cli_main
+    from zerostall.persist.keeperfail import local_marker, marker_key, write_marker
+    from zerostall.storage import open_storage
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / marker_key(1)).mkdir()  # storage cannot take the marker (a directory in the way, even for root)
+    where = write_marker(open_storage(str(d)), str(d), 1, [_failure(d, 9, 1)])  # type: ignore[list-item]
+    (d / marker_key(1)).rmdir()
+    assert where == local_marker(str(d), 1)
+    assert cli_main(["list", str(d)]) == 0
+    assert f"recorded in {where}" in capsys.readouterr().out
 
 
 def test_verify_a_run_directory(run: Path) -> None:

@@ -26,6 +26,7 @@ from zerostall import (
     DistributedOptions,
     InvalidArgumentError,
     LoadOptions,
+    MemoryTier,
     MetadataError,
     MetadataTypeError,
     SaveOptions,
@@ -118,6 +119,31 @@ def _check(case: Case) -> ZerostallError:
     assert isinstance(info.value, builtin), label
     assert text in str(info.value), (label, str(info.value))
     return info.value
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("persist_interval_steps", "10"), ("persist_interval_steps", 2.0), ("persist_interval_steps", True),
+    ("persist_interval_s", "5"), ("persist_interval_s", True),
+    ("linger_s", "600"), ("linger_s", None), ("linger_s", True),
+])
+def test_memory_tier_refuses_a_wrong_type_as_a_type_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ArgumentTypeError, match=field) as info:
+        MemoryTier(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ZerostallError)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("persist_interval_steps", 0), ("persist_interval_steps", -3), ("persist_interval_s", 0),
+    ("persist_interval_s", float("nan")), ("linger_s", -1.0), ("linger_s", float("nan")),
+])
+def test_memory_tier_out_of_range_stays_a_value_error(field: str, value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=field) as info:
+        MemoryTier(**{field: value})  # type: ignore[arg-type]
+    assert not isinstance(info.value, TypeError)
+
+
+def test_memory_tier_linger_zero_is_allowed() -> None:
+    assert MemoryTier(linger_s=0).linger_s == 0  # exit right after persisting: no adoption
 
 
 def _free_function_cases(tmp: Path) -> list[Case]:

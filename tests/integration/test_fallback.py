@@ -27,6 +27,7 @@ from zerostall import (
     WriterKind,
 )
 from zerostall.commit import step_name
+from zerostall.errors import UnsupportedFormatError
 
 
 def state(step: int) -> dict[str, Any]:
@@ -132,6 +133,35 @@ def test_a_template_mismatch_is_not_skipped(run_dir: Path) -> None:
     bad = {"w": torch.zeros(5), "b": torch.zeros(10, dtype=torch.int64), "step": 0}
     with Checkpointer(run_dir) as ckpt, pytest.raises(MismatchError):
         ckpt.load_pytree(template=bad, fallback=True)
+
+
+class _Odd:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def _decode_odd(n: object) -> _Odd:
+    if n == 2:
+        raise ValueError("decoder bug for 2")
+    return _Odd(int(n))  # type: ignore[call-overload]
+
+
+def test_a_handler_that_fails_to_decode_is_not_corruption_and_fallback_does_not_skip_it(tmp_path: Path) -> None:
+    # A bug in the user's decode function is not a damaged step: were it a CorruptCheckpointError,
+    # fallback=True would skip the newest step and quietly load the one before it.
+    zerostall.register_handler(_Odd, name="fallbacktest.Odd", format="json", encode=lambda o: o.n,
+                               decode=_decode_odd)
+    try:
+        run = tmp_path / "run"
+        with zerostall.Checkpointer(run) as ckpt:
+            ckpt.save_pytree(1, {"o": _Odd(1)})
+            ckpt.save_pytree(2, {"o": _Odd(2)})
+        with pytest.raises(UnsupportedFormatError,
+                           match=r"'fallbacktest\.Odd' could not decode .*decoder bug for 2") as info:
+            zerostall.load_pytree(run, fallback=True)
+        assert info.value.key == "pytree/o" and not isinstance(info.value, CorruptCheckpointError)
+    finally:
+        zerostall.unregister_handler(_Odd)
 
 
 def test_free_function_on_a_run_directory_and_on_a_step(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

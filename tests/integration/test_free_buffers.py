@@ -10,7 +10,7 @@ import torch
 
 import zerostall
 from zerostall import api
-from zerostall.errors import BackgroundSaveError
+from zerostall.errors import ArgumentTypeError, BackgroundSaveError
 from zerostall.options import SaveOptions
 from zerostall.stage import BufferPool, make_plan
 from zerostall.tree import flatten
@@ -214,6 +214,18 @@ def test_prepare_items_and_options(tmp_path):
         zerostall.prepare()
     with pytest.raises(ValueError):
         zerostall.prepare(state := _state(1), items={"a": state})
+
+
+def test_prepare_with_items_that_are_not_a_dict_names_the_argument(tmp_path):
+    # A list for items would fail deep inside as "cannot convert dictionary update sequence":
+    # it is refused by argument name, as is an options that is not a SaveOptions.
+    with pytest.raises(ArgumentTypeError, match="items must be a dict") as info:
+        zerostall.prepare(items=[torch.ones(2)])  # type: ignore[arg-type]
+    assert info.value.argument == "items"
+    with pytest.raises(ArgumentTypeError, match="options must be a SaveOptions"):
+        zerostall.prepare({"w": torch.ones(2)}, options={"max_in_flight": 2})  # type: ignore[arg-type]
+    with zerostall.Checkpointer(tmp_path / "run") as ckpt, pytest.raises(ArgumentTypeError, match="items must be a dict"):
+        ckpt.prepare([torch.ones(2)])  # type: ignore[arg-type]
 
 
 def test_pool_without_cache_replaces_buffers_like_before():

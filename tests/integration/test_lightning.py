@@ -29,6 +29,7 @@ from lightning.fabric.utilities import AttributeDict
 
 import zerostall
 from zerostall import (
+    ArgumentTypeError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     SaveOptions,
@@ -385,6 +386,20 @@ def test_paths_zerostall_does_not_own(tmp_path):
         io.save_checkpoint({"w": torch.ones(1)}, "s3://bucket/x.ckpt")
     with pytest.raises(TypeError):
         io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "o.ckpt", storage_options={"a": 1})
+
+
+def test_lightning_plugin_options_of_the_wrong_type_are_refused_at_construction(tmp_path: pathlib.Path) -> None:
+    # A dict for save_options would fail only at the first save, as an AttributeError about
+    # 'distributed'; a non-dict checkpoint as one about 'get': both are refused by name instead.
+    with pytest.raises(ArgumentTypeError, match=r"save_options must be a zerostall\.SaveOptions") as info:
+        ZerostallCheckpointIO(save_options={"max_in_flight": 2})  # type: ignore[arg-type]
+    assert info.value.argument == "save_options"
+    with pytest.raises(ArgumentTypeError, match=r"load_options must be a zerostall\.LoadOptions"):
+        ZerostallCheckpointIO(load_options=zerostall.SaveOptions())  # type: ignore[arg-type]
+    io = ZerostallCheckpointIO()
+    with pytest.raises(ArgumentTypeError, match="checkpoint must be a dict"):
+        io.save_checkpoint([1], tmp_path / "x.ckpt")  # type: ignore[arg-type]
+    io.teardown()
 
 
 def test_options_and_pickling():

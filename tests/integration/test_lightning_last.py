@@ -2,9 +2,9 @@
 
 The plugin makes a Lightning checkpoint's directory when its first save starts (Lightning wants the
 path at once), so a trainer killed during the first save to ``last.ckpt`` leaves it empty while the
-top-k checkpoints beside it hold committed saves (newcomer round 5). Lightning's "last" picks
-``last.ckpt`` at every restart; the plugin now loads the newest committed sibling instead, with a
-``ZerostallWarning`` that names it.
+top-k checkpoints beside it hold committed saves. Lightning's "last" picks ``last.ckpt`` at every
+restart; the plugin loads the newest committed sibling instead, with a ``ZerostallWarning`` that
+names it, and with no committed sibling the error says so.
 """
 
 from __future__ import annotations
@@ -71,5 +71,25 @@ def test_the_sibling_is_chosen_by_global_step_and_only_among_plugin_checkpoints(
 
     for name in ("a-late.ckpt", "b-early.ckpt", "z-earliest.ckpt"):  # no committed sibling: the error
         shutil.rmtree(tmp_path / name)
+    with pytest.raises(CheckpointNotFoundError, match="nothing beside it holds a committed save"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_lightning_last_ckpt_left_empty_by_a_kill_names_the_checkpoints_to_resume_from(tmp_path: Path) -> None:
+    # A trainer SIGKILLed during a checkpoint event: epoch=0-step=7.ckpt committed, last.ckpt made
+    # (the plugin makes the path at once) while its save still waited for the first one's slot.
+    # The committed sibling is loaded with a warning naming it; with none beside it, the error
+    # says that nothing beside it holds a committed save.
+    io = ZerostallCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0, "global_step": 7},
+                       tmp_path / "epoch=0-step=7.ckpt")
+    io.teardown()
+    (tmp_path / "last.ckpt").mkdir()
+    with pytest.warns(ZerostallWarning) as caught:
+        assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 7
+    msg = str(caught[0].message)
+    assert "first save never committed" in msg and "epoch=0-step=7.ckpt" in msg, msg
+    assert io.load_checkpoint(tmp_path / "epoch=0-step=7.ckpt")["global_step"] == 7
+    (tmp_path / "epoch=0-step=7.ckpt").rename(tmp_path / ".gone")
     with pytest.raises(CheckpointNotFoundError, match="nothing beside it holds a committed save"):
         io.load_checkpoint(tmp_path / "last.ckpt")

@@ -261,7 +261,7 @@ def test_a_trainer_does_not_adopt_another_users_socket(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a process as another user")
     d = tmp_path / "run"
-    # (r5keeper: the trainer is told; test_memory_tier_keeperbind.py checks what it is told)
+    # (the trainer is told; test_memory_tier_keeperbind.py checks what it is told)
     with (squatter(keeper_address(str(d), 0)), pytest.warns(ZerostallWarning, match="cannot be adopted"),
           Checkpointer(d, memory_tier=_memory()) as ck):
         assert not ck._engine.writer.adopted
@@ -315,8 +315,8 @@ def test_cli_list_marks_memory_only_steps(tmp_path: Path, capsys: pytest.Capture
 
 def test_cli_list_does_not_call_a_persisted_step_gone_from_storage_memory_only(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Newcomer round 5: a lingering keeper held step 6, which had been persisted and later removed
-    # by retention, and `zerostall list` said "step_00000006 in memory only": as if unsaved.
+    # A lingering keeper holds step 6, which was persisted and later removed by retention: `zerostall
+    # list` must not call it "step_00000006 in memory only", as if it had never been saved.
     import shutil
 
     from zerostall.cli import main

@@ -1,5 +1,5 @@
 """Two memory tiers of one directory and rank on one host: the second is refused, not silently
-left without a keeper a restart could find (found in the round-3 newcomer run)."""
+left without a keeper a restart could find."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ def test_a_live_trainer_in_another_process_holds_the_directory(tmp_path):
 # -- two trainers started at the same instant, before either keeper exists ---------------------
 #
 # Both find no keeper to adopt and both start one; only one keeper can bind the name. The other
-# used to serve its trainer unadoptably and say so only on stderr (its memory-only steps lost at
-# a crash). It now tells its trainer (KeeperBusy instead of its Hello), which raises as above.
+# could serve its trainer only unadoptably (its memory-only steps lost at a crash), so it tells
+# its trainer (KeeperBusy instead of its Hello), which raises as above, rather than only its stderr.
 
 _RACER = textwrap.dedent("""
     import json, os, sys

@@ -1,4 +1,4 @@
-"""The keeper's persist after a crash makes no checksum pass of its own (r4keeper).
+"""The keeper's persist after a crash makes no checksum pass of its own.
 
 After its trainer died the keeper checks every leaf of the held step against its manifest (on
 every core); the persist that follows commits those verified CRC32Cs instead of checksumming the

@@ -1,4 +1,4 @@
-"""The keeper's name and the keeper-failure markers, with real keeper processes (r5keeper).
+"""The keeper's name and the keeper-failure markers, with real keeper processes.
 
 * A trainer that loses the memory tier to another keeper (it raises ``InvalidArgumentError`` from
   its constructor) leaves the markers of failed keeper persists alone: only the trainer whose

@@ -1,4 +1,4 @@
-"""The memory tier's step mapped once, at adoption, and pre-faulted in the background (r4premap).
+"""The memory tier's step mapped once, at adoption, and pre-faulted in the background.
 
 A trainer subprocess saves memory-only steps and is SIGKILLed; the test process plays the
 restarted trainer: its ``Checkpointer`` adopts the keeper, a background thread maps the held step

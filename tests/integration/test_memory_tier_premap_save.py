@@ -1,4 +1,4 @@
-"""A save while another thread's load still copies from the pre-mapped step (r5keeper).
+"""A save while another thread's load still copies from the pre-mapped step.
 
 The restarted trainer's ``Checkpointer`` adopts its keeper and maps the held step in the background
 (:mod:`zerostall.persist.premap`). A save releases that mapping (the keeper lets go of the step

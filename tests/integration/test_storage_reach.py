@@ -1,8 +1,11 @@
 """A wrong local location fails when it is opened, not as an empty run; ``read_only=True`` starts
-no writer and refuses to save; loading never starts a writer.
+no writer and refuses to save; loading never starts a writer; a location zerostall cannot use
+(``file://`` with two slashes, ``memory://`` with the writer process) is refused before anything
+starts; a folder it may not read or write is named in the error.
 
 Unwritable locations are made with a regular file where a directory should be (``ENOTDIR``),
-which fails for root too (tests may run as root, for whom permission bits do not apply).
+which fails for root too (tests may run as root, for whom permission bits do not apply); the
+permission tests run their code in an interpreter without CAP_DAC_OVERRIDE (``_permissions``).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from _permissions import as_user_without_dac
 
 import zerostall
 from zerostall import Checkpointer, CheckpointNotFoundError, StorageError, api
-from zerostall.errors import ReadOnlyError, ZerostallError
+from zerostall.errors import InvalidArgumentError, ReadOnlyError, ZerostallError
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -164,3 +168,69 @@ def test_writer_is_up_when_the_constructor_returns(tmp_path: Path) -> None:
         writer = ck._engine.writer
         assert writer.alive() and writer.pid in writer_children()
         assert writer.wait_ready(timeout=0)  # said hello already: no waiting left
+
+
+def test_a_step_whose_manifest_cannot_be_checked_is_an_error_not_an_older_latest_step(
+        run_with_unreadable_newest: Path) -> None:
+    # Permission denied on step 2's folder: os.path.lexists hides EACCES, and a latest_step() of 1
+    # would make a resume load the older step without a word.
+    code = ("import zerostall\n"
+            f"c = zerostall.Checkpointer({str(run_with_unreadable_newest)!r}, read_only=True)\n"
+            "try:\n    print('LATEST', c.latest_step())\n"
+            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+    out = as_user_without_dac(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERR 13 "), out.stdout
+    assert "step_00000002" in out.stdout and "Permission denied" in out.stdout
+
+
+def test_a_save_into_a_directory_it_may_not_write_names_that_directory_not_the_lease_temp_file(
+        tmp_path: Path) -> None:
+    # The first write of a save is its lease's temporary file: the error must name the directory
+    # the user chose, not ".zs-lease-....json.tmp-PID-...".
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        out = as_user_without_dac(
+            "import torch, zerostall\n"
+            f"try:\n    zerostall.save_pytree({str(locked / 'a')!r}, {{'w': torch.ones(2)}})\n"
+            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+    finally:
+        locked.chmod(0o755)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERR 13 "), out.stdout + out.stderr
+    assert f"lease file in {locked}" in out.stdout and ".tmp-" not in out.stdout
+
+
+def test_a_file_url_with_two_slashes_is_refused_instead_of_becoming_a_relative_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "file://tmp/run" names host "tmp", path "/run"; read as a path it would be ./tmp/run under
+    # the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"file:///tmp/run, three slashes") as info:
+        zerostall.Checkpointer("file://tmp/run")
+    assert info.value.path == "file://tmp/run"
+    assert not (tmp_path / "tmp").exists()
+    zerostall.save_pytree(f"file://localhost{tmp_path}/a", {"x": 1})  # the one host a file URL may name
+    assert zerostall.load_pytree(f"file://{tmp_path}/a") == {"x": 1}
+
+
+def test_memory_url_with_the_writer_process_is_refused_before_anything_starts() -> None:
+    # memory:// lives in this process: a writer process would write into its own memory, and the
+    # save would vanish with it.
+    from zerostall import SaveOptions, WriterKind
+
+    thread = SaveOptions(writer=WriterKind.THREAD)
+    with pytest.raises(InvalidArgumentError, match=r"SaveOptions\(writer=WriterKind.THREAD\)") as info:
+        zerostall.save_pytree("memory://writer-kind/a", {"w": torch.ones(2)})
+    assert info.value.path == "memory://writer-kind/a" and info.value.argument == "options"
+    with pytest.raises(InvalidArgumentError, match="memory://"):
+        Checkpointer("memory://writer-kind/run")
+    # what the message says to do works, and a read-only Checkpointer needs no writer at all
+    zerostall.save_pytree("memory://writer-kind/b", {"w": torch.ones(2)}, options=thread)
+    assert torch.equal(zerostall.load_pytree("memory://writer-kind/b")["w"], torch.ones(2))
+    with Checkpointer("memory://writer-kind/run2", save_options=thread) as ck:
+        ck.save_pytree(1, {"w": torch.ones(2)})
+    with Checkpointer("memory://writer-kind/run2", read_only=True) as ro:
+        assert ro.latest_step() == 1

@@ -1,6 +1,6 @@
 """A wrong S3 location is an error when the Checkpointer opens or the load starts, against a real
-server (SeaweedFS): a missing bucket, refused credentials, an unreachable endpoint. Before, a
-mistyped bucket looked like a fresh run (``latest_step()`` was None)."""
+server (SeaweedFS): a missing bucket, refused credentials, an unreachable endpoint. A mistyped
+bucket must not look like a fresh run (``latest_step()`` None)."""
 
 from __future__ import annotations
 

@@ -131,6 +131,46 @@ def test_mismatches_name_key_and_both_sides(ckdir):
     assert ei2.value.key == "pytree/m/nope"
 
 
+def test_an_expanded_template_tensor_is_refused_naming_its_key(tmp_path):
+    # torch refuses to write into an expand()ed view only after every byte was read, and without
+    # the key: the plan refuses it first, naming the key, and leaves every template untouched.
+    zerostall.save_pytree(tmp_path / "a", {"b": torch.arange(3.0), "c": torch.ones(2)})
+    template = {"b": torch.zeros(1).expand(3), "c": torch.zeros(2)}
+    with pytest.raises(MismatchError, match=r"expand\(\)ed .*t\.clone\(\)") as info:
+        zerostall.load_pytree(tmp_path / "a", template)
+    assert info.value.key == "pytree/b"
+    assert template["c"].tolist() == [0.0, 0.0]  # refused before anything was read
+
+
+def test_meta_template_is_refused_naming_the_key(tmp_path):
+    # A meta tensor has no storage: loaded "into" it, the template would come back empty.
+    thread = SaveOptions(writer=WriterKind.THREAD)
+    model = torch.nn.Linear(4, 2)
+    zerostall.save_pytree(tmp_path / "a", {"w": torch.ones(3), "model": model}, options=thread)
+    with pytest.raises(MismatchError, match=r"meta device.*to_empty") as info:
+        zerostall.load_pytree(tmp_path / "a", {"w": torch.zeros(3, device="meta")})
+    assert info.value.key == "pytree/w"
+    meta_model = torch.nn.Linear(4, 2, device="meta")
+    with pytest.raises(MismatchError, match="meta device") as info:
+        zerostall.load_pytree(tmp_path / "a", {"model": meta_model})
+    assert info.value.key == "pytree/model/weight"
+    # the way out the message gives: materialize, then load in place
+    meta_model.to_empty(device="cpu")
+    zerostall.load_pytree(tmp_path / "a", {"model": meta_model})
+    assert torch.equal(meta_model.weight, model.weight)
+
+
+def test_a_load_state_dict_that_refuses_names_the_object_and_its_key(tmp_path):
+    # torch's "Error(s) in loading state_dict" does not say which of the model, optimizer,
+    # scheduler, ... refused: the error names the object's class and its key.
+    model = torch.nn.Linear(3, 2)
+    zerostall.save_pytree(tmp_path / "a", {"model": model, "step": 3})
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))  # keys "0.weight", not "weight"
+    with pytest.raises(MismatchError, match=r"Sequential\.load_state_dict refused") as info:
+        zerostall.load_pytree(tmp_path / "a", {"model": other})
+    assert info.value.key == "pytree/model"
+
+
 def test_existing_checkpoint_is_never_overwritten(ckdir):
     zerostall.save_pytree(ckdir / "c", {"a": torch.ones(1)})
     with pytest.raises(CheckpointExistsError):
@@ -142,6 +182,40 @@ def test_missing_checkpoint(ckdir):
     with pytest.raises(CheckpointNotFoundError) as ei:
         zerostall.load_pytree(ckdir / "nothing")
     assert isinstance(ei.value, FileNotFoundError)
+
+
+def test_load_pytree_of_a_run_directory_or_a_misspelled_step_names_the_steps(tmp_path):
+    # The directory a Checkpointer writes, or run/step_1, holds no manifest itself: the error
+    # lists the committed steps there and the call that loads one.
+    run = tmp_path / "run"
+    with zerostall.Checkpointer(run) as ckpt:
+        ckpt.save_pytree(1, {"w": torch.ones(2)})
+        ckpt.save_pytree(5, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointNotFoundError, match=r"run directory .* 2 committed step\(s\) \(1, 5\)") as info:
+        zerostall.load_pytree(run)
+    assert str(run / "step_00000005") in str(info.value) and "fallback=True" in str(info.value)
+    with pytest.raises(CheckpointNotFoundError, match=r"no 'step_1' but holds committed steps 1, 5") as info:
+        zerostall.load_pytree(run / "step_1")
+    assert "step_00000005" in str(info.value)
+    assert zerostall.load_pytree(run, fallback=True)["w"].tolist() == [1.0, 1.0]  # what the hint offers
+
+
+def test_loading_with_the_other_kind_of_function_says_which_one_saved_it(tmp_path):
+    # "the checkpoint has no item 'pytree'" alone leaves the user to guess which function loads it.
+    model = torch.nn.Linear(2, 2)
+    zerostall.save_checkpointables(tmp_path / "items", {"model": model, "note": "x"})
+    with pytest.raises(MissingKeyError, match=r"saved with save_checkpointables .*load_checkpointables\(path\)"):
+        zerostall.load_pytree(tmp_path / "items")
+    zerostall.save_pytree(tmp_path / "tree", {"model": model})
+    with pytest.raises(MissingKeyError, match=r"saved with save_pytree: .*load_pytree\(path, \{'model': template"):
+        zerostall.load_checkpointables(tmp_path / "tree", {"model": model})
+    with zerostall.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save_checkpointables(1, {"model": model})
+        with pytest.raises(MissingKeyError, match=r"ckpt\.load_checkpointables\(step, \{name: template\}\)"):
+            ckpt.load_pytree()
+        with pytest.raises(MissingKeyError, match="the template asks for a key") as info:  # nested: unchanged
+            zerostall.load_pytree(tmp_path / "tree", {"model": {"nope": None}})
+        assert info.value.key == "pytree/model/nope"
 
 
 def test_checkpointables(ckdir):
@@ -358,9 +432,9 @@ def test_uncommitted_directory_in_the_way_is_named_as_such(ckdir):
 
 
 def test_runs_of_small_leaves_load_in_every_mode_and_corruption_is_named(ckdir):
-    """Many small neighbouring leaves (one run of a data file) load exactly in every mode (since
-    round 3 a verified local load checksums and copies such runs through a mapping of the page
-    cache, not by scatter reads); a flipped byte in one of them is still caught and named."""
+    """Many small neighbouring leaves (one run of a data file) load exactly in every mode (a
+    verified local load checksums and copies such runs through a mapping of the page cache, not by
+    scatter reads); a flipped byte in one of them is still caught and named."""
     import json
 
     state = {f"t{i}": torch.arange(i, i + 37, dtype=torch.float32) for i in range(60)}  # 148-byte leaves

@@ -66,6 +66,24 @@ def test_shape_dtype_struct_template(tmp_path: Path) -> None:
     assert out.params["w"].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def test_a_jax_eval_shape_template_restores_a_python_step_counter(tmp_path: Path) -> None:
+    # The Orbax way to build a restore template, jax.eval_shape(lambda: state), turns the state's
+    # Python `step` into a 0-d ShapeDtypeStruct: a saved Python scalar loads into it as an array
+    # of the template's dtype, and one that does not fit that dtype is refused, never truncated.
+    state = {"w": jnp.arange(4.0), "step": 7, "lr": 0.5, "done": True}
+    zerostall.save_pytree(tmp_path / "c", state)
+    out = zerostall.load_pytree(tmp_path / "c", jax.eval_shape(lambda: state))
+    assert isinstance(out["step"], jax.Array) and int(out["step"]) == 7 and out["step"].dtype == jnp.int32
+    assert float(out["lr"]) == 0.5 and bool(out["done"]) is True
+    assert bool(jnp.array_equal(out["w"], state["w"]))
+    with pytest.raises(MismatchError, match="float 0.5") as err:  # never truncated silently
+        zerostall.load_pytree(tmp_path / "c", {"lr": jax.ShapeDtypeStruct((), jnp.int32)})
+    assert err.value.key == "pytree/lr"
+    with pytest.raises(MismatchError, match="does not fit"):
+        zerostall.save_pytree(tmp_path / "d", {"step": 2**40})
+        zerostall.load_pytree(tmp_path / "d", {"step": jax.ShapeDtypeStruct((), jnp.int32)})
+
+
 def test_no_template_gives_numpy_and_dicts(tmp_path: Path) -> None:
     saved = model(4)
     zerostall.save_pytree(tmp_path / "c", saved, options=THREAD)
@@ -117,6 +135,16 @@ def test_donated_array_is_refused_by_key(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedLeafError, match="donated") as ei:
         zerostall.save_pytree(tmp_path / "c", {"opt": {"x": x}}, options=THREAD)
     assert ei.value.key == "pytree/opt/x"
+
+
+def test_a_donated_jax_array_says_to_save_before_the_donating_step(tmp_path: Path) -> None:
+    gone = jnp.ones(4)
+    gone.delete()
+    with pytest.raises(UnsupportedLeafError, match=r"save the state before the jitted step .*wait_staged\(\)") as info:
+        zerostall.save_pytree(tmp_path / "j", {"w": gone})
+    assert info.value.key == "pytree/w"
+    with pytest.raises(UnsupportedLeafError, match=r"astype\(jnp\.int8\)"):
+        zerostall.save_pytree(tmp_path / "k", {"q": jnp.zeros(4, dtype=jnp.int4)})
 
 
 def test_torch_to_jax_and_back(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""States of many small leaves (r5leaves): the batched copy, the cached job text, the quick manifest
+"""States of many small leaves: the batched copy, the cached job text, the quick manifest
 check, the planner's plain-tensor path and the collector's pause change no byte and no error."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ MESSAGES = [
     KeeperBusy(pid=4242),
     dataclasses.replace(JOB, memory=True, persist=False),
     Done(job=7, stats=WriterStats(nbytes=4160, tiers=("memory",))),
-    # r4keeper: who holds a keeper's name (the bind race)
+    # who holds a keeper's name (the bind race)
     Image(step=None, name="", manifest="", files=(), trainer_pid=4242), KeeperBusy(pid=77, pid_is_keeper=True),
 ]
 

@@ -11,7 +11,7 @@ import torch
 
 import zerostall
 from zerostall import Checkpointer, SaveOptions, WriterKind
-from zerostall.errors import MetadataError, MetadataTypeError
+from zerostall.errors import CheckpointNotFoundError, MetadataError, MetadataTypeError
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)
 
@@ -66,6 +66,15 @@ def test_checkpointer_reserves_step_and_reads_metadata(tmp_path: Path) -> None:
         with pytest.raises(zerostall.CheckpointNotFoundError):
             ck.metadata(7)
     assert zerostall.load_metadata(tmp_path / "step_00000005") == {"loss": 0.25, "step": 5}
+
+
+def test_load_metadata_of_a_run_directory_names_the_steps(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with Checkpointer(run) as ckpt:
+        ckpt.save_pytree(3, {"w": torch.ones(1)}, metadata={"loss": 0.5})
+    with pytest.raises(CheckpointNotFoundError, match=r"1 committed step\(s\) \(3\).*\.metadata\(\)"):
+        zerostall.load_metadata(run)
+    assert zerostall.load_metadata(run / "step_00000003") == {"loss": 0.5, "step": 3}
 
 
 def test_metadata_of_a_memory_only_step(tmp_path: Path) -> None:

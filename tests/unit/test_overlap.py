@@ -1,5 +1,5 @@
 """Overlapped staging: optimizer-owned tensors are copied after the save returns, and the guard
-orders every optimizer step after that copy, so no snapshot is torn (issue 14).
+orders every optimizer step after that copy, so no snapshot is torn.
 
 To make "the step runs while the copy is in flight" certain rather than likely, a test holds the
 engine's copier thread behind a gate (a queued callable waiting on an event) and opens it from
@@ -319,9 +319,9 @@ def test_compiled_step_runs_the_guard(ckdir):
 
 
 def test_step_compiled_by_inductor_runs_the_guard_eagerly(ckdir):
-    """The default backend: Dynamo used to trace the hook itself, on fake tensors whose version
-    counters read 0, so every overlapped save with a compiled step failed as torn, and the hook's
-    copy and wait did not run at run time. Found by the GPU test file's CPU dry run."""
+    """The default backend: the hook runs eagerly, never traced by Dynamo. Traced, it would see fake
+    tensors whose version counters read 0, so every overlapped save with a compiled step would fail
+    as torn, and the hook's copy and wait would not run at run time."""
     import torch._dynamo.utils as dynamo_utils
 
     torch._dynamo.reset()
@@ -875,8 +875,8 @@ def test_a_change_after_the_copy_but_before_any_sync_fails_the_save(ckdir):
 
 
 def test_changes_right_after_the_call_never_commit_a_mix(ckdir):
-    """The newcomer's race (round 4): ``add_`` right after the call, twenty times. Every save
-    fails with TornSnapshotError; none commits."""
+    """A user's race: ``add_`` on a saved parameter right after the call, twenty times. Every
+    save fails with TornSnapshotError; none commits."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(256, 256))
     opt = torch.optim.AdamW([w], lr=1e-3)

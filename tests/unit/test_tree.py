@@ -1,12 +1,15 @@
 import collections
 import datetime
+import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import zerostall
-from zerostall.errors import UnsupportedLeafError
+from zerostall.errors import UnsupportedLeafError, ZerostallError
 from zerostall.tree import flatten
 
 Point = collections.namedtuple("Point", ["x", "y"])
@@ -106,7 +109,7 @@ def test_every_torch_dtype_has_a_name(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float4_e2m1fn_x2, torch.uint3, torch.int4, torch.bits16])
 def test_a_packed_or_shell_dtype_is_told_to_save_its_bytes_and_that_round_trips(dtype, tmp_path):
-    # The refusal used to suggest "t.to(torch.complex64) for complex32" for these too.
+    # Each gets the remedy for packed dtypes (view as uint8), not complex32's "t.to(torch.complex64)".
     t = torch.arange(8, dtype=torch.uint8).view(dtype)
     with pytest.raises(UnsupportedLeafError, match=r"t\.view\(torch\.uint8\)") as info:
         flatten({"p": {"t": t}})
@@ -115,3 +118,76 @@ def test_a_packed_or_shell_dtype_is_told_to_save_its_bytes_and_that_round_trips(
     zerostall.save_pytree(tmp_path / "c", {"t": t.view(torch.uint8)})  # what it says to do
     back = zerostall.load_pytree(tmp_path / "c")["t"].view(dtype)
     assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+# -- leaves that cannot be saved: the refusal names the key and says what to store instead -------
+
+
+@pytest.mark.parametrize("value, fix", [
+    (np.zeros(2, dtype=">f4"), r"astype\(x\.dtype\.newbyteorder"),
+    (np.array(["a", "b"]), r"x\.tolist\(\)"),
+    (np.str_("a"), r"x\.item\(\)"),
+])
+def test_numpy_values_that_cannot_be_saved_say_how_to_store_them(tmp_path: Path, value: object, fix: str) -> None:
+    # Big-endian and string arrays, and np.str_ (a str subclass, not a str leaf): each gets the
+    # conversion that makes it savable.
+    with pytest.raises(ZerostallError, match=fix) as info:
+        zerostall.save_pytree(tmp_path / "n", {"x": value})
+    assert info.value.key == "pytree/x"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_tensor_dtypes_that_cannot_be_saved_say_what_to_store(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedLeafError, match=r"t\.to\(torch\.complex64\)") as info:
+        zerostall.save_pytree(tmp_path / "c", {"z": torch.ones(2, dtype=torch.complex32)})
+    assert info.value.key == "pytree/z"
+
+
+@pytest.mark.parametrize("key, fix", [(np.int64(1), "int(key)"), (np.str_("a"), "str(key)")])
+def test_numpy_dict_keys_say_how_to_convert(tmp_path: Path, key: object, fix: str) -> None:
+    with pytest.raises(UnsupportedLeafError, match=re.escape(fix)):
+        zerostall.save_pytree(tmp_path / "k", {key: 1})
+
+
+def test_an_empty_tensor_no_load_could_allocate_is_refused_at_save(tmp_path: Path) -> None:
+    # torch.empty(0, 2**62) holds no bytes, but its shape is more than any array a load can
+    # allocate: committed, every load of it would fail as a malformed manifest.
+    with pytest.raises(UnsupportedLeafError, match="no load could allocate") as info:
+        zerostall.save_pytree(tmp_path / "e", {"x": torch.empty(0, 2**62)})
+    assert info.value.key == "pytree/x"
+    assert not (tmp_path / "e").exists()
+    zerostall.save_pytree(tmp_path / "ok", {"x": torch.empty(0, 2**40)})
+    assert zerostall.load_pytree(tmp_path / "ok")["x"].shape == (0, 2**40)
+
+
+def test_nested_tensor_is_refused_by_key_not_by_a_torch_internal_error(tmp_path: Path) -> None:
+    # A strided nested tensor has no single shape (torch raises "NestedTensorImpl doesn't support
+    # sizes"): it is refused by key before anything asks for one.
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    try:
+        zerostall.save_pytree(tmp_path / "n", {"batch": nt})
+    except UnsupportedLeafError as exc:
+        assert exc.key == "pytree/batch" and "unbind" in str(exc)
+    else:  # pragma: no cover - the assertion below says what went wrong
+        raise AssertionError("a nested tensor was saved")
+
+
+def test_random_generators_are_told_what_to_save_and_that_works(tmp_path: Path) -> None:
+    # None of these has a state_dict(): each refusal names the state accessor it does have.
+    r, g, t = random.Random(5), np.random.default_rng(7), torch.Generator().manual_seed(3)
+    for obj, advice in ((t, "get_state()"), (g, "bit_generator.state"), (r, "getstate()")):
+        try:
+            zerostall.save_pytree(tmp_path / "bad", {"rng": obj})
+        except UnsupportedLeafError as exc:
+            assert advice in str(exc) and "state_dict()" not in str(exc), str(exc)
+        else:  # pragma: no cover
+            raise AssertionError(f"{type(obj)} was saved")
+    # what the message says to do round-trips
+    zerostall.save_pytree(tmp_path / "ok", {"r": r.getstate(), "g": g.bit_generator.state, "t": t.get_state()})
+    d = zerostall.load_pytree(tmp_path / "ok")
+    r2, g2, t2 = random.Random(), np.random.default_rng(), torch.Generator()
+    r2.setstate(d["r"])
+    g2.bit_generator.state = d["g"]
+    t2.set_state(d["t"])
+    assert r2.random() == r.random() and g2.random() == g.random()
+    assert torch.equal(torch.rand(3, generator=t2), torch.rand(3, generator=t))

@@ -1,4 +1,5 @@
-"""The command line answering a newcomer's mistakes with what to do (docs/newcomer-run.md)."""
+"""The command line answering a user's mistakes (a mistyped step or option, a checkpoint where a run
+directory goes, a file that is no checkpoint, a missing extra) with one line that says what to do."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def one_error_line(p: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("newcomer") / "run"
+    d = tmp_path_factory.mktemp("cli_errors") / "run"
     with Checkpointer(d, save_options=THREAD) as c:
         for step in (10, 20):
             c.save_pytree(step, {"w": torch.ones(3)})
@@ -57,6 +58,27 @@ def test_a_path_that_does_not_exist_says_so(tmp_path: Path) -> None:
     assert "no such file or directory" in line and "manifest.json" in line and str(tmp_path / "nope") in line
 
 
+def test_cli_given_a_file_says_what_it_is_and_what_to_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `inspect model.pt` or `verify CKPT/data/rank-00000.safetensors` gets more than ENOTDIR on
+    # manifest.json: what the file is, and the command that takes it.
+    import zerostall
+    from zerostall.cli import main
+
+    ckpt = tmp_path / "ck"
+    zerostall.save_pytree(ckpt, {"w": torch.ones(2)})
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    data = next((ckpt / "data").iterdir())
+    assert main(["verify", str(data)]) == 1
+    err = capsys.readouterr().err
+    assert "is a file, not a checkpoint" in err and f"data file of the checkpoint {ckpt}" in err, err
+    assert main(["inspect", str(tmp_path / "model.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "is a file, not a checkpoint" in err and "zerostall import FILE DST" in err, err
+    assert main(["inspect", "--json", str(tmp_path / "model.pt")]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"]["class"] == "StorageError" and doc["error"]["errno"] == 20
+
+
 def test_export_without_a_suffix_names_the_cli_option(run: Path, tmp_path: Path) -> None:
     line = one_error_line(zs("export", run / "step_00000010", tmp_path / "out"))
     assert "--format safetensors" in line and "format='" not in line
@@ -78,7 +100,7 @@ def test_a_mistyped_option_gets_a_suggestion(run: Path) -> None:
 
 
 def test_a_raw_os_error_of_a_backend_is_a_storage_error(tmp_path: Path) -> None:
-    """An S3 listing without credentials raised boto's PermissionError straight through ``list``."""
+    """An S3 listing without credentials: boto's PermissionError reaches ``list`` as a StorageError."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
                AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL="http://127.0.0.1:9")

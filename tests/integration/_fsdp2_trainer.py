@@ -1,9 +1,10 @@
-"""One rank of tests/test_newcomer_round5.py's FSDP2 run (under torchrun, gloo, CPU).
+"""One rank of an FSDP2 training run for tests/integration/test_fsdp2.py (under torchrun, gloo, CPU).
 
-``_newcomer5_fsdp.py DIR save``: train 3 steps of an FSDP2 model (uneven shards), save step 3
-with zerostall; rank 0 writes the full parameters and optimizer moments to ``DIR/ref.pt``.
-``_newcomer5_fsdp.py DIR resume``: build the model and a *fresh* AdamW (no state yet, as a
-restarted job does), load step 3 into them, take one step, and write ``DIR/result-RANK.json``.
+``_fsdp2_trainer.py DIR save``: train 3 steps of an FSDP2 model (uneven shards), save step 3
+with zerostall; rank 0 writes the full optimizer moments to ``DIR/ref.pt``.
+``_fsdp2_trainer.py DIR resume``: build the model and a *fresh* AdamW (no state yet, as a
+restarted job does), load step 3 into them and take one step.
+Either mode writes what it found (or the error it met) to ``DIR/result-MODE-RANK.json``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def main() -> None:
                 result["moments_are_dtensors"] = all(isinstance(s["exp_avg"], DTensor) for s in states)
                 result["moments_equal_saved"] = all(
                     torch.equal(full(s["exp_avg"]), r) for s, r in zip(states, ref["exp_avg"], strict=True))
-                step(model, opt, 4)  # failed in DTensor dispatch with plain-tensor moments
+                step(model, opt, 4)  # DTensor dispatch refuses plain-tensor moments beside DTensor parameters
                 result["stepped"] = True
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
