@@ -298,9 +298,9 @@ class ReplicaGroup:
         body = torch.frombuffer(bytearray(head + step.manifest + tag), dtype=torch.uint8)
         link.wait(link.send(body, _HEAD, "the header"), "the header")
         answer = link.code(None, _ACCEPT, "the header's verdict")
-        if answer != _OK:
-            raise self._broken(link, f"{link.who} {_VERDICTS.get(answer, 'refused the step')} "
-                                     f"(rank {of.rank}, step {of.step})")
+        if answer != _OK:  # nothing is in flight: the link stays usable
+            raise ReplicaError(f"{link.who} {_VERDICTS.get(answer, 'refused the step')} (rank {of.rank}, "
+                               f"step {of.step})", rank=of.rank)
         pending: list[tuple[Any, int]] = []
         sent = 0
         for i, (t, n) in enumerate(self._pieces([v for _, v in step.files])):
