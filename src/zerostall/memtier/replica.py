@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import hmac
 import json
-import secrets
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,6 +42,8 @@ from zerostall.errors import ReplicaError, ZerostallError
 from zerostall.lease import host_id
 from zerostall.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
+from zerostall.memtier.link import OK as _OK
+from zerostall.memtier.link import Link, prove
 from zerostall.stage.buffers import HostBuffer
 
 __all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup"]
@@ -52,10 +53,10 @@ CHUNK_BYTES = 16 << 20
 #: pieces in flight per transfer
 WINDOW = 4
 _MAX_HEAD = 1 << 20
-_OK, _REFUSED, _BAD_HEADER, _UNEXPECTED, _CHECKSUM = 0, 1, 2, 3, 4
-_VERDICTS = {_REFUSED: "refused the link's proof", _BAD_HEADER: "found the header's authentication wrong",
-             _UNEXPECTED: "did not expect this step", _CHECKSUM: "found bytes that differ from their CRC32C"}
-_NONCE, _PROOF, _VERDICT, _LENS, _HEAD, _ACCEPT, _FINAL, _CHUNK0 = 1, 2, 3, 4, 5, 6, 7, 16
+_BAD_HEADER, _UNEXPECTED, _CHECKSUM = 2, 3, 4
+_VERDICTS = {_BAD_HEADER: "found the header's authentication wrong", _UNEXPECTED: "did not expect this step",
+             _CHECKSUM: "found bytes that differ from their CRC32C"}
+_LENS, _HEAD, _ACCEPT, _FINAL, _CHUNK0 = 4, 5, 6, 7, 16
 
 
 @dataclass(frozen=True)
@@ -102,53 +103,6 @@ class ReceivedStep:
 class _Refusal:
     code: int
     why: str
-
-
-class _Link:
-    """One transfer's end: the peer, the tags of its direction, and what to keep alive on failure."""
-
-    def __init__(self, group: ReplicaGroup, peer: int, sending: bool) -> None:
-        self.g, self.peer, self.sending = group, peer, sending
-        me = group.formation.me.member
-        self.src, self.dst = (me, peer) if sending else (peer, me)
-        self.rank = group._pg_ranks[peer]
-        self.base = (1 << 30) if self.src > self.dst else 0  # each direction its own tags
-        self.who = f"member {peer} on host {group.formation.members[peer].host!r}"
-        self.live: list[Any] = []  # tensors over buffers a failed transfer may still touch
-
-    def tag(self, t: int) -> int:
-        return self.base + t
-
-    def wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(timedelta(seconds=self.g.timeout_s))
-        except RuntimeError as exc:  # gloo: the connection closed, or the timeout passed
-            raise self.g._broken(self, f"{what} with {self.who} failed: {exc}") from exc
-
-    def send(self, t: Any, tag: int, what: str) -> Any:
-        self.live.append(t)
-        return self.g._pg.send([t], self.rank, self.tag(tag))
-
-    def recv(self, t: Any, tag: int, what: str) -> Any:
-        self.live.append(t)
-        return self.g._pg.recv([t], self.rank, self.tag(tag))
-
-    def exchange(self, data: bytes, tag: int, what: str) -> bytes:
-        """Send ``data`` and receive as many bytes from the peer."""
-        torch = self.g._torch
-        out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        back = torch.empty(len(data), dtype=torch.uint8)
-        sw, rw = self.send(out, tag, what), self.recv(back, tag, what)
-        self.wait(sw, what)
-        self.wait(rw, what)
-        return bytes(back.numpy())
-
-    def code(self, value: int | None, tag: int, what: str) -> int:
-        """Send ``value`` (None: send nothing) or receive one: a verdict."""
-        torch = self.g._torch
-        t = torch.tensor([0 if value is None else value], dtype=torch.int64)
-        self.wait(self.recv(t, tag, what) if value is None else self.send(t, tag, what), what)
-        return int(t.item())
 
 
 class ReplicaGroup:
@@ -226,7 +180,7 @@ class ReplicaGroup:
 
     # -- links ------------------------------------------------------------------------------
 
-    def _open(self, peer: int, sending: bool) -> _Link:
+    def _open(self, peer: int, sending: bool) -> Link:
         if peer not in self.formation.members or peer == self.formation.me.member:
             why = self.formation.refused.get(peer, "it is not another member of this group")
             raise ReplicaError(f"no transfer with member {peer} of keeper group {self.job_id!r}: {why}")
@@ -237,39 +191,23 @@ class ReplicaGroup:
             if (peer, sending) in self._busy:
                 raise ReplicaError(f"a transfer {'to' if sending else 'from'} member {peer} is already running")
             self._busy.add((peer, sending))
-        return _Link(self, peer, sending)
+        me = self.formation.me.member
+        return Link(self._torch, self._pg, self._pg_ranks[peer], peer=peer, src=me if sending else peer,
+                    dst=peer if sending else me, host=self.formation.members[peer].host, timeout_s=self.timeout_s,
+                    broken=self._broken)
 
-    def _close_link(self, link: _Link) -> None:
+    def _close_link(self, link: Link) -> None:
         with self._lock:
             self._busy.discard((link.peer, link.sending))
 
-    def _broken(self, link: _Link, why: str) -> ReplicaError:
+    def _broken(self, link: Link, why: str) -> ReplicaError:
         with self._lock:
             self._failed.setdefault(link.peer, why)
             self._kept.extend(link.live)
         return ReplicaError(why)
 
-    def _handshake(self, link: _Link) -> tuple[bytes, bytes]:
-        """Prove the link both ways; returns ``(receiver's nonce, sender's nonce)``."""
-        mine = secrets.token_bytes(32)
-        theirs = link.exchange(mine, _NONCE, "the nonce exchange")
-        nr, ns = (theirs, mine) if link.sending else (mine, theirs)
-        gid = self.formation.group_id.encode()
-
-        def proof(role: bytes) -> bytes:
-            return mac(self._key, b"link", gid, role, str(link.src).encode(), str(link.dst).encode(), nr, ns)
-
-        mine_role, their_role = (b"S", b"R") if link.sending else (b"R", b"S")
-        got = link.exchange(proof(mine_role), _PROOF, "the link proof")
-        ok = hmac.compare_digest(got, proof(their_role))
-        verdict = link.exchange(bytes([_OK if ok else _REFUSED]), _VERDICT, "the link verdict")
-        if not ok:
-            log.warning("zerostall replica group %r: refused %s: its link proof does not verify",
-                        self.job_id, link.who)
-            raise self._broken(link, f"{link.who} did not prove the link: nothing was "
-                                     f"{'sent' if link.sending else 'accepted'}")
-        if verdict[0] != _OK:
-            raise self._broken(link, f"{link.who} refused this keeper's link proof")
+    def _handshake(self, link: Link) -> tuple[bytes, bytes]:
+        nr, ns = prove(link, self._key, self.formation.group_id)
         return nr, ns
 
     # -- sending ----------------------------------------------------------------------------
@@ -284,7 +222,7 @@ class ReplicaGroup:
         finally:
             self._close_link(link)
 
-    def _send(self, link: _Link, step: OutgoingStep, progress: Callable[[int], None] | None) -> None:
+    def _send(self, link: Link, step: OutgoingStep, progress: Callable[[int], None] | None) -> None:
         torch = self._torch
         nr, ns = self._handshake(link)
         of = step.of
@@ -294,9 +232,9 @@ class ReplicaGroup:
                           sort_keys=True).encode()
         tag = mac(self._key, b"head", self.formation.group_id.encode(), nr, ns, head, step.manifest)
         lens = torch.tensor([len(head), len(step.manifest)], dtype=torch.int64)
-        link.wait(link.send(lens, _LENS, "the header"), "the header")
+        link.wait(link.send(lens, _LENS), "the header")
         body = torch.frombuffer(bytearray(head + step.manifest + tag), dtype=torch.uint8)
-        link.wait(link.send(body, _HEAD, "the header"), "the header")
+        link.wait(link.send(body, _HEAD), "the header")
         answer = link.code(None, _ACCEPT, "the header's verdict")
         if answer != _OK:  # nothing is in flight: the link stays usable
             raise ReplicaError(f"{link.who} {_VERDICTS.get(answer, 'refused the step')} (rank {of.rank}, "
@@ -304,7 +242,7 @@ class ReplicaGroup:
         pending: list[tuple[Any, int]] = []
         sent = 0
         for i, (t, n) in enumerate(self._pieces([v for _, v in step.files])):
-            pending.append((link.send(t, _CHUNK0 + i, "a piece"), n))
+            pending.append((link.send(t, _CHUNK0 + i), n))
             if len(pending) >= WINDOW:
                 w, n0 = pending.pop(0)
                 link.wait(w, "sending a piece")
@@ -351,18 +289,18 @@ class ReplicaGroup:
         finally:
             self._close_link(link)
 
-    def _recv(self, link: _Link, want: ReplicaOf, any_step: bool,
+    def _recv(self, link: Link, want: ReplicaOf, any_step: bool,
               given: Sequence[HostBuffer] | None) -> ReceivedStep:
         torch = self._torch
         nr, ns = self._handshake(link)
         lens = torch.zeros(2, dtype=torch.int64)
-        link.wait(link.recv(lens, _LENS, "the header"), "the header")
+        link.wait(link.recv(lens, _LENS), "the header")
         hl, ml = int(lens[0]), int(lens[1])
         if not (0 < hl <= _MAX_HEAD and 0 < ml <= MAX_MANIFEST_BYTES):
             link.code(_BAD_HEADER, _ACCEPT, "the header's verdict")
             raise self._broken(link, f"{link.who} announced a header of {hl} and a manifest of {ml} bytes")
         body = torch.empty(hl + ml + 32, dtype=torch.uint8)
-        link.wait(link.recv(body, _HEAD, "the header"), "the header")
+        link.wait(link.recv(body, _HEAD), "the header")
         raw = bytes(body.numpy())
         head, manifest, tag = raw[:hl], raw[hl:hl + ml], raw[hl + ml:]
         checked = self._check_header(link, nr, ns, head, manifest, tag, want, any_step, given)
@@ -391,7 +329,7 @@ class ReplicaGroup:
                                "differ from the CRC32C taken at staging; it is not kept", key=bad, rank=of.rank)
         return ReceivedStep(of, manifest, names, lengths, buffers, owned)
 
-    def _check_header(self, link: _Link, nr: bytes, ns: bytes, head: bytes, manifest: bytes, tag: bytes,
+    def _check_header(self, link: Link, nr: bytes, ns: bytes, head: bytes, manifest: bytes, tag: bytes,
                       want: ReplicaOf, any_step: bool, given: Sequence[HostBuffer] | None
                       ) -> tuple[ReplicaOf, Manifest, list[str], list[int], int] | _Refusal:
         """What the header announces, or why it is not to be received."""
@@ -434,7 +372,7 @@ class ReplicaGroup:
             return _Refusal(_UNEXPECTED, f"{link.who} announced pieces of {chunk} bytes")
         return of, man, names, lengths, chunk
 
-    def _recv_pieces(self, link: _Link, man: Manifest, buffers: list[HostBuffer], lengths: list[int],
+    def _recv_pieces(self, link: Link, man: Manifest, buffers: list[HostBuffer], lengths: list[int],
                      chunk: int) -> str | None:
         """Receive every piece into ``buffers``, checksumming each beside the next ones; the key
         of the first leaf whose CRC32C differs, or None."""
@@ -466,7 +404,7 @@ class ReplicaGroup:
         while nxt < len(plan) or posted:
             while nxt < len(plan) and len(posted) < WINDOW:
                 fi, a, n = plan[nxt]
-                posted.append((link.recv(whole[fi][a:a + n], _CHUNK0 + nxt, "a piece"), fi, a, n))
+                posted.append((link.recv(whole[fi][a:a + n], _CHUNK0 + nxt), fi, a, n))
                 nxt += 1
             w, fi, a, n = posted.pop(0)
             link.wait(w, "receiving a piece")
