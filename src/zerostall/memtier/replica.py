@@ -142,7 +142,7 @@ class ReplicaGroup:
         self._pg_ranks = {m: i for i, m in enumerate(ranks)}
         try:
             self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{self.formation.group_id}", base),
-                                             ranks.index(member), len(ranks), timedelta(seconds=timeout_s))
+                                                  ranks.index(member), len(ranks), timedelta(seconds=timeout_s))
         except RuntimeError as exc:
             raise ReplicaError(f"the transport of keeper group {job_id!r} (members {ranks}) did not connect "
                                f"within {timeout_s:g} s: {exc}") from exc
