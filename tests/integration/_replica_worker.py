@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -58,9 +59,9 @@ def group(name: str, member: int, size: int, *, secret: bytes = SECRET, job: str
                         timeout_s=timeout_s, chunk_bytes=1 << 20)
 
 
-def staged() -> tuple[list[HostBuffer], bytes, list[tuple[str, memoryview]]]:
+def staged(seed: int = 7) -> tuple[list[HostBuffer], bytes, list[tuple[str, memoryview]]]:
     """Two data files of leaves (3.5 MiB and 1 MiB + 5 bytes), CRC32C taken at staging."""
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     sizes = [(3 << 20) + (1 << 19), (1 << 20) + 5]
     bufs = [HostBuffer(n + 4096) for n in sizes]
     leaves, files = [], []
@@ -112,12 +113,32 @@ def intruder() -> None:
     out(scenario="other-user", **attempt(lambda: group("other-user", 2, 3).members and None))
 
 
+def both_ways(g: ReplicaGroup, peer: int, step: OutgoingStep) -> None:
+    """Send ``step`` to ``peer`` on a thread while receiving the peer's step at the same time."""
+    sent: dict[str, object] = {}
+    t = threading.Thread(target=lambda: sent.update(attempt(lambda: g.send_step(peer, step))))
+    t.start()
+
+    def recv() -> object:
+        r = g.recv_step(peer, run_id="run-1", world=8, rank=peer)
+        try:
+            return digest([r.view(i) for i in range(len(r.lengths))])
+        finally:
+            r.close()
+
+    got = attempt(recv)
+    t.join()
+    out(scenario="both-ways", sent=sent, got=got, digest=digest([v for _, v in step.files]))
+    sync("both-ways")
+
+
 def run_a(g: ReplicaGroup) -> None:
     bufs, manifest, files = staged()
     of = ReplicaOf("run-1", 8, 0, 100)
     step = OutgoingStep(of, manifest, tuple(files))
     out(scenario="intact", digest=digest([v for _, v in files]), **attempt(lambda: g.send_step(1, step)))
     sync("intact")
+    both_ways(g, 1, step)
     out(scenario="wrong-run", **attempt(lambda: g.send_step(1, step)))
     sync("wrong-run")
     flipped = files[1][1]
@@ -152,6 +173,8 @@ def run_b(g: ReplicaGroup) -> None:
 
     out(scenario="intact", **attempt(recv))
     sync("intact")
+    bufs, manifest, files = staged(seed=8)
+    both_ways(g, 0, OutgoingStep(ReplicaOf("run-1", 8, 1, 100), manifest, tuple(files)))
     out(scenario="wrong-run", **attempt(lambda: recv(run_id="run-2")))
     sync("wrong-run")
     out(scenario="flipped", **attempt(recv))

@@ -91,3 +91,10 @@ def test_a_peer_killed_mid_transfer_is_a_replica_error(results) -> None:
     assert got.get("error") == "ReplicaError" and "receiving a piece" in got["message"], got
     assert _get(results, "parent", "exit-a")["status"] == -9  # it died in its progress callback, mid-transfer
     assert _get(results, "parent", "exit-b")["status"] == 0
+
+
+def test_two_keepers_send_each_other_a_step_at_once(results) -> None:
+    a, b = _get(results, "a", "both-ways"), _get(results, "b", "both-ways")
+    assert "ok" in a["sent"] and "ok" in b["sent"], (a, b)
+    assert a["got"]["ok"] == b["digest"] and b["got"]["ok"] == a["digest"], (a, b)
+    assert a["digest"] != b["digest"]
