@@ -7,7 +7,10 @@ into another's numbers; all of them are compared with floors measured in the sam
 ``make bench`` runs ``run.py`` (children: ``floors``, ``zs``, ``warm_pair``, ``peers``, ``dip``;
 ``report`` and ``history`` turn their output into the table and ``reference/history.csv``).
 ``make bench-gpu`` runs ``gpu.py`` and ``gpu_restore.py``. ``probes/`` holds single-finding probes
-the docs cite; ``many_leaves.py`` times per-leaf costs on states of many small tensors. New
+the docs cite; ``many_leaves.py`` times per-leaf costs on states of many small tensors;
+``replica.py`` (run by hand, not by ``make bench``) times the memory tier's replica transport
+against a plain socket copy of the same bytes (docs/design.md, "Replicas in another host's
+memory: the transport"). New
 benchmarks go beside ``run.py`` and append their figures through ``history.rows`` /
 ``history.append``.
 """

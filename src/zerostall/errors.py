@@ -20,6 +20,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
     ├── WriterError(RuntimeError)                    the background writer died or was closed
     │   └── BackgroundSaveError                      a save that failed in the background, raised later
+    ├── ReplicaError(RuntimeError)                   a replica in another host's memory failed (peer, auth, bytes)
     └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
         └── DonatedArrayError                        a jax.Array donated before its background copy
 
@@ -430,3 +431,19 @@ class KeeperUnadoptableError(KeeperPersistError):
 
 _BY_NAME["KeeperUnadoptableError"] = KeeperUnadoptableError
 __all__ += ["ZerostallWarning", "KeeperUnadoptableError"]
+
+
+class ReplicaError(ZerostallError, RuntimeError):
+    """A replica of a memory-tier step could not be formed, sent or received intact.
+
+    Raised by :mod:`zerostall.memtier.replica`: a keeper that did not prove membership of the job
+    (wrong secret, another job, another user on this machine), a group that did not form within
+    its timeout, a peer that died or went silent mid-transfer, a manifest whose authentication or
+    fields (run, world size, rank, step) are not the expected ones, or bytes whose CRC32C differs
+    from the one taken at staging. A received step that raised is never held. ``rank`` is the
+    rank whose step it was, where known; ``key`` the leaf whose bytes differ, for a checksum.
+    """
+
+
+_BY_NAME["ReplicaError"] = ReplicaError
+__all__ += ["ReplicaError"]

@@ -1,0 +1,417 @@
+"""Replicas of a memory-tier step in another keeper's memory: an authenticated gloo group.
+
+The keepers of one job form a :class:`ReplicaGroup` (membership proven with the job's secret,
+:mod:`zerostall.memtier.auth`), and a ``torch.distributed`` gloo process group of the members
+that proved it carries the bytes. :meth:`ReplicaGroup.send_step` sends a staged step straight
+from its buffers (``torch.frombuffer`` over the mapping: no copy) in ``chunk_bytes`` pieces, a
+few in flight; :meth:`ReplicaGroup.recv_step` receives them straight into shared-memory buffers
+(memfds, as staging's) and checks every leaf's CRC32C against the manifest while the next
+pieces arrive. One transfer, in order:
+
+1. both ends send a fresh nonce, then an HMAC proof over the group, both member ids and both
+   nonces, then a verdict on the other's proof: the gloo connection itself is proven to reach a
+   holder of the secret before any step byte goes over it (the store that named its address is
+   not trusted);
+2. the sender sends a header (job, group, members, run id, world size, rank, step, chunk size,
+   files) and the manifest, with an HMAC over both and the nonces; the receiver checks the MAC,
+   the fields against what it expects, and the manifest (a CRC32C for every leaf), then
+   answers accept or refuse;
+3. the pieces; then the receiver's verdict on the checksums, which the sender raises on too.
+
+Every wait is bounded by the group's timeout: a dead or silent peer is a :class:`ReplicaError`.
+A step that failed is never returned. A link that failed mid-transfer is not used again (gloo
+cannot say which of its pieces are still in flight); the buffers such a transfer touched stay
+mapped until :meth:`ReplicaGroup.close`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import json
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from zerostall.checksum import Span, checksum, join_crcs
+from zerostall.errors import ReplicaError, ZerostallError
+from zerostall.lease import host_id
+from zerostall.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
+from zerostall.memtier.link import OK as _OK
+from zerostall.memtier.link import Link, prove
+from zerostall.stage.buffers import HostBuffer
+
+__all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup"]
+
+#: bytes per piece on the wire (GEMINI's figure): what is in flight stays bounded
+CHUNK_BYTES = 16 << 20
+#: pieces in flight per transfer
+WINDOW = 4
+_MAX_HEAD = 1 << 20
+_BAD_HEADER, _UNEXPECTED, _CHECKSUM = 2, 3, 4
+_VERDICTS = {_BAD_HEADER: "found the header's authentication wrong", _UNEXPECTED: "did not expect this step",
+             _CHECKSUM: "found bytes that differ from their CRC32C"}
+_LENS, _HEAD, _ACCEPT, _FINAL, _CHUNK0 = 4, 5, 6, 7, 16
+
+
+@dataclass(frozen=True)
+class ReplicaOf:
+    """Whose step a replica is: the run, its world size, the rank that staged it, the step."""
+
+    run_id: str
+    world: int
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class OutgoingStep:
+    """A staged step to send: its manifest and each data file's bytes, in the manifest's order
+    (``name`` is the last component of the manifest's file path)."""
+
+    of: ReplicaOf
+    manifest: bytes
+    files: tuple[tuple[str, memoryview], ...]
+
+
+class ReceivedStep:
+    """A replica that arrived and matched every leaf's CRC32C: the manifest and one memfd-backed
+    buffer per data file (``buffers[i]`` holds ``lengths[i]`` bytes). ``close()`` frees the
+    buffers this group allocated."""
+
+    def __init__(self, of: ReplicaOf, manifest: bytes, names: list[str], lengths: list[int],
+                 buffers: list[HostBuffer], owned: bool) -> None:
+        self.of, self.manifest, self.names, self.lengths = of, manifest, names, lengths
+        self.buffers, self._owned = buffers, owned
+
+    def view(self, i: int) -> memoryview:
+        return self.buffers[i].view[:self.lengths[i]]
+
+    def close(self) -> None:
+        if self._owned:
+            for b in self.buffers:
+                b.close()
+        self.buffers = []
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    code: int
+    why: str
+
+
+class ReplicaGroup:
+    """The keepers of job ``job_id``: ``size`` of them, this one ``member`` (0 .. size-1).
+
+    ``store`` is a ``torch.distributed`` store (the job's ``TCPStore`` under torchrun, or one
+    the caller started) or its ``"host:port"``. ``secret`` is the job's secret, the same bytes
+    in every keeper and never sent. ``host`` defaults to :func:`zerostall.lease.host_id`
+    (``ZEROSTALL_HOST_ID``). ``generation`` separates formations in one store (a restart forms
+    a new one). Raises :class:`ReplicaError` when the group does not form within ``timeout_s``
+    or this keeper is refused by all. Members that failed to prove membership are in
+    :attr:`refused` (and were logged); nothing is ever sent to them or taken from them.
+    """
+
+    def __init__(self, store: Any, *, job_id: str, secret: bytes, member: int, size: int,
+                 host: str | None = None, group: str = "keepers", generation: int = 0,
+                 timeout_s: float = 60.0, chunk_bytes: int = CHUNK_BYTES) -> None:
+        import torch
+        import torch.distributed
+
+        dist: Any = torch.distributed  # its store and group classes are not in its stubs' exports
+
+        if not 0 <= member < size:
+            raise ReplicaError(f"member {member} is outside a group of {size}")
+        if not 1 << 20 <= chunk_bytes <= 1 << 30:
+            raise ReplicaError(f"chunk_bytes {chunk_bytes} is outside [1 MiB, 1 GiB]")
+        self._torch = torch
+        self.job_id, self.timeout_s, self.chunk_bytes = job_id, float(timeout_s), chunk_bytes
+        self._key = job_key(secret, job_id)
+        if isinstance(store, str):
+            addr, _, port = store.rpartition(":")
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        base = dist.PrefixStore(f"zerostall-replica/{group}/{generation}", store)
+        self.formation: Formation = form(base, job_id=job_id, key=self._key, member=member, size=size,
+                                         host=host or host_id(), timeout_s=self.timeout_s)
+        ranks = sorted(self.formation.members)
+        self._pg_ranks = {m: i for i, m in enumerate(ranks)}
+        try:
+            self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{self.formation.group_id}", base),
+                                                  ranks.index(member), len(ranks), timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise ReplicaError(f"the transport of keeper group {job_id!r} (members {ranks}) did not connect "
+                               f"within {timeout_s:g} s: {exc}") from exc
+        self._failed: dict[int, str] = {}
+        self._busy: set[tuple[int, bool]] = set()
+        self._lock = threading.Lock()
+        self._kept: list[Any] = []
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="zerostall-replica-crc")
+
+    @property
+    def members(self) -> dict[int, Member]:
+        return self.formation.members
+
+    @property
+    def refused(self) -> dict[int, str]:
+        return self.formation.refused
+
+    def close(self) -> None:
+        """Drop the transport; then free what failed transfers kept mapped."""
+        self._verifier.shutdown(wait=True)
+        pg, self._pg = self._pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            pg.shutdown()
+        del pg
+        for b in self._kept:
+            if isinstance(b, HostBuffer):
+                b.close()
+        self._kept = []
+
+    def __enter__(self) -> ReplicaGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- links ------------------------------------------------------------------------------
+
+    def _open(self, peer: int, sending: bool) -> Link:
+        if peer not in self.formation.members or peer == self.formation.me.member:
+            why = self.formation.refused.get(peer, "it is not another member of this group")
+            raise ReplicaError(f"no transfer with member {peer} of keeper group {self.job_id!r}: {why}")
+        with self._lock:
+            if peer in self._failed:
+                raise ReplicaError(f"the link to member {peer} failed earlier ({self._failed[peer]}); "
+                                   "form a new group (a new generation) to use it again")
+            if (peer, sending) in self._busy:
+                raise ReplicaError(f"a transfer {'to' if sending else 'from'} member {peer} is already running")
+            self._busy.add((peer, sending))
+        me = self.formation.me.member
+        return Link(self._torch, self._pg, self._pg_ranks[peer], peer=peer, src=me if sending else peer,
+                    dst=peer if sending else me, host=self.formation.members[peer].host, timeout_s=self.timeout_s,
+                    broken=self._broken)
+
+    def _close_link(self, link: Link) -> None:
+        with self._lock:
+            self._busy.discard((link.peer, link.sending))
+
+    def _broken(self, link: Link, why: str) -> ReplicaError:
+        with self._lock:
+            self._failed.setdefault(link.peer, why)
+            self._kept.extend(link.live)
+        return ReplicaError(why)
+
+    def _handshake(self, link: Link) -> tuple[bytes, bytes]:
+        nr, ns = prove(link, self._key, self.formation.group_id)
+        return nr, ns
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def send_step(self, to: int, step: OutgoingStep, *, progress: Callable[[int], None] | None = None) -> None:
+        """Send ``step`` to member ``to`` (which calls :meth:`recv_step` for this member); returns
+        once the receiver verified every leaf. ``progress(bytes sent so far)`` runs after each
+        piece. Raises :class:`ReplicaError` when the peer refuses, dies or times out."""
+        link = self._open(to, True)
+        try:
+            self._send(link, step, progress)
+        finally:
+            self._close_link(link)
+
+    def _send(self, link: Link, step: OutgoingStep, progress: Callable[[int], None] | None) -> None:
+        torch = self._torch
+        nr, ns = self._handshake(link)
+        of = step.of
+        head = json.dumps({"v": 1, "job": self.job_id, "group": self.formation.group_id, "from": link.src,
+                           "to": link.dst, "run": of.run_id, "world": of.world, "rank": of.rank, "step": of.step,
+                           "chunk": self.chunk_bytes, "files": [[n, len(v)] for n, v in step.files]},
+                          sort_keys=True).encode()
+        tag = mac(self._key, b"head", self.formation.group_id.encode(), nr, ns, head, step.manifest)
+        lens = torch.tensor([len(head), len(step.manifest)], dtype=torch.int64)
+        link.wait(link.send(lens, _LENS), "the header")
+        body = torch.frombuffer(bytearray(head + step.manifest + tag), dtype=torch.uint8)
+        link.wait(link.send(body, _HEAD), "the header")
+        answer = link.code(None, _ACCEPT, "the header's verdict")
+        if answer != _OK:  # nothing is in flight: the link stays usable
+            raise ReplicaError(f"{link.who} {_VERDICTS.get(answer, 'refused the step')} (rank {of.rank}, "
+                               f"step {of.step})", rank=of.rank)
+        pending: list[tuple[Any, int]] = []
+        sent = 0
+        for i, (t, n) in enumerate(self._pieces([v for _, v in step.files])):
+            pending.append((link.send(t, _CHUNK0 + i), n))
+            if len(pending) >= WINDOW:
+                w, n0 = pending.pop(0)
+                link.wait(w, "sending a piece")
+                sent += n0
+                if progress is not None:
+                    progress(sent)
+        for w, n0 in pending:
+            link.wait(w, "sending a piece")
+            sent += n0
+            if progress is not None:
+                progress(sent)
+        final = link.code(None, _FINAL, "the receiver's check")
+        if final != _OK:
+            raise ReplicaError(f"{link.who} {_VERDICTS.get(final, 'refused the step')}: rank {of.rank}'s "
+                               f"step {of.step} is not replicated there", rank=of.rank)
+
+    def _pieces(self, views: Sequence[memoryview]) -> list[tuple[Any, int]]:
+        """``(uint8 tensor over the bytes, length)`` per piece, in order: no copy."""
+        torch = self._torch
+        out = []
+        for v in views:
+            if not len(v):
+                continue
+            with warnings.catch_warnings():  # a read-only mapping: gloo only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                whole = torch.frombuffer(v, dtype=torch.uint8)
+            for a in range(0, len(v), self.chunk_bytes):
+                n = min(self.chunk_bytes, len(v) - a)
+                out.append((whole[a:a + n], n))
+        return out
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def recv_step(self, src: int, *, run_id: str, world: int, rank: int, step: int | None = None,
+                  buffers: Sequence[HostBuffer] | None = None) -> ReceivedStep:
+        """Receive the step member ``src`` sends, which must be rank ``rank``'s of run ``run_id``
+        at world size ``world`` (and step ``step``, if given). ``buffers``: one per data file,
+        large enough, to receive into (else new ones). Returns it only once every leaf matched
+        its CRC32C; else raises :class:`ReplicaError` and keeps nothing."""
+        link = self._open(src, False)
+        try:
+            return self._recv(link, ReplicaOf(run_id, world, rank, -1 if step is None else step), step is None,
+                              buffers)
+        finally:
+            self._close_link(link)
+
+    def _recv(self, link: Link, want: ReplicaOf, any_step: bool,
+              given: Sequence[HostBuffer] | None) -> ReceivedStep:
+        torch = self._torch
+        nr, ns = self._handshake(link)
+        lens = torch.zeros(2, dtype=torch.int64)
+        link.wait(link.recv(lens, _LENS), "the header")
+        hl, ml = int(lens[0]), int(lens[1])
+        if not (0 < hl <= _MAX_HEAD and 0 < ml <= MAX_MANIFEST_BYTES):
+            link.code(_BAD_HEADER, _ACCEPT, "the header's verdict")
+            raise self._broken(link, f"{link.who} announced a header of {hl} and a manifest of {ml} bytes")
+        body = torch.empty(hl + ml + 32, dtype=torch.uint8)
+        link.wait(link.recv(body, _HEAD), "the header")
+        raw = bytes(body.numpy())
+        head, manifest, tag = raw[:hl], raw[hl:hl + ml], raw[hl + ml:]
+        checked = self._check_header(link, nr, ns, head, manifest, tag, want, any_step, given)
+        if isinstance(checked, _Refusal):
+            link.code(checked.code, _ACCEPT, "the header's verdict")
+            raise ReplicaError(checked.why, rank=want.rank)
+        of, man, names, lengths, chunk = checked
+        if given is None:
+            buffers, owned = [HostBuffer(max(n, 4096)) for n in lengths], True
+        else:
+            buffers, owned = list(given), False
+        try:
+            link.code(_OK, _ACCEPT, "the header's verdict")
+            bad = self._recv_pieces(link, man, buffers, lengths, chunk)
+            link.code(_CHECKSUM if bad is not None else _OK, _FINAL, "the final verdict")
+        except BaseException:
+            if owned:
+                with self._lock:  # a piece may still land in them: freed at close()
+                    self._kept.extend(buffers)
+            raise
+        if bad is not None:
+            if owned:
+                for b in buffers:
+                    b.close()
+            raise ReplicaError(f"the replica of rank {of.rank}'s step {of.step} from {link.who} has bytes that "
+                               "differ from the CRC32C taken at staging; it is not kept", key=bad, rank=of.rank)
+        return ReceivedStep(of, manifest, names, lengths, buffers, owned)
+
+    def _check_header(self, link: Link, nr: bytes, ns: bytes, head: bytes, manifest: bytes, tag: bytes,
+                      want: ReplicaOf, any_step: bool, given: Sequence[HostBuffer] | None
+                      ) -> tuple[ReplicaOf, Manifest, list[str], list[int], int] | _Refusal:
+        """What the header announces, or why it is not to be received."""
+        expect = mac(self._key, b"head", self.formation.group_id.encode(), nr, ns, head, manifest)
+        if not hmac.compare_digest(tag, expect):
+            log.warning("zerostall replica group %r: %s sent a header that does not authenticate",
+                        self.job_id, link.who)
+            return _Refusal(_BAD_HEADER, f"{link.who} sent a step header that does not authenticate under the "
+                            "job secret")
+        try:  # authenticated, so a keeper of this job wrote it; still checked before it is used
+            d = json.loads(head)
+            of = ReplicaOf(str(d["run"]), int(d["world"]), int(d["rank"]), int(d["step"]))
+            files = [(str(f[0]), int(f[1])) for f in d["files"]]
+            chunk = int(d["chunk"])
+            ids = (d["job"], d["group"], d["from"], d["to"])
+        except (ValueError, KeyError, TypeError, IndexError):
+            return _Refusal(_BAD_HEADER, f"{link.who} sent a header that is not a step header")
+        if ids != (self.job_id, self.formation.group_id, link.src, link.dst):
+            return _Refusal(_BAD_HEADER, f"{link.who} sent a header for another transfer")
+        if (of.run_id, of.world, of.rank) != (want.run_id, want.world, want.rank) or (
+                not any_step and of.step != want.step):
+            return _Refusal(_UNEXPECTED, f"{link.who} sent run {of.run_id!r} world {of.world} rank {of.rank} "
+                            f"step {of.step}, expected run {want.run_id!r} world {want.world} rank {want.rank}"
+                            + ("" if any_step else f" step {want.step}"))
+        try:
+            man = parse_manifest(manifest, path=f"replica:rank{of.rank}/step{of.step}")
+        except ZerostallError as exc:  # malformed, or a format this library does not read
+            return _Refusal(_UNEXPECTED, f"{link.who} sent a manifest that does not parse: {exc}")
+        names, lengths = [n for n, _ in files], [n for _, n in files]
+        if [(f.path.rsplit("/", 1)[-1], f.size) for f in man.files] != files:
+            return _Refusal(_UNEXPECTED, f"{link.who} sent files {files} that are not its manifest's")
+        unchecked = [lf.key for lf in man.leaves if lf.crc32c is None and lf.nbytes]
+        if unchecked:
+            return _Refusal(_UNEXPECTED, f"leaf {unchecked[0]!r} has no CRC32C in the manifest: a replica cannot "
+                            "be verified")
+        if given is not None and (len(given) != len(lengths) or any(
+                b.size < n for b, n in zip(given, lengths, strict=True))):
+            return _Refusal(_UNEXPECTED, f"the buffers given do not fit the files of {link.who}'s step")
+        if not 1 << 20 <= chunk <= 1 << 30:
+            return _Refusal(_UNEXPECTED, f"{link.who} announced pieces of {chunk} bytes")
+        return of, man, names, lengths, chunk
+
+    def _recv_pieces(self, link: Link, man: Manifest, buffers: list[HostBuffer], lengths: list[int],
+                     chunk: int) -> str | None:
+        """Receive every piece into ``buffers``, checksumming each beside the next ones; the key
+        of the first leaf whose CRC32C differs, or None."""
+        torch = self._torch
+        plan: list[tuple[int, int, int]] = [(fi, a, min(chunk, n - a)) for fi, n in enumerate(lengths)
+                                            for a in range(0, n, chunk)]
+        by_file: list[list[tuple[int, int, int]]] = [[] for _ in lengths]  # (offset, end, leaf index)
+        for li, lf in enumerate(man.leaves):
+            if lf.nbytes:
+                by_file[lf.file].append((lf.offset, lf.offset + lf.nbytes, li))
+        for spans in by_file:
+            spans.sort()
+        ends = [[e for _, e, _ in spans] for spans in by_file]
+        whole = [torch.frombuffer(b.view, dtype=torch.uint8) for b in buffers]
+        jobs: list[Future[list[tuple[Span, int]]]] = []
+
+        def crcs(fi: int, a: int, n: int) -> list[tuple[Span, int]]:
+            out: list[tuple[Span, int]] = []
+            view = buffers[fi].view
+            for off, end, li in by_file[fi][bisect.bisect_right(ends[fi], a):]:
+                if off >= a + n:
+                    break
+                lo, hi = max(a, off), min(a + n, end)
+                out.append(((li, lo - off, hi - off), checksum(view[lo:hi])))
+            return out
+
+        posted: list[tuple[Any, int, int, int]] = []
+        nxt = 0
+        while nxt < len(plan) or posted:
+            while nxt < len(plan) and len(posted) < WINDOW:
+                fi, a, n = plan[nxt]
+                posted.append((link.recv(whole[fi][a:a + n], _CHUNK0 + nxt), fi, a, n))
+                nxt += 1
+            w, fi, a, n = posted.pop(0)
+            link.wait(w, "receiving a piece")
+            jobs.append(self._verifier.submit(crcs, fi, a, n))
+        parts = [p for j in jobs for p in j.result()]
+        got = join_crcs(parts, len(man.leaves))
+        for lf, crc in zip(man.leaves, got, strict=True):
+            if lf.nbytes and crc != lf.crc32c:
+                return lf.key
+        return None
