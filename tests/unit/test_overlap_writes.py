@@ -105,6 +105,9 @@ WRITES: dict[str, tuple[Callable[[_Case], None], str]] = {
     "no_grad_mul_": (lambda c: _no_grad(lambda: [p.mul_(0.5) for p in c.model.parameters()]), "torn"),
     "no_grad_view": (lambda c: _no_grad(lambda: [_half(p).mul_(0.5) for p in c.model.parameters()]), "torn"),
     "set_": (lambda c: _no_grad(lambda: [p.set_(p.detach() * 0.5) for p in c.model.parameters()]), "torn"),
+    "detach_add_": (lambda c: [p.detach().add_(1.0) for p in c.model.parameters()] and None, "torn"),
+    "load_state_dict": (lambda c: c.model.load_state_dict({k: v * 0.5 for k, v in c.model.state_dict().items()})
+                        and None, "torn"),
 }
 
 
@@ -228,3 +231,25 @@ def test_zerostalls_own_threads_are_not_ordered_by_a_data_access(ckdir):
         opened.set()
         r.result()
     assert seen and seen[0] > 0  # the access left every piece to the copy
+
+
+def test_a_data_write_in_a_compiled_function_is_detected(ckdir):
+    """Dynamo traces ``.data`` as a graph operation (the interception never runs there); with an
+    AOT backend (inductor, the default, or aot_eager) the compiled code applies the write to the
+    parameter with a counted ``copy_``, so the save fails loudly."""
+    case = _Case("sgd")
+
+    @torch.compile(backend="aot_eager")
+    def shrink(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            p.data.mul_(0.5)
+
+    shrink(case.model)  # compiled before the save, as in a real job
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        with _copier_held(ckpt):
+            r = ckpt.save_pytree_async(0, case.tree())
+            shrink(case.model)
+            case.step()
+        with pytest.raises(TornSnapshotError):
+            r.result()
+        assert ckpt.steps() == []
