@@ -24,7 +24,10 @@ can run while the next forward and backward passes do. Two parts make that safe:
 
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
 before the copy was done (an in-place change outside ``step()``) fails the save with
-:class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted.
+:class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted. A write
+through ``t.data`` moves no counter the save recorded (the alias has its own), so it is ordered
+instead: while a copy is in flight, a ``.data`` access of a tensor sharing memory with it waits
+for the copy as a step does (:class:`_DataAccess`).
 
 **Background sources.** A leaf whose value is an instance of a type registered with
 :func:`register_background_source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
@@ -686,9 +689,10 @@ class Guard:
         judged, and on CUDA the current stream waits for the copy's event. Never on zerostall's
         own threads (they would wait on themselves), nor inside an ordering already under way.
         """
-        with self._lock:
-            tasks = list(self._tasks)
-        if not tasks or getattr(_THREAD, "ours", False):
+        if _THREAD.ours:
+            return
+        tasks = list(self._tasks)  # one atomic copy; add() and discard() change it under the lock
+        if not tasks:
             return
         try:
             local = getattr(t, "_local_tensor", None)  # a DTensor's memory on this rank is its local shard
@@ -791,10 +795,12 @@ class _DataAccess:
     the caller after it exactly as the guard orders a step (:meth:`Guard.order_access`); the
     setter (``p.data = t``) needs nothing: the copy holds the old storage. Installed with the
     first task and removed when the last one is done: from any thread, since replacing a class
-    attribute, unlike removing a hook a step may be iterating, cannot disturb a caller. Cost while
-    installed: about 0.5 us a ``.data`` access, plus the span test (about 1 us) while a copy is
-    in flight. Dynamo traces ``.data`` as a graph operation without looking up this property, so
-    the interception never enters a compiled graph (docs/guarantees.md lists what it cannot see).
+    attribute, unlike removing a hook a step may be iterating, cannot disturb a caller. While
+    installed, a ``.data`` access runs this Python property instead of torch's C getter, and
+    while a copy is in flight it also compares the tensor's memory with the copy's
+    (docs/guarantees.md has the measured cost). Dynamo traces ``.data`` as a graph operation
+    without looking up this property, so the interception never enters a compiled graph
+    (docs/guarantees.md lists what it cannot see).
     """
 
     def __init__(self) -> None:
@@ -833,8 +839,13 @@ class _DataAccess:
             self.installed = False
 
 
-#: marks zerostall's own threads (and an ordering under way) where a ``.data`` access orders nothing
-_THREAD = threading.local()
+class _ThreadMark(threading.local):
+    """Set on zerostall's own threads, and during an ordering, where a ``.data`` access orders nothing."""
+
+    ours = False  # a class default: read in every intercepted access, it must not raise and catch
+
+
+_THREAD = _ThreadMark()
 DATA = _DataAccess()
 GUARD = Guard()
 _COPIERS: weakref.WeakSet[Copier] = weakref.WeakSet()
