@@ -358,6 +358,11 @@ class OverlapTask:
             self._verdicts[oid] = verdict
         return verdict
 
+    @property
+    def ordered(self) -> bool:
+        """Whether everything the caller does from now on runs after this copy (judged, CUDA parts sealed)."""
+        return self.synced.is_set() and all(part.sealed for part in self.cuda)
+
     def aliases(self, sp: tuple[bool, int, int]) -> bool:
         """Whether the memory ``sp`` (:func:`~zerostall.stage.ownership.span`) overlaps a tensor of this copy."""
         with self.span_lock:  # any thread: a ``.data`` access (see :class:`_DataAccess`) or the guard
@@ -701,7 +706,7 @@ class Guard:
             sp = None
         if sp is None:
             return
-        hit = [task for task in tasks if task.aliases(sp)]
+        hit = [task for task in tasks if not task.ordered and task.aliases(sp)]
         if not hit:
             return
         _THREAD.ours = True
