@@ -8,8 +8,7 @@ orders the ``.data`` access after the copy instead (docs/guarantees.md, "Overlap
 Deterministic: the engine's copier thread is held behind a gate that opens only after the write
 and the next step, so nothing is copied in the background before the write. Without the
 ordering the step's guard would copy the written bytes (the state after the write); a race
-between the copier and the write, which is what the issue's training loop hit, can only make it
-a mix of the two.
+between the copier and the write makes it a mix of the two.
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ def test_clip_grad_norm_changes_only_gradients_and_needs_nothing(ckdir, kind):
         _assert_holds(ckpt, 0, expected)
 
 
-def test_the_training_loop_of_the_report_commits_only_the_state_at_each_call(ckdir):
+def test_data_writes_racing_40_overlapped_saves_commit_only_the_state_at_each_call(ckdir):
     """Linear(512, 512) with AdamW, 40 overlapped saves, each followed by ``p.data.mul_(0.5)`` and a step,
     with the copier free to race the write."""
     torch.manual_seed(0)
