@@ -252,3 +252,27 @@ def test_a_data_write_in_a_compiled_function_is_detected(ckdir):
         with pytest.raises(TornSnapshotError):
             r.result()
         assert ckpt.steps() == []
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_a_data_write_inside_a_step_closure_is_ordered(ckdir, kind):
+    """A torch optimizer's step is ordered after its closure (the closure runs beside the copy), so a
+    write through ``.data`` inside the closure (Lightning's ``on_before_optimizer_step``) is ordered
+    by the ``.data`` access itself."""
+    case = _Case(kind)
+
+    def closure() -> torch.Tensor:
+        case.opt.zero_grad()
+        loss = case.model(torch.randn(16, 32)).square().mean()
+        loss.backward()
+        for p in case.model.parameters():
+            p.data.clamp_(-0.01, 0.01)
+        return loss
+
+    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
+        expected = case.state()
+        with _copier_held(ckpt):
+            r = ckpt.save_pytree_async(0, case.tree())
+            case.opt.step(closure)
+        r.result()
+        _assert_holds(ckpt, 0, expected)
