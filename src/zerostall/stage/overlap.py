@@ -621,7 +621,8 @@ class Guard:
     Installed when the first copy starts. Removed only on the thread that saves, at a point
     where no ``step()`` can be iterating torch's hook dict (the next save, ``wait_staged()``,
     ``wait()``, ``close()``): removing it from the copier thread could change the dict while a
-    step iterates it.
+    step iterates it. The ``Tensor.data`` interception (:class:`_DataAccess`) comes and goes with
+    the copies in flight instead.
     """
 
     def __init__(self) -> None:
