@@ -151,7 +151,8 @@ class Response:
         only ``optimizer.step()`` modifies are copied, and the next ``step()`` waits for them by
         itself. Call this before modifying such tensors in place *outside* ``step()`` (weight
         clipping, an EMA written into the parameters, ``load_state_dict``); otherwise the save
-        fails with :class:`~zerostall.errors.TornSnapshotError`. A failed copy is reported by
+        fails with :class:`~zerostall.errors.TornSnapshotError` (a write through ``.data`` waits
+        for the copy by itself instead; docs/guarantees.md lists every case). A failed copy is reported by
         :meth:`result`, not here. Without a ``timeout``, the calling thread copies the part of
         the CPU copy the background has not started yet, rather than only wait for it.
 

@@ -24,7 +24,10 @@ can run while the next forward and backward passes do. Two parts make that safe:
 
 Each overlapped tensor's autograd version counter is recorded at the call. A counter that moved
 before the copy was done (an in-place change outside ``step()``) fails the save with
-:class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted.
+:class:`~zerostall.errors.TornSnapshotError` naming the leaf; nothing of it is submitted. A write
+through ``t.data`` moves no counter the save recorded (the alias has its own), so it is ordered
+instead: while a copy is in flight, a ``.data`` access of a tensor sharing memory with it waits
+for the copy as a step does (:class:`_DataAccess`).
 
 **Background sources.** A leaf whose value is an instance of a type registered with
 :func:`register_background_source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
@@ -227,6 +230,7 @@ class _Enqueuer:
             self._cond.notify()
 
     def _loop(self) -> None:
+        _THREAD.ours = True  # never ordered after its own copies (see Guard.order_access)
         while True:
             with self._cond:
                 while not self._queue:
@@ -310,6 +314,7 @@ class OverlapTask:
     #: the deferred tensors whose spans join ``spans`` when first needed (rarely: an optimizer
     #: not among ``owners``), not in the save call
     span_tensors: list[Any] = field(default_factory=list)
+    span_lock: threading.Lock = field(default_factory=threading.Lock)
     _verdicts: dict[int, bool] = field(default_factory=dict)
     #: background sources (see :func:`register_background_source`), copied after ``cpu``
     host: list[_HostCopy] = field(default_factory=list)
@@ -346,17 +351,28 @@ class OverlapTask:
             # Another optimizer over the same tensors (not known at the call): judged by memory,
             # once per task. An optimizer whose tensors cannot be listed is assumed to concern it.
             try:
-                for t in self.span_tensors:
-                    sp = span(t)
-                    if sp is not None:
-                        self.spans.add(sp)
-                self.span_tensors = []
-                spans = (span(t) for t in optimizer_tensors(optimizer))
-                verdict = any(sp is not None and self.spans.overlaps(sp) for sp in spans)
+                spans = [span(t) for t in optimizer_tensors(optimizer)]
+                verdict = any(self.aliases(sp) for sp in spans if sp is not None)
             except Exception:  # noqa: BLE001 - a foreign optimizer-like object: be safe
                 verdict = True
             self._verdicts[oid] = verdict
         return verdict
+
+    @property
+    def ordered(self) -> bool:
+        """Whether everything the caller does from now on runs after this copy (judged, CUDA parts sealed)."""
+        return self.synced.is_set() and all(part.sealed for part in self.cuda)
+
+    def aliases(self, sp: tuple[bool, int, int]) -> bool:
+        """Whether the memory ``sp`` (:func:`~zerostall.stage.ownership.span`) overlaps a tensor of this copy."""
+        with self.span_lock:  # any thread: a ``.data`` access (see :class:`_DataAccess`) or the guard
+            if self.span_tensors:
+                for t in self.span_tensors:
+                    tsp = span(t)
+                    if tsp is not None:
+                        self.spans.add(tsp)
+                self.span_tensors = []
+            return bool(self.spans) and self.spans.overlaps(sp)
 
     def order_step(self) -> None:
         """Order an optimizer step about to run after this copy (the guard; training thread)."""
@@ -463,7 +479,8 @@ class OverlapTask:
             self.sync(0)  # nobody did (no step, no wait): judged here, as late as a commit can wait
         self.cpu = []
         self.cuda = []  # the sources may be freed now
-        self.span_tensors = []
+        with self.span_lock:
+            self.span_tensors = []
 
 
 def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError | None:
@@ -604,7 +621,8 @@ class Guard:
     Installed when the first copy starts. Removed only on the thread that saves, at a point
     where no ``step()`` can be iterating torch's hook dict (the next save, ``wait_staged()``,
     ``wait()``, ``close()``): removing it from the copier thread could change the dict while a
-    step iterates it.
+    step iterates it. The ``Tensor.data`` interception (:class:`_DataAccess`) comes and goes with
+    the copies in flight instead.
     """
 
     def __init__(self) -> None:
@@ -628,6 +646,7 @@ class Guard:
         with self._lock:
             self._tasks.append(task)
             self._install()
+            DATA.install()
 
     def learn(self) -> None:
         """Install the hook until the next :meth:`tidy` only to see which optimizers step.
@@ -656,14 +675,48 @@ class Guard:
         with self._lock:
             if task in self._tasks:
                 self._tasks.remove(task)
+            if not self._tasks:
+                DATA.remove()  # unlike the hook, safe from any thread (see _DataAccess)
 
     def tidy(self) -> None:
         """Remove the hook if no copy is in flight; call only where no step can be running."""
         with self._lock:
-            if self._handle is not None and not self._tasks:
-                self._handle.remove()
-                self._handle = None
+            if not self._tasks:
+                DATA.remove()
+                if self._handle is not None:
+                    self._handle.remove()
+                    self._handle = None
         self._settle()
+
+    def order_access(self, t: Any) -> None:
+        """Order what the caller does next with ``t`` after the in-flight copies of memory it shares.
+
+        As before a step: the pieces nobody has started are copied on this thread, the copy is
+        judged, and on CUDA the current stream waits for the copy's event. Never on zerostall's
+        own threads (they would wait on themselves), nor inside an ordering already under way.
+        """
+        if _THREAD.ours:
+            return
+        tasks = list(self._tasks)  # one atomic copy; add() and discard() change it under the lock
+        if not tasks:
+            return
+        try:
+            local = getattr(t, "_local_tensor", None)  # a DTensor's memory on this rank is its local shard
+            sp = span(t if local is None else local)
+        except Exception:  # noqa: BLE001 - no memory of its own (fake or meta tensors while tracing)
+            sp = None
+        if sp is None:
+            return
+        hit = [task for task in tasks if not task.ordered and task.aliases(sp)]
+        if not hit:
+            return
+        _THREAD.ours = True
+        try:
+            for task in hit:
+                task.order_step()
+            self._settle()
+        finally:
+            _THREAD.ours = False
 
     def _settle(self) -> None:
         """Give torch's thread back (see :class:`_Yield`) once no CPU copy is in flight."""
@@ -737,6 +790,69 @@ def _order_after_closure(optimizer: Any, args: Any, kwargs: Any,
     return args, {**kwargs, "closure": closure_then_order}
 
 
+class _DataAccess:
+    """``Tensor.data``, intercepted while a copy is in flight, so a write through it is ordered after the copy.
+
+    ``t.data`` is an alias of ``t``'s memory with a version counter of its own: an in-place
+    change through it (``p.data.mul_()``, ``p.data.copy_()``, weight clipping with
+    ``p.data.clamp_()``) moves no counter the save recorded, so it cannot be detected; it can
+    only be kept from tearing the copy. While a copy is in flight ``torch.Tensor.data`` is a
+    property that, before handing out the alias of a tensor sharing memory with the copy, orders
+    the caller after it exactly as the guard orders a step (:meth:`Guard.order_access`); the
+    setter (``p.data = t``) needs nothing: the copy holds the old storage. Installed with the
+    first task and removed when the last one is done: from any thread, since replacing a class
+    attribute, unlike removing a hook a step may be iterating, cannot disturb a caller. While
+    installed, a ``.data`` access runs this Python property instead of torch's C getter, and
+    while a copy is in flight it also compares the tensor's memory with the copy's
+    (docs/guarantees.md has the measured cost). Dynamo traces ``.data`` as a graph operation
+    without looking up this property, so the interception never enters a compiled graph
+    (docs/guarantees.md lists what it cannot see).
+    """
+
+    def __init__(self) -> None:
+        self._base: Any = None  # the C getset descriptor of torch._C.TensorBase
+        self._prop: Any = None
+        self.installed = False
+
+    def install(self) -> None:
+        """Intercept ``Tensor.data`` (the caller holds ``GUARD._lock``)."""
+        if self.installed:
+            return
+        torch = sys.modules["torch"]
+        if self._prop is None:
+            base = torch._C.TensorBase.__dict__["data"]
+
+            def get(t: Any) -> Any:
+                if GUARD._tasks:
+                    GUARD.order_access(t)
+                return base.__get__(t)
+
+            def put(t: Any, value: Any) -> None:
+                base.__set__(t, value)
+
+            self._base, self._prop = base, property(get, put, doc=base.__doc__)
+        if "data" in torch.Tensor.__dict__:  # pragma: no cover - a torch that defines it in Python
+            return  # left alone: writes through .data are then only as safe as the docs say
+        torch.Tensor.data = self._prop
+        self.installed = True
+
+    def remove(self) -> None:
+        """Give ``Tensor.data`` back to torch (the caller holds ``GUARD._lock``)."""
+        if self.installed:
+            torch = sys.modules["torch"]
+            if torch.Tensor.__dict__.get("data") is self._prop:
+                del torch.Tensor.data
+            self.installed = False
+
+
+class _ThreadMark(threading.local):
+    """Set on zerostall's own threads, and during an ordering, where a ``.data`` access orders nothing."""
+
+    ours = False  # a class default: read in every intercepted access, it must not raise and catch
+
+
+_THREAD = _ThreadMark()
+DATA = _DataAccess()
 GUARD = Guard()
 _COPIERS: weakref.WeakSet[Copier] = weakref.WeakSet()
 
@@ -813,6 +929,7 @@ class Copier:
         return self._idle.give if self._idle.ok else None
 
     def _loop(self) -> None:
+        _THREAD.ours = True  # never ordered after its own copies (see Guard.order_access)
         while True:
             with self._cond:
                 while not self._queue:
@@ -853,6 +970,7 @@ class _IdleWorker:
             self._cond.notify()
 
     def _loop(self) -> None:
+        _THREAD.ours = True
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
             self.ok = True
