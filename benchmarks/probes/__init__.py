@@ -6,4 +6,5 @@
 * ``memcopy_probe``: zerostall's copy and checksum kernels against ``memmove``.
 * ``s3_bench``: zerostall against S3 against raw boto3 on the same bytes.
 * ``jax_stall``: how long a save blocks a JAX trainer on CPU, background copy against blocking.
+* ``data_access``: what ordering ``Tensor.data`` after an overlapped copy costs a save and an access.
 """

@@ -1,6 +1,6 @@
 """What ordering ``Tensor.data`` after overlapped copies costs (stage.overlap's ``_DataAccess``).
 
-    python -m benchmarks.data_access [--repeats 16]
+    python -m benchmarks.probes.data_access [--repeats 16]
 
 Prints, in one process:
 
