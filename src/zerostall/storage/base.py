@@ -196,7 +196,8 @@ class HookedWrites(Protocol):
     ) -> None:
         """:meth:`Storage.write_from_buffer`, calling ``before_chunk(offset, n)`` on the writing
         thread before each chunk is written (a chunk may be offered again; the hook ignores what
-        it has seen). Together the chunks cover ``[0, length)``."""
+        it has seen). Together the chunks cover ``[0, length)`` (an aligned direct write's last
+        chunk may run on into the buffer's padding)."""
 
 
 @runtime_checkable
