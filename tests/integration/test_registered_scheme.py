@@ -25,7 +25,7 @@ import torch
 import zerostall
 from zerostall import Checkpointer, MissingDependencyError, SaveOptions, WriterKind
 from zerostall.errors import InvalidArgumentError
-from zerostall.storage import _REGISTERED, _REFERENCES, open_storage, register_scheme
+from zerostall.storage import _REFERENCES, _REGISTERED, open_storage, register_scheme
 
 PLUGIN = '''
 """A storage backend defined outside zerostall: a local directory that logs who opened it."""
@@ -95,10 +95,10 @@ def test_a_scheme_the_writer_cannot_import_fails_the_save_naming_it(tmp_path: Pa
     monkeypatch.delenv("PYTHONPATH", raising=False)
     register_scheme(scheme, importlib.import_module(module).PluginStorage)
     run = tmp_path / "data" / "run"
-    with Checkpointer(f"{scheme}://{run}", save_options=SaveOptions(writer=WriterKind.PROCESS)) as c:
-        with pytest.raises(MissingDependencyError) as info:
-            c.save_pytree(1, _state())
-            c.wait()
+    with (Checkpointer(f"{scheme}://{run}", save_options=SaveOptions(writer=WriterKind.PROCESS)) as c,
+          pytest.raises(MissingDependencyError) as info):
+        c.save_pytree(1, _state())
+        c.wait()
     assert f"{scheme}://" in str(info.value) and module in str(info.value)
     assert not (run / "step_00000001").exists()
 
