@@ -178,6 +178,8 @@ class ImageStorage:
             on_piece(v[a:min(a + chunk, offset + length)])
 
     def read_vectored(self, key: str, offset: int, bufs: list[memoryview], *, cached: bool = False) -> None:
+        """Fill ``bufs`` one after the other from ``key`` at ``offset`` (``cached`` changes nothing:
+        an image is always resident)."""
         for b in bufs:
             self.read_into(key, offset, b)
             offset += len(b)
