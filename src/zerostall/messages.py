@@ -122,9 +122,10 @@ class SaveJob:
     #: (``None``: staging did not checksum that leaf); empty: none. The writer checksums only
     #: the others (docs/design.md, "Checksums at staging").
     crcs: tuple[int | None, ...] = ()
-    #: where ``root``'s URL scheme comes from when ``register_scheme`` added it in the trainer: the
-    #: import reference of its factory (``module:name``), which the writer imports before it opens
-    #: ``root`` (:func:`zerostall.storage.import_scheme`); "" for the built-in and entry-point schemes
+    #: where ``root``'s URL scheme comes from when it is not built in (``register_scheme``, or an
+    #: entry point, in the trainer): the import reference of its factory (``module:name``), which
+    #: the writer imports before it opens ``root`` (:func:`zerostall.storage.import_scheme`); ""
+    #: for the built-in schemes
     storage_ref: str = ""
 
 

@@ -5,11 +5,14 @@ with ``register_scheme`` in this process, or declared as an entry point of group
 ``zerostall.storage`` by a distribution found on the path. Saves go through the default writer,
 a separate interpreter, and are loaded back; the backend records the pid of every process that
 opened it, so the writer's use of it is seen, not assumed. A writer that cannot import the
-registering module fails the save with an error naming the scheme.
+registering module fails the save with an error naming the scheme. A backend that declares no
+capabilities is refused; one that declares no probe is checked by listing its root, its own
+``probe`` left alone.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -24,8 +27,8 @@ import torch
 
 import zerostall
 from zerostall import Checkpointer, MissingDependencyError, SaveOptions, WriterKind
-from zerostall.errors import InvalidArgumentError
-from zerostall.storage import _REFERENCES, _REGISTERED, open_storage, register_scheme
+from zerostall.errors import InvalidArgumentError, StorageError
+from zerostall.storage import _REFERENCES, _REGISTERED, Capabilities, open_storage, register_scheme
 
 PLUGIN = '''
 """A storage backend defined outside zerostall: a local directory that logs who opened it."""
@@ -138,3 +141,25 @@ def test_an_unloadable_entry_point_names_its_scheme(tmp_path: Path, scheme: str,
     with pytest.raises(MissingDependencyError, match=f"{scheme}://"):
         zerostall.load_pytree(f"{scheme}://{tmp_path}/run")
     assert sys.modules.get("zs_no_such_module") is None
+
+
+def test_a_backend_that_declares_no_probe_is_checked_by_listing_its_root(scheme: str) -> None:
+    from zerostall.commit import check_reachable
+    from zerostall.storage.memory import MemoryStorage
+
+    calls: list[str] = []
+
+    class Unprobed(MemoryStorage):
+        capabilities = Capabilities()  # the inherited probe is there, but not declared: never called
+
+        def probe(self, *, write: bool) -> None:
+            calls.append("probe")
+
+        def list(self, prefix: str) -> list[str]:
+            calls.append("list")
+            raise PermissionError(errno.EACCES, "listing refused", prefix)
+
+    register_scheme(scheme, Unprobed)
+    with pytest.raises(StorageError) as info:
+        check_reachable(open_storage(f"{scheme}://unprobed"), write=False, path=f"{scheme}://unprobed/run")
+    assert calls == ["list"] and info.value.errno == errno.EACCES
