@@ -25,6 +25,7 @@ from zerostall.errors import CheckpointExistsError, StorageError
 from zerostall.lease import host_id, pid_alive
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.storage import Storage
+from zerostall.storage.base import as_probe
 
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
@@ -303,12 +304,12 @@ def _join(root: str, name: str) -> str:
 def check_reachable(storage: Storage, *, write: bool, path: str) -> None:
     """Probe ``storage`` (see ``Storage.probe``); a failure becomes a :class:`StorageError` naming ``path``.
 
-    A registered backend without ``probe`` is probed by listing its root.
+    A backend that declares no probe (``Capabilities.probe``) is probed by listing its root.
     """
-    probe = getattr(storage, "probe", None)
+    probe = as_probe(storage)
     try:
         if probe is not None:
-            probe(write=write)
+            probe.probe(write=write)
         else:
             try:
                 storage.list("")

@@ -37,7 +37,7 @@ from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
 from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
 from zerostall.stage.stager import prepare_slot, staging_checksums
-from zerostall.storage import open_storage
+from zerostall.storage import open_storage, scheme_reference
 from zerostall.tree import FlatState, flatten
 
 __all__ = ["Engine", "Coordinator"]
@@ -237,7 +237,7 @@ class Engine:
             files=tuple(FileRow(name=f.name, length=f.size, buffer=b.id) for f, b in zip(plan.files, slot.buffers, strict=True)),
             leaves=rows, items=flat.items, metadata=metadata or {}, step=step, retention=retention,
             env=storage_env(), write=self._write, collective=info, memory=memory, persist=persist,
-            crcs=tuple(crcs) if crcs is not None and task is None else (),
+            crcs=tuple(crcs) if crcs is not None and task is None else (), storage_ref=scheme_reference(root_url),
         )
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)

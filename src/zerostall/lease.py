@@ -197,7 +197,7 @@ class Lease:
         except OSError as exc:
             # The failing name was the lease's temporary file (".zs-lease-...json.tmp-..."), which
             # told a user nothing: name the directory and what the file is for.
-            where = getattr(self.storage, "url", "the checkpoint's parent directory")
+            where = self.storage.url
             raise OSError(exc.errno, f"cannot write this save's lease file in {where} (it marks the partial "
                                      f"files as a live writer's): {exc.strerror or exc}") from exc
         self._thread = threading.Thread(target=self._renew, name="zerostall-lease", daemon=True)

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 5  # 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs
+PROTOCOL = 6  # 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref
 
 
 class ProtocolMismatchError(WriterError):
@@ -122,6 +122,11 @@ class SaveJob:
     #: (``None``: staging did not checksum that leaf); empty: none. The writer checksums only
     #: the others (docs/design.md, "Checksums at staging").
     crcs: tuple[int | None, ...] = ()
+    #: where ``root``'s URL scheme comes from when it is not built in (``register_scheme``, or an
+    #: entry point, in the trainer): the import reference of its factory (``module:name``), which
+    #: the writer imports before it opens ``root`` (:func:`zerostall.storage.import_scheme`); ""
+    #: for the built-in schemes
+    storage_ref: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

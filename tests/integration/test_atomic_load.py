@@ -10,6 +10,7 @@ docs/guarantees.md says it leaves, and its error says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -154,7 +155,8 @@ def no_scan_url(tmp_path: Path) -> Iterator[str]:
     from zerostall.storage.local import LocalStorage
 
     class NoScan(LocalStorage):
-        scan = None  # type: ignore[assignment]
+        # declares no scan (and so no mapping, which needs scan for evicted pages)
+        capabilities = dataclasses.replace(LocalStorage.capabilities, scan=False, map_file=False)
 
     register_scheme("zsnoscan", lambda url: NoScan(url.split("://", 1)[1]))
     yield f"zsnoscan://{tmp_path}"

@@ -252,7 +252,7 @@ def test_restore_read_error_keeps_errno(run_dir: Path, monkeypatch: pytest.Monke
     def failing_sequential(self: Any, key: str, offset: int, buf: memoryview, **kw: Any) -> None:
         raise OSError(errno.EIO, "injected read error")
 
-    def failing_vectored(self: Any, key: str, offset: int, bufs: Any) -> None:
+    def failing_vectored(self: Any, key: str, offset: int, bufs: Any, **kw: Any) -> None:
         raise OSError(errno.EIO, "injected read error")
 
     monkeypatch.setattr(LocalStorage, "read_into", failing_read)

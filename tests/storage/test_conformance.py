@@ -1,14 +1,19 @@
 """The storage contract, run once per backend: local directory, memory, S3 (a real local server).
 
-A new backend joins by adding a case to ``backend``. Sizes stay small (a few MiB) to keep the
+A new backend joins by adding a case to ``backend`` (and to ``declaring``, which runs the
+capability checks: each optional method group a backend declares in its ``capabilities`` is
+there and keeps its contract, and each one it does not declare is absent). Sizes stay small (a few MiB) to keep the
 suite fast on a shared 2-core machine; the S3 case uses 5 MiB parts (S3's minimum) so that the
 multipart path is exercised with an 11 MiB object.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import mmap
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,10 +21,34 @@ from typing import Any
 
 import pytest
 
+from zerostall.checksum import checksum
 from zerostall.commit import committed_steps, is_committed, protocol_for, step_name
 from zerostall.errors import CheckpointExistsError
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.storage import Storage, open_storage
+from zerostall.storage.base import (
+    Capabilities,
+    FillCache,
+    LocalFiles,
+    MapFile,
+    MultipartUploads,
+    PieceWrites,
+    Probe,
+    Scan,
+    SequentialReads,
+    VectoredReads,
+    as_fill_cache,
+    as_hooked_writer,
+    as_local_files,
+    as_map_file,
+    as_multipart,
+    as_piece_writer,
+    as_probe,
+    as_scan,
+    as_sequential,
+    as_vectored,
+)
+from zerostall.storage.image import open_image
 from zerostall.storage.local import LocalStorage
 
 MiB = 1 << 20
@@ -344,3 +373,213 @@ def run_threads(n: int, fn: Callable[[int], None]) -> tuple[list[int], dict[int,
     for t in threads:
         t.join()
     return wins, losses
+
+
+# -- declared capabilities ---------------------------------------------------------------------
+
+#: each flag of Capabilities and the protocol of the method group it declares (the write hook is a
+#: keyword of a required method: checked by signature instead)
+GROUPS: dict[str, type] = {
+    "vectored_reads": VectoredReads, "sequential_reads": SequentialReads, "scan": Scan, "map_file": MapFile,
+    "fill_cache": FillCache, "write_pieces": PieceWrites, "multipart_uploads": MultipartUploads, "probe": Probe,
+    "local_files": LocalFiles,
+}
+
+
+@dataclasses.dataclass
+class Holder:
+    """A backend and a way to get an object of given bytes into it: ``make(data) -> (storage, key)``
+    (a read-only memory-tier image is a new storage per object)."""
+
+    storage: Storage
+    make: Callable[[bytes], tuple[Storage, str]]
+
+
+def _image(data: bytes, images: list[Any]) -> tuple[Storage, str]:
+    size = max(mmap.PAGESIZE, -(-len(data) // mmap.PAGESIZE) * mmap.PAGESIZE)
+    fd = os.memfd_create("zerostall-conformance-image")
+    os.ftruncate(fd, size)
+    os.pwrite(fd, data, 0)
+    img = open_image("ck", b"{}", [("f0", len(data), size, fd)])
+    images.append(img)
+    return img, "ck/data/f0"
+
+
+@pytest.fixture(params=["local", "memory", "s3", "image"])
+def declaring(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Holder]:
+    """Every backend kind, the read-only memory-tier image included."""
+    if request.param == "image":
+        images: list[Any] = []
+        first, _ = _image(b"x", images)
+        yield Holder(first, lambda data: _image(data, images))
+        for img in images:
+            img.close()
+        return
+    for st in _open(request.param, request, tmp_path):
+        counter = iter(range(1_000_000))
+
+        def make(data: bytes, st: Storage = st) -> tuple[Storage, str]:
+            key = f"cap/obj{next(counter)}"
+            write(st, key, data)
+            return st, key
+        yield Holder(st, make)
+
+
+class TestDeclaredCapabilities:
+    def test_every_declared_group_is_implemented_and_no_other(self, declaring: Holder) -> None:
+        st = declaring.storage
+        caps = st.capabilities
+        assert isinstance(caps, Capabilities)
+        for flag, proto in GROUPS.items():
+            assert isinstance(st, proto) == getattr(caps, flag), (type(st).__name__, flag)
+        hook = "before_chunk" in inspect.signature(st.write_from_buffer).parameters
+        assert hook == caps.write_hook, type(st).__name__
+
+    def test_a_mapping_needs_scan_to_be_declared(self) -> None:
+        with pytest.raises(ValueError, match="scan"):
+            Capabilities(map_file=True)
+
+    def test_vectored_reads(self, declaring: Holder) -> None:
+        data = blob(40_000, 11)
+        st, key = declaring.make(data)
+        vec = as_vectored(st)
+        if vec is None:
+            assert not st.capabilities.vectored_reads
+            return
+        for cached in (False, True):
+            bufs = [memoryview(bytearray(n)) for n in (3, 4096, 10_000, 1, 0, 20_000)]
+            vec.read_vectored(key, 7, bufs, cached=cached)
+            assert b"".join(bytes(b) for b in bufs) == data[7:7 + sum(len(b) for b in bufs)]
+        with pytest.raises(EOFError):
+            vec.read_vectored(key, 39_000, [memoryview(bytearray(500)), memoryview(bytearray(600))])
+
+    def test_sequential_reads(self, declaring: Holder) -> None:
+        data = blob(100_000, 12)
+        st, key = declaring.make(data)
+        seq = as_sequential(st)
+        if seq is None:
+            assert not st.capabilities.sequential_reads
+            return
+        for cached in (False, True):
+            out, pieces = bytearray(90_000), []
+            seq.read_sequential(key, 5, memoryview(out), chunk=8192, on_piece=lambda p: pieces.append(bytes(p)),
+                                cached=cached)
+            assert out == data[5:90_005] and b"".join(pieces) == out
+        with pytest.raises(EOFError):
+            seq.read_sequential(key, 99_000, memoryview(bytearray(2000)), chunk=8192)
+
+    def test_scan(self, declaring: Holder) -> None:
+        data = blob(50_000, 13)
+        st, key = declaring.make(data)
+        sc = as_scan(st)
+        if sc is None:
+            assert not st.capabilities.scan
+            return
+        pieces: list[bytes] = []
+        sc.scan(key, 100, 45_000, lambda p: pieces.append(bytes(p)), chunk=4096)
+        assert b"".join(pieces) == data[100:45_100] and all(0 < len(p) <= 4096 for p in pieces)
+        with pytest.raises(EOFError):
+            sc.scan(key, 49_000, 2000, lambda p: None)
+
+    def test_map_file(self, declaring: Holder) -> None:
+        data = blob(70_000, 14)
+        st, key = declaring.make(data)
+        mp = as_map_file(st)
+        if mp is None:
+            assert not st.capabilities.map_file
+            return
+        st.read_into(key, 0, memoryview(bytearray(len(data))))  # in the page cache now, if there is one
+        mf = mp.map_file(key)
+        assert mf is not None
+        try:
+            assert bytes(mf.view) == data
+            assert mf.cached(0, len(data)) in (True, False) and not mf.cached(0, len(data) + 1)
+            dest = bytearray(30_000)
+            mf.copy_into(1000, memoryview(dest))
+            assert dest == data[1000:31_000]
+            got = mf.copy_into(2000, memoryview(dest), crc=0)
+            assert got is None or got == checksum(data[2000:32_000])
+        finally:
+            mf.close()
+        empty, empty_key = declaring.make(b"")
+        empty_map = as_map_file(empty)
+        assert empty_map is not None and empty_map.map_file(empty_key) is None  # nothing to map
+
+    def test_fill_cache(self, declaring: Holder) -> None:
+        data = blob(64 * 1024 + 5, 15)
+        st, key = declaring.make(data)
+        fc = as_fill_cache(st)
+        if fc is None:
+            assert not st.capabilities.fill_cache
+            return
+        reported: list[int] = []
+        fc.fill_cache(key, 100, len(data) - 100, piece=8192, on_filled=reported.append)
+        assert reported == sorted(reported) and (not reported or reported[-1] == len(data))
+        with pytest.raises(EOFError):
+            fc.fill_cache(key, len(data) - 10, 100)
+        with pytest.raises(FileNotFoundError):
+            fc.fill_cache("cap/missing", 0, 10)
+
+    def test_write_pieces(self, declaring: Holder) -> None:
+        st = declaring.storage
+        pw = as_piece_writer(st)
+        if pw is None:
+            assert not st.capabilities.write_pieces
+            return
+        a, b = blob(3000, 16), blob(7000, 17)
+        pw.write_pieces("pw/obj", b"HEADER", 20_000, [(memoryview(a), 100), (memoryview(b), 9000)])
+        want = bytearray(20_000)
+        want[:6], want[100:3100], want[9000:16_000] = b"HEADER", a, b
+        assert st.get("pw/obj") == want and st.size("pw/obj") == 20_000
+        with pytest.raises(FileExistsError):
+            pw.write_pieces("pw/obj", b"", 10, [])
+
+    def test_write_hook(self, declaring: Holder) -> None:
+        st = declaring.storage
+        hw = as_hooked_writer(st)
+        if hw is None:
+            assert not st.capabilities.write_hook
+            return
+        data = blob(3 * 4096 + 5, 18)
+        seen: list[tuple[int, int]] = []
+        hw.write_from_buffer("hook/obj", staged(data), len(data), threads=4, chunk_bytes=4096, direct=True,
+                             before_chunk=lambda off, n: seen.append((off, n)))
+        assert st.get("hook/obj") == data
+        covered = bytearray(len(data) + 4096)  # a direct write's last chunk may run into the padding
+        for off, n in seen:
+            covered[off:off + n] = b"\x01" * n
+        assert covered[:len(data)] == b"\x01" * len(data)  # every byte offered before it was written
+
+    def test_multipart_uploads(self, declaring: Holder) -> None:
+        st = declaring.storage
+        mu = as_multipart(st)
+        if mu is None:
+            assert not st.capabilities.multipart_uploads
+            return
+        write(st, "mp/done", blob(2 * PART + 1, 19))  # a completed multipart upload is not listed
+        ups = mu.list_uploads("")
+        assert all(isinstance(k, str) and isinstance(u, str) for k, u in ups)
+        assert not any(k == "mp/done" for k, _ in ups)
+        mu.abort_upload("mp/done", "no-such-upload")  # an unknown (completed or aborted) upload is not an error
+
+    def test_probe(self, declaring: Holder) -> None:
+        st = declaring.storage
+        pr = as_probe(st)
+        if pr is None:
+            assert not st.capabilities.probe
+            return
+        pr.probe(write=False)
+
+    def test_local_files(self, declaring: Holder) -> None:
+        data = blob(5000, 20)
+        st, key = declaring.make(data)
+        lf = as_local_files(st)
+        if lf is None:
+            assert not st.capabilities.local_files
+            return
+        path = lf.file_path(key)
+        assert os.path.isabs(path)
+        with open(path, "rb") as f:
+            assert f.read() == data
+        with pytest.raises(ValueError):
+            lf.file_path("../outside")

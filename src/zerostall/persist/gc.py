@@ -37,6 +37,7 @@ from zerostall.lease import covers, host_id, pid_alive, read_leases
 from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.collective import DEC_MARK
 from zerostall.storage import Storage
+from zerostall.storage.base import as_multipart
 
 __all__ = ["GcReport", "collect_garbage", "collect_at_start"]
 
@@ -117,13 +118,14 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, now: float | Non
         if c.step is not None and _referenced(storage, c.step, c.key):
             continue  # committed between the listings: part of a checkpoint now
         _remove(report, c.key, partial(storage.delete, c.key), report.removed, dry_run)
-    abort = getattr(storage, "abort_upload", None)
+    multipart = as_multipart(storage)
     for key, upload_id in uploads:
         if held(key):
             report.kept_live.append(f"{key}#{upload_id}")
             continue
-        if abort is not None:
-            _remove(report, f"{key}#{upload_id}", partial(abort, key, upload_id), report.uploads_aborted, dry_run)
+        if multipart is not None:
+            _remove(report, f"{key}#{upload_id}", partial(multipart.abort_upload, key, upload_id),
+                    report.uploads_aborted, dry_run)
     failed = [e.split(": ", 1)[0].split("#", 1)[0] for e in report.errors]
     for ls in dead:
         if any(covers(tg, k) for tg in ls.targets for k in failed):
@@ -184,11 +186,11 @@ def _referenced(storage: Storage, step: str, key: str) -> bool:
 
 
 def _uploads(storage: Storage, report: GcReport) -> list[tuple[str, str]]:
-    lister = getattr(storage, "list_uploads", None)
-    if lister is None:
+    multipart = as_multipart(storage)
+    if multipart is None:
         return []
     try:
-        return [(str(k), str(u)) for k, u in lister("")]
+        return [(str(k), str(u)) for k, u in multipart.list_uploads("")]
     except OSError as exc:  # a server without ListMultipartUploads: lifecycle rules must expire them
         report.errors.append(f"listing multipart uploads: {type(exc).__name__}: {exc}")
         return []

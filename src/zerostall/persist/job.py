@@ -41,6 +41,7 @@ from zerostall.persist.chunkcrc import ChunkChecksums, pipeline
 from zerostall.persist.collective import CollectiveStep
 from zerostall.stage.plan import plan_file
 from zerostall.storage import Storage, open_storage
+from zerostall.storage.base import as_hooked_writer, as_piece_writer
 
 __all__ = ["run_save", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
 
@@ -329,7 +330,7 @@ def _fused_checksums(job: SaveJob, step: Step, storage: Storage, views: list[mem
     """The chunk-by-chunk checksummer of the leaves ``todo``, where this save writes every staged
     file whole to a storage that calls a hook per chunk; None: checksum on a thread of its own."""
     if (pipeline() != "serial" or not getattr(step, "writes", True) or len(mine) != len(job.leaves)
-            or not getattr(storage, "writes_with_hook", False)):
+            or not storage.capabilities.write_hook):
         return None
     return ChunkChecksums(job.leaves, todo, views)
 
@@ -341,13 +342,15 @@ def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], 
     With ``fused``, the files are written one after another on this thread, each chunk
     checksummed right before it is written."""
     w = job.write
+    hooked = as_hooked_writer(storage)
     if len(mine) == len(job.leaves):
         # Everything staged is this writer's: the staged images are the files, written as they are.
         def write_file(i: int) -> None:
             f = job.files[i]
             if fused is not None:
-                storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=1,  # type: ignore[call-arg]
-                                          chunk_bytes=w.chunk_bytes, direct=w.direct_io, before_chunk=fused.hook(i))
+                assert hooked is not None  # _fused_checksums fuses only where write_hook is declared
+                hooked.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=1,
+                                         chunk_bytes=w.chunk_bytes, direct=w.direct_io, before_chunk=fused.hook(i))
                 return
             storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=w.io_threads,
                                       chunk_bytes=w.chunk_bytes, direct=w.direct_io)
@@ -378,9 +381,9 @@ def _row(lf: LeafRow, file: int, offset: int) -> dict[str, Any]:
 def _write_compact(storage: Storage, key: str, views: list[memoryview], header: bytes, size: int,
                    pieces: list[tuple[int, int, int, int]]) -> None:
     """Write a file of ``size`` bytes: ``header``, then each ``(buffer, src offset, dst offset, n)``."""
-    write_pieces = getattr(storage, "write_pieces", None)
-    if write_pieces is not None:  # the backend writes each piece from the staging buffer: no assembled copy
-        write_pieces(key, header, size, [(views[b][src:src + n], dst) for b, src, dst, n in pieces])
+    writer = as_piece_writer(storage)
+    if writer is not None:  # the backend writes each piece from the staging buffer: no assembled copy
+        writer.write_pieces(key, header, size, [(views[b][src:src + n], dst) for b, src, dst, n in pieces])
         return
     buf = bytearray(size)  # other backends take one contiguous buffer
     buf[:len(header)] = header

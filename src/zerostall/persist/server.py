@@ -35,6 +35,7 @@ from zerostall.messages import (
 from zerostall.persist.intake import Intake
 from zerostall.persist.job import run_save
 from zerostall.persist.keeper import Keeper, KeeperSpec
+from zerostall.storage import import_scheme
 
 __all__ = ["serve", "main"]
 
@@ -127,6 +128,7 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
 
 def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: Keeper | None = None) -> None:
     try:
+        import_scheme(job.root, job.storage_ref)  # a scheme the trainer registered opens here too
         if keeper is not None and job.memory:
             stats = keeper.run(job, views, lambda m: _send(conn, m))
         else:

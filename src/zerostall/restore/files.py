@@ -19,7 +19,7 @@ from zerostall.errors import (
 )
 from zerostall.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafEntry, Manifest, parse_manifest
 from zerostall.storage import Storage
-from zerostall.storage.local import LocalStorage
+from zerostall.storage.base import as_local_files
 
 __all__ = ["check_local_file", "read_manifest", "missing_file_error", "DataFiles"]
 
@@ -32,9 +32,10 @@ def check_local_file(storage: Storage, name: str, rel: str, *, path: str, what: 
     checkpoint or block forever. A missing file is left for the caller to report. The checkpoint
     directory itself may be reached through a symlink.
     """
-    if not isinstance(storage, LocalStorage):
+    files = as_local_files(storage)
+    if files is None:
         return  # not a local filesystem: no symlinks or FIFOs to fear
-    ckpt = os.path.join(storage.root, name)
+    ckpt = files.file_path(name)
     full = os.path.join(ckpt, rel)
     try:
         st = os.lstat(full)

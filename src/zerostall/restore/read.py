@@ -33,6 +33,14 @@ from zerostall.restore.files import missing_file_error
 from zerostall.restore.plan import ReadRequest
 from zerostall.restore.spans import Span, join_crcs, run_all, split_chunks, split_even, workers
 from zerostall.storage import Storage
+from zerostall.storage.base import (
+    MappedRange,
+    as_fill_cache,
+    as_map_file,
+    as_scan,
+    as_sequential,
+    as_vectored,
+)
 
 __all__ = ["execute_reads", "prepare_reads", "available_memory", "ATOMIC_MEMORY_FRACTION"]
 
@@ -190,11 +198,13 @@ class _Reader:
         # Verifying, read in cache-sized pieces and checksum each one right after it lands, while it
         # is still in cache: one pass over memory instead of two.
         self.chunk = min(opts.chunk_bytes, _VERIFY_CHUNK) if opts.verify else opts.chunk_bytes
-        self.vectored = getattr(storage, "read_vectored", None)
-        self.sequential = getattr(storage, "read_sequential", None)
-        self.scan = getattr(storage, "scan", None)
-        self.map_file = getattr(storage, "map_file", None)
-        self._maps: dict[int, Any] = {}  # data file index -> MappedFile or None
+        # The optional read paths the backend declares (storage.base.Capabilities)
+        self.vectored = as_vectored(storage)
+        self.sequential = as_sequential(storage)
+        self.scan = as_scan(storage)
+        self.map_file = as_map_file(storage)
+        self.fill_cache = as_fill_cache(storage)
+        self._maps: dict[int, MappedRange | None] = {}  # data file index -> its mapping, or None
         self._maps_lock = threading.Lock()
         self._mapped: set[int] = set()  # id() of held groups verified through a mapping
 
@@ -255,8 +265,8 @@ class _Reader:
 
         try:
             if self.sequential is not None:  # one open file per leaf: readahead spans the leaf
-                kw = {"cached": True} if cached else {}
-                self.sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk, on_piece=add if want else None, **kw)
+                self.sequential.read_sequential(self.key(leaf), leaf.offset, r.dest, chunk=chunk,
+                                                on_piece=add if want else None, cached=cached)
             else:
                 for off in range(0, leaf.nbytes, chunk):
                     piece = r.dest[off:off + chunk]
@@ -283,7 +293,7 @@ class _Reader:
             pos = r.leaf.offset + r.leaf.nbytes
         try:
             assert self.vectored is not None
-            self.vectored(self.key(first), first.offset, bufs, **({"cached": True} if cached else {}))
+            self.vectored.read_vectored(self.key(first), first.offset, bufs, cached=cached)
         except (EOFError, OSError) as exc:
             raise self.fail(exc, first) from exc
         for r, w in zip(group, want, strict=True):
@@ -318,7 +328,7 @@ class _Reader:
 
         assert self.scan is not None
         try:
-            self.scan(self.key(group[0].leaf), start, end - start, on_piece)
+            self.scan.scan(self.key(group[0].leaf), start, end - start, on_piece)
         except (EOFError, OSError) as exc:
             raise self.fail(exc, group[0].leaf) from exc
         for r, c in zip(group, crcs, strict=True):
@@ -337,10 +347,17 @@ class _Reader:
         with self._maps_lock:
             if file not in self._maps:
                 try:
-                    self._maps[file] = self.map_file(self.key_of_file(file)) if self.map_file is not None else None
+                    self._maps[file] = (self.map_file.map_file(self.key_of_file(file))
+                                        if self.map_file is not None else None)
                 except OSError:
                     self._maps[file] = None  # read the ordinary way, which reports the error properly
             return self._maps[file]
+
+    def mapped(self, file: int) -> MappedRange:
+        """The mapping of data file ``file``, which :meth:`mappable` opened."""
+        mf = self._maps[file]
+        assert mf is not None  # only requests that mappable() returned get here
+        return mf
 
     def key_of_file(self, file: int) -> str:
         return f"{self.name}/{self.m.files[file].path}"
@@ -354,11 +371,10 @@ class _Reader:
         if mf is None:
             return False
         if not mf.cached(start, end - start):
-            fill = getattr(self.storage, "fill_cache", None)
-            if fill is None:
+            if self.fill_cache is None:
                 return False
             try:  # read into the cache only, errors reported; then checksum it there
-                fill(self.key(group[0].leaf), start, end - start)
+                self.fill_cache.fill_cache(self.key(group[0].leaf), start, end - start)
             except (EOFError, OSError) as exc:
                 raise self.fail(exc, group[0].leaf) from exc
             if not mf.cached(start, end - start):  # evicted already: verify a copy instead
@@ -405,7 +421,7 @@ class _Reader:
 
     def resident(self, reqs: list[ReadRequest]) -> bool:
         """Whether every byte of ``reqs`` (whose files are mapped) is in memory right now."""
-        return all(self._maps[f].cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
+        return all(self.mapped(f).cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
 
     def pieces(self, reqs: list[ReadRequest], n: int) -> tuple[bool, list[list[Span]]]:
         """Whether every byte of ``reqs`` is resident (asked once), and the pieces of a pass over
@@ -442,14 +458,14 @@ class _Reader:
     def fill_ahead(self, reqs: list[ReadRequest], pieces: list[list[Span]], warm: bool) -> _FillAhead:
         """The pass's reader: fills ``pieces`` in order on a thread of its own when they are not
         resident and the storage can fill its page cache (else it enters as None)."""
-        fill = None if warm else getattr(self.storage, "fill_cache", None)
+        fill = None if warm else self.fill_cache
         if fill is None:
             return _FillAhead(None, [])
         spans = []
         for piece in pieces:
             first, last = reqs[piece[0][0]].leaf, reqs[piece[-1][0]].leaf
             spans.append((first.file, self.key(first), first.offset + piece[0][1], last.offset + piece[-1][2]))
-        return _FillAhead(fill, spans)
+        return _FillAhead(fill.fill_cache, spans)
 
     def filled(self, filler: _FillAhead | None, k: int, leaf: LeafEntry) -> None:
         """Wait until the reader has brought piece ``k`` into the page cache (or stopped short of
@@ -472,7 +488,7 @@ class _Reader:
         out = []
         for i, lo, hi in piece:
             leaf = reqs[i].leaf
-            mf = self._maps[leaf.file]
+            mf = self.mapped(leaf.file)
             a = leaf.offset + lo
             if warm or mf.cached(a, hi - lo):
                 crc = checksum(mf.view[a:a + hi - lo])
@@ -483,7 +499,7 @@ class _Reader:
                     acc[0] = checksum(view, acc[0])
                 assert self.scan is not None
                 try:
-                    self.scan(self.key(leaf), a, hi - lo, add)
+                    self.scan.scan(self.key(leaf), a, hi - lo, add)
                 except (EOFError, OSError) as exc:
                     raise self.fail(exc, leaf) from exc
                 crc = acc[0]
@@ -498,12 +514,12 @@ class _Reader:
 
         # Resident right now (asked once for all: a page of a file mapping that has to come from
         # disk turns a read error into SIGBUS); else each span is asked before it is touched.
-        warm = all(self._maps[f].cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
+        warm = all(self.mapped(f).cached(lo, hi - lo) for f, lo, hi in _extents(reqs))
 
         def copy(piece: list[Span]) -> None:
             for i, lo, hi in piece:
                 q = reqs[i]
-                mf = self._maps[q.leaf.file]
+                mf = self.mapped(q.leaf.file)
                 a = q.leaf.offset + lo
                 if warm or mf.cached(a, hi - lo):
                     mf.copy_into(a, q.dest[lo:hi])
@@ -540,7 +556,7 @@ class _Reader:
         for i, lo, hi in piece:
             q = reqs[i]
             leaf = q.leaf
-            mf = self._maps[leaf.file]
+            mf = self.mapped(leaf.file)
             want = self.opts.verify and q.verify
             a = leaf.offset + lo
             dest = q.dest[lo:hi]

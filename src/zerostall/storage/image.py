@@ -20,6 +20,7 @@ import numpy as np
 
 from zerostall.memcopy import copy_array
 from zerostall.storage import register_scheme
+from zerostall.storage.base import Capabilities
 from zerostall.storage.release import unmap_later
 
 __all__ = ["ImageStorage", "open_image", "SCHEME"]
@@ -41,6 +42,7 @@ class ImageStorage:
     """
 
     atomic_rename = False
+    capabilities = Capabilities(vectored_reads=True, scan=True, map_file=True, probe=True)
 
     def __init__(self, name: str, manifest: bytes, files: Sequence[tuple[str, int, int, int]]) -> None:
         """``files``: ``(file name, length, mapping size, fd)`` per data file."""
@@ -175,7 +177,9 @@ class ImageStorage:
         for a in range(offset, offset + length, max(1, chunk)):
             on_piece(v[a:min(a + chunk, offset + length)])
 
-    def read_vectored(self, key: str, offset: int, bufs: list[memoryview]) -> None:
+    def read_vectored(self, key: str, offset: int, bufs: list[memoryview], *, cached: bool = False) -> None:
+        """Fill ``bufs`` one after the other from ``key`` at ``offset`` (``cached`` changes nothing:
+        an image is always resident)."""
         for b in bufs:
             self.read_into(key, offset, b)
             offset += len(b)

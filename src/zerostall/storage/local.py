@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from zerostall.memcopy import copy_array
+from zerostall.storage.base import Capabilities
 from zerostall.storage.release import unmap_later
 
 # lstat errors that do not mean "not there" (exists() raises them instead of answering False)
@@ -38,6 +39,8 @@ class LocalStorage:
     """Objects are files under a root directory; a prefix is a directory."""
 
     atomic_rename = True
+    capabilities = Capabilities(vectored_reads=True, sequential_reads=True, scan=True, map_file=True,
+                                fill_cache=True, write_pieces=True, write_hook=True, probe=True, local_files=True)
 
     def __init__(self, root_url: str) -> None:
         root = root_url.removeprefix("file://")
@@ -49,11 +52,11 @@ class LocalStorage:
             raise ValueError(f"storage key {key!r} leaves the root {self.root!r}")
         return os.path.join(self.root, key) if key else self.root
 
-    # -- writing ---------------------------------------------------------------------------
+    def file_path(self, key: str) -> str:
+        """The absolute path of ``key`` under the root directory."""
+        return self._p(key)
 
-    #: :meth:`write_from_buffer` takes ``before_chunk`` (the writer checksums each chunk on the
-    #: writing thread, right before it is written, instead of on a thread of its own)
-    writes_with_hook = True
+    # -- writing ---------------------------------------------------------------------------
 
     def write_from_buffer(
         self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool,

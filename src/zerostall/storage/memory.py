@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import threading
 
+from zerostall.storage.base import Capabilities
+
 __all__ = ["MemoryStorage"]
 
 _STORES: dict[str, dict[str, bytes]] = {}
@@ -17,6 +19,7 @@ _LOCK = threading.Lock()
 
 class MemoryStorage:
     atomic_rename = True
+    capabilities = Capabilities(probe=True)
 
     def __init__(self, root_url: str) -> None:
         self.url = root_url.rstrip("/")

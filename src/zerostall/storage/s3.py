@@ -41,6 +41,7 @@ from botocore import exceptions as bex
 from botocore.config import Config
 
 from zerostall.errors import InvalidArgumentError
+from zerostall.storage.base import Capabilities
 from zerostall.validate import check_int, check_number
 
 __all__ = ["S3Storage", "S3Options"]
@@ -209,6 +210,7 @@ class S3Storage:
     """Objects under ``s3://bucket/prefix``; a "prefix" is every key below ``<prefix>/``."""
 
     atomic_rename = False
+    capabilities = Capabilities(multipart_uploads=True, probe=True)
 
     def __init__(self, root_url: str, *, options: S3Options | None = None, **overrides: Any) -> None:
         self.bucket, self.prefix = _parse(root_url)
@@ -468,7 +470,7 @@ class S3Storage:
     def list_uploads(self, prefix: str) -> Sequence[tuple[str, str]]:
         """Incomplete multipart uploads under ``prefix``: ``(key relative to the root, upload id)``.
 
-        An optional capability of a storage (``zerostall gc`` uses it where present).
+        The :class:`~zerostall.storage.base.MultipartUploads` group (``zerostall gc`` aborts them).
 
         Raises:
             OSError: the listing failed (``ENOTSUP`` if the server has no ListMultipartUploads).
