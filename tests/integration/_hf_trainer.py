@@ -1,7 +1,8 @@
 """A tiny deterministic Hugging Face run (GPT-2, CPU, no Hub), shared by test_transformers.py and its subprocesses.
 
-As a script: ``_hf_trainer.py KIND OUT_DIR MAX_STEPS KILL_STEP RELEASE_FILE`` (KIND: ``trainer`` or
-``sft``) trains with :class:`ZerostallCheckpointing`, saving every 2 steps. Right before the save
+As a script: ``_hf_trainer.py KIND OUT_DIR MAX_STEPS KILL_STEP RELEASE_FILE [memory]`` (KIND:
+``trainer`` or ``sft``) trains with :class:`ZerostallCheckpointing`, saving every 2 steps (with
+``memory``: into a memory tier that persists every 4th step). Right before the save
 of ``KILL_STEP`` it waits for the earlier saves to commit and deletes ``RELEASE_FILE`` (the writer,
 run with ``ZEROSTALL_FAULTS={"commit": "wait:RELEASE_FILE"}``, then holds every later save before
 its commit); right after that save was staged it prints ``{"killed_at": step}`` and SIGKILLs itself.
@@ -35,12 +36,14 @@ from transformers import (
     TrainingArguments,
 )
 
+import zerostall
 from zerostall.integrations.transformers import ZerostallCheckpointing
 
 VOCAB = 48
 SEQ = 16
 ROWS = 24
 BATCH = 4  # 6 steps per epoch
+MEMORY = zerostall.MemoryTier(persist_interval_steps=4, linger_s=120)
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -76,15 +79,19 @@ def make_args(kind: str, out: str, max_steps: int, **kw: Any) -> Any:
     return TrainingArguments(**common)
 
 
-def make_trainer(kind: str, out: str, max_steps: int, callbacks: list[Any] | None = None, **kw: Any) -> Any:
+def make_trainer(kind: str, out: str, max_steps: int, callbacks: list[Any] | None = None,
+                 compute_metrics: Any = None, **kw: Any) -> Any:
+    """``compute_metrics`` given: the training set is the evaluation set too."""
     torch.set_num_threads(1)
     args = make_args(kind, out, max_steps, **kw)
+    evals = make_dataset() if compute_metrics is not None else None
     if kind == "sft":
         from trl import SFTTrainer
 
-        return SFTTrainer(model=make_model(), args=args, train_dataset=make_dataset(),
-                          processing_class=make_tokenizer(), callbacks=callbacks)
-    return Trainer(model=make_model(), args=args, train_dataset=make_dataset(), callbacks=callbacks)
+        return SFTTrainer(model=make_model(), args=args, train_dataset=make_dataset(), eval_dataset=evals,
+                          compute_metrics=compute_metrics, processing_class=make_tokenizer(), callbacks=callbacks)
+    return Trainer(model=make_model(), args=args, train_dataset=make_dataset(), eval_dataset=evals,
+                   compute_metrics=compute_metrics, callbacks=callbacks)
 
 
 def params(model: Any) -> dict[str, torch.Tensor]:
@@ -154,7 +161,7 @@ def main() -> None:
     max_steps, kill_step, release = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     killer = _KillAt(kill_step, release)
     trainer = make_trainer(kind, out, max_steps, callbacks=[killer])
-    killer.zs = ZerostallCheckpointing(trainer)
+    killer.zs = ZerostallCheckpointing(trainer, memory_tier=MEMORY if sys.argv[6:] == ["memory"] else None)
     trainer.train()
     print(json.dumps({"error": "finished without being killed"}), flush=True)
 

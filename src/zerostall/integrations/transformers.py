@@ -45,7 +45,7 @@ import shutil
 import tempfile
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,7 +56,7 @@ try:
     import torch
     import transformers
     from packaging.version import Version
-    from transformers import Trainer, TrainerCallback, TrainerState
+    from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import SaveStrategy
 except ImportError as exc:  # depends on the environment (tests/integration/test_transformers.py blocks it)
@@ -146,9 +146,9 @@ class ZerostallCheckpointing:
         check_versions(trainer)
         if isinstance(getattr(trainer, "_zerostall", None), ZerostallCheckpointing):
             raise InvalidArgumentError("this trainer already checkpoints through zerostall", argument="trainer")
-        self.trainer = trainer
+        self.trainer: Any = cast(Any, trainer)  # typed loosely: Trainer subclasses differ, and HF annotates few attributes
         self.directory = os.fspath(directory) if directory is not None else os.path.join(
-            trainer.args.output_dir, SUBDIR)
+            self.trainer.args.output_dir, SUBDIR)
         self.memory_tier = memory_tier
         self.save_options = save_options
         self.load_options = load_options
@@ -162,11 +162,11 @@ class ZerostallCheckpointing:
         self._originals: dict[str, Callable[..., Any]] = {}
         for name in ("train", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
                      "_load_scaler", "_load_rng_state", "_load_best_model"):
-            self._originals[name] = getattr(trainer, name)
-            setattr(trainer, name, types.MethodType(getattr(type(self), "_hf_" + name.lstrip("_")), self))
-        trainer._zerostall = self
+            self._originals[name] = getattr(self.trainer, name)
+            setattr(self.trainer, name, types.MethodType(getattr(type(self), "_hf_" + name.lstrip("_")), self))
+        self.trainer._zerostall = self
         if prepare:
-            trainer.add_callback(_PrepareAfterFirstStep(self))
+            self.trainer.add_callback(_PrepareAfterFirstStep(self))
 
     # -- the Checkpointer ----------------------------------------------------------------------
 
@@ -263,9 +263,9 @@ class ZerostallCheckpointing:
         step = int(state.global_step)
         t.store_flos()
         best = state.best_global_step
-        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best:
-            if best == step or best in self._committed:
-                state.best_model_checkpoint = self.step_path(best)
+        if (args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best
+                and (best == step or best in self._committed)):
+            state.best_model_checkpoint = self.step_path(best)
         for cb in [*t.callback_handler.callbacks, t.control]:  # as HF: the callbacks' state goes into TrainerState
             if isinstance(cb, ExportableState):
                 name = cb.__class__.__name__
@@ -376,7 +376,7 @@ class ZerostallCheckpointing:
         ck.load_checkpointables(int(m.group(1)), {"model": self.trainer.model})
 
 
-class _PrepareAfterFirstStep(TrainerCallback):  # type: ignore[misc]
+class _PrepareAfterFirstStep(TrainerCallback):
     """Allocates the staging buffers once the optimizer has its state (after the first step)."""
 
     def __init__(self, owner: ZerostallCheckpointing) -> None:
