@@ -23,7 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
 from safetensors import safe_open
-from transformers import GPT2LMHeadModel, TrainerCallback
+from transformers import TrainerCallback
 
 import zerostall
 import zerostall.integrations.transformers as zt

@@ -313,7 +313,7 @@ class ZerostallCheckpointing:
             self._committed.remove(s)
 
     def _prepare_now(self) -> None:
-        if self._prepared or self.checkpointer is None:
+        if self._prepared or self.checkpointer is None or self.trainer.args.save_strategy == SaveStrategy.NO:
             return
         self._prepared = True
         items = self._items(full=not self.trainer.args.save_only_model)
