@@ -154,26 +154,34 @@ def test_sigkill_after_a_memory_only_save_resumes_from_memory_bit_for_bit(tmp_pa
     assert losses(resumed) == losses(ref)
 
 
-def test_checkpoint_holds_trainer_state_rng_and_config(tmp_path):
-    out = str(tmp_path / "run")
-    trainer = ht.make_trainer("trainer", out, 2)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: Any) -> tuple[Any, ZerostallCheckpointing]:
+    """One run of STEPS steps, saving every 2 with save_total_limit=2, then trainer.save_model()."""
+    out = str(tmp_path_factory.mktemp("trained") / "run")
+    trainer = ht.make_trainer("trainer", out, STEPS, save_total_limit=2)
     zs = ZerostallCheckpointing(trainer)
     trainer.train()
-    step = os.path.join(zs.directory, "step_00000002")
+    trainer.save_model()
+    return trainer, zs
+
+
+def test_checkpoint_holds_trainer_state_rng_and_config(trained):
+    trainer, zs = trained
+    step = os.path.join(zs.directory, f"step_{STEPS:08d}")
     got = zerostall.load_checkpointables(step)
     assert set(got) == {"model", "optimizer", "scheduler", "rng", "trainer_state", "hf_config"}
     state = json.loads(got["trainer_state"])
-    assert state["global_step"] == 2 and state["log_history"] == trainer.state.log_history[:len(state["log_history"])]
+    assert state["global_step"] == STEPS
+    assert state["log_history"] == trainer.state.log_history[:len(state["log_history"])]
     assert "TrainerControl" in state["stateful_callbacks"]
     assert set(got["rng"]) >= {"python", "numpy", "cpu"}
     assert json.loads(got["hf_config"])["model_type"] == "gpt2"
-    assert zerostall.load_metadata(step)["transformers"]["global_step"] == 2
+    assert_same(got["model"], dict(trainer.model.state_dict()), "model")
+    assert zerostall.load_metadata(step)["transformers"]["global_step"] == STEPS
 
 
-def test_save_total_limit_keeps_the_newest_steps(tmp_path):
-    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), STEPS, save_total_limit=2)
-    zs = ZerostallCheckpointing(trainer)
-    trainer.train()
+def test_save_total_limit_keeps_the_newest_steps(trained):
+    _, zs = trained
     assert committed(zs.directory) == ["step_00000006", "step_00000008"]
 
 
@@ -214,39 +222,31 @@ import hashlib, sys
 sys.modules["zerostall"] = None
 import torch
 from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained(sys.argv[1])
-sd = m.state_dict()
-h = hashlib.sha256()
-for k in sorted(sd):
-    h.update(k.encode() + sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes())
-print(h.hexdigest())
+for path in sys.argv[1:]:
+    sd = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode() + sd[k].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    print(h.hexdigest())
 """
 
 
-def from_pretrained_digest(path: str) -> str:
-    r = subprocess.run([sys.executable, "-c", _FROM_PRETRAINED, path], env=ENV, capture_output=True, text=True,
+def from_pretrained_digests(*paths: str) -> list[str]:
+    """The state dicts' digests of ``from_pretrained(path)`` in a process without zerostall (one process)."""
+    r = subprocess.run([sys.executable, "-c", _FROM_PRETRAINED, *paths], env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.strip().splitlines()[-1]
+    return r.stdout.strip().splitlines()[-len(paths):]
 
 
-def test_save_model_after_training_loads_with_from_pretrained_without_zerostall(tmp_path):
-    out = str(tmp_path / "run")
-    trainer = ht.make_trainer("trainer", out, 4)
-    ZerostallCheckpointing(trainer)
-    trainer.train()
-    trainer.save_model()
-    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]
+def test_save_model_and_export_hf_directories_load_with_from_pretrained_without_zerostall(tmp_path, trained):
+    """trainer.save_model() after training, and `zerostall export --hf` of the last step (one file;
+    shards with an index), each read by from_pretrained in a process where zerostall cannot be imported."""
+    trainer, zs = trained
+    out = trainer.args.output_dir
+    assert not [n for n in os.listdir(out) if n.startswith("checkpoint-")]  # HF's own save never ran
     assert {"config.json", "model.safetensors", "zerostall"} <= set(os.listdir(out))
-    assert from_pretrained_digest(out) == _digest(trainer.model.state_dict())
-
-
-def test_export_hf_writes_save_pretrained_directories_single_and_sharded(tmp_path):
-    out = str(tmp_path / "run")
-    trainer = ht.make_trainer("trainer", out, 2)
-    zs = ZerostallCheckpointing(trainer)
-    trainer.train()
-    step = os.path.join(zs.directory, "step_00000002")
+    step = os.path.join(zs.directory, f"step_{STEPS:08d}")
     want = trainer.model.state_dict()
     one, sharded = str(tmp_path / "hf-one"), str(tmp_path / "hf-sharded")
     cli = [sys.executable, "-m", "zerostall", "export", step]
@@ -256,11 +256,9 @@ def test_export_hf_writes_save_pretrained_directories_single_and_sharded(tmp_pat
     assert sorted(os.listdir(one)) == ["config.json", "model.safetensors"]
     with safe_open(os.path.join(one, "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(want) and f.metadata() == {"format": "pt"}  # HF key names
-    assert from_pretrained_digest(one) == _digest(want)
 
-    r = subprocess.run([*cli, sharded, "--hf", "--max-shard-size", "40KB"], env=dict(ENV, PYTHONPATH=SRC),
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    report = export_checkpoint(step, sharded, format="hf", max_shard_bytes=40_000)  # the Python API
+    assert report.format == "hf" and report.tensors == len(want)
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -268,7 +266,7 @@ def test_export_hf_writes_save_pretrained_directories_single_and_sharded(tmp_pat
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
     for name in shards:
         assert os.path.getsize(os.path.join(sharded, name)) < 40_000 + 4096  # a shard: <= 40 kB of tensors + header
-    assert from_pretrained_digest(sharded) == _digest(want)
+    assert from_pretrained_digests(out, one, sharded) == [_digest(want)] * 3
 
 
 def test_export_hf_without_a_config_item_names_what_is_missing(tmp_path):
