@@ -8,8 +8,8 @@ run with ``ZEROSTALL_FAULTS={"commit": "wait:RELEASE_FILE"}``, then holds every 
 its commit); right after that save was staged it prints ``{"killed_at": step}`` and SIGKILLs itself.
 
 Under torchrun (``_hf_trainer.py ddp OUT_DIR``) each rank runs: an uninterrupted run, a run that
-stops after step 4, and a fresh trainer resuming that run; it prints the final parameters' checksums
-of the two runs and of each rank's RNG after the resume.
+stops after step 4, and a fresh trainer resuming that run; it prints the SHA-256 of the final
+parameters of the uninterrupted and the resumed run, the steps saved and the final global step.
 """
 
 from __future__ import annotations
