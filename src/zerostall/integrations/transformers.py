@@ -156,7 +156,10 @@ class ZerostallCheckpointing:
         #: the response of the newest save (``wait_staged()``, ``result()``), None before the first
         self.last_save: zerostall.Response | None = None
         self._resume: _Resume | None = None
-        self._committed: list[int] = []  # steps this process saw commit (for the best-keeping retention)
+        # For the best-keeping retention: steps committed (found at open, or seen to commit), and
+        # steps saved (committed or in flight) that count among the newest.
+        self._committed: list[int] = []
+        self._saved: set[int] = set()
         self._prepare = prepare
         self._prepared = False
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -183,6 +186,7 @@ class ZerostallCheckpointing:
                 load_options=self.load_options, memory_tier=self.memory_tier)
             self.directory = self.checkpointer.directory
             self._committed = self.checkpointer.steps() if self._keep_best() else []
+            self._saved = set(self._committed)
             self._prepared = False
         return self.checkpointer
 
@@ -218,6 +222,9 @@ class ZerostallCheckpointing:
                 ck.__exit__(RuntimeError, None)
                 self.checkpointer = None
             else:
+                if self._keep_best() and self.trainer.args.process_index == 0:
+                    ck.wait()  # the last saves' commits: then the steps they made surplus go
+                    self._rotate()
                 self.close()
 
     def _resolve(self, resume: str | bool | None) -> int | None:
@@ -279,9 +286,16 @@ class ZerostallCheckpointing:
                                  "transformers_version": transformers.__version__,
                                  "trainer": type(t).__name__}}
         r = self.last_save = ck.save_checkpointables_async(step, items, metadata=meta)
-        r.add_done_callback(lambda resp: self._committed.append(step) if resp.exception() is None else None)
+        self._saved.add(step)
+        r.add_done_callback(lambda resp: self._settled(step, resp))
         if self._keep_best() and args.process_index == 0:
-            self._rotate(step)
+            self._rotate()
+
+    def _settled(self, step: int, resp: zerostall.Response) -> None:
+        if resp.exception() is None:
+            self._committed.append(step)
+        else:
+            self._saved.discard(step)
 
     def _items(self, *, full: bool) -> dict[str, Any]:
         t = self.trainer
@@ -299,18 +313,20 @@ class ZerostallCheckpointing:
             items["rng"] = _rng_state()
         return items
 
-    def _rotate(self, step: int) -> None:
-        """``save_total_limit`` newest steps, and the best one (``load_best_model_at_end``), survive."""
+    def _rotate(self) -> None:
+        """``save_total_limit`` newest steps (in flight ones count), and the best one
+        (``load_best_model_at_end``), survive; only committed steps are deleted."""
         assert self.checkpointer is not None
         limit = int(self.trainer.args.save_total_limit)
         best = self.trainer.state.best_global_step
-        keep = set(sorted({*self._committed, step})[-limit:]) | ({best} if best else set())
+        keep = set(sorted(self._saved | set(self._committed))[-limit:]) | ({best} if best else set())
         for s in sorted(set(self._committed) - keep):
             try:
                 self.checkpointer.delete(s)
             except CheckpointNotFoundError:
                 pass  # deleted already (another process of this run)
             self._committed.remove(s)
+            self._saved.discard(s)
 
     def _prepare_now(self) -> None:
         if self._prepared or self.checkpointer is None or self.trainer.args.save_strategy == SaveStrategy.NO:
