@@ -202,3 +202,70 @@ def test_progress_label_cannot_drive_the_terminal() -> None:
     with Progress("export \x1b[31mred\n", stream=stream, delay_s=0):
         pass
     assert "\x1b" not in stream.getvalue() and "\n" not in stream.getvalue()
+
+
+# -- export --hf: a save_pretrained directory ------------------------------------------------------
+
+
+def _hf_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.{i}.weight": torch.randn(40, 25, generator=g) for i in range(4)}  # 4000 bytes each
+    sd["embed.weight"] = torch.randn(10, 8, generator=g).to(torch.bfloat16)
+    zerostall.save_checkpointables(path, {"model": sd, "hf_config": json.dumps({"model_type": "tiny"})},
+                                   options=THREAD)
+    return sd
+
+
+def test_export_hf_writes_config_and_one_file_below_the_shard_size(tmp_path):
+    sd = _hf_checkpoint(tmp_path / "ck")
+    r = zs("export", tmp_path / "ck", tmp_path / "out", "--hf", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["format"] == "hf" and report["tensors"] == 5
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "tiny"}
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_export_hf_shards_above_the_size_with_an_index_and_refuses_to_overwrite(tmp_path):
+    sd = _hf_checkpoint(tmp_path / "ck")
+    out = tmp_path / "out"
+    r = zs("export", tmp_path / "ck", out, "--hf", "--max-shard-size", "8KB")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # 8 kB: two 4 kB tensors each
+    assert sorted(os.listdir(out)) == sorted(["config.json", "model.safetensors.index.json", *shards])
+    for key, name in index["weight_map"].items():
+        assert torch.equal(load_file(out / name)[key], sd[key])
+    from safetensors import safe_open
+
+    with safe_open(out / shards[0], "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # what from_pretrained checks
+    r = zs("export", tmp_path / "ck", out, "--hf")
+    assert r.returncode == 1 and "exists" in r.stderr
+    r = zs("export", tmp_path / "ck", out, "--hf", "--force")
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.")]  # no temporary left beside it
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--format", "torch"], "cannot be combined with --format torch"),
+    (["--max-shard-size", "5XB"], "--max-shard-size: expected a size"),
+])
+def test_export_hf_argument_errors_name_the_option(tmp_path, extra, message):
+    _hf_checkpoint(tmp_path / "ck")
+    r = zs("export", tmp_path / "ck", tmp_path / "out", "--hf", *extra)
+    assert r.returncode != 0 and message in r.stderr
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_export_hf_refuses_a_model_item_with_non_tensor_values(tmp_path):
+    zerostall.save_checkpointables(tmp_path / "ck", {"model": {"w": torch.ones(2), "step": 3},
+                                                     "hf_config": "{}"}, options=THREAD)
+    r = zs("export", tmp_path / "ck", tmp_path / "out", "--hf")
+    assert r.returncode == 1 and "tensors only" in r.stderr and "step" in r.stderr
+    assert not os.path.exists(tmp_path / "out")

@@ -4,7 +4,8 @@
     zerostall inspect PATH      a checkpoint's manifest: items, leaves, dtypes, shapes, sizes, Python values, ranks
     zerostall verify PATH       read every leaf, check every checksum, name every bad key (a run DIR: every
                                 step, or --latest)
-    zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file (see zerostall.interop)
+    zerostall export CKPT OUT   write a .safetensors (flat keys) or torch.save file, or with --hf a Hugging Face
+                                save_pretrained directory (see zerostall.interop)
     zerostall import SRC DST    save a torch.save file or a DCP checkpoint directory as a zerostall checkpoint
     zerostall gc DIR            remove partial saves whose writers are provably gone (any host)
     zerostall rm PATH...        delete committed checkpoints (a step directory, or DIR --step N)
@@ -30,6 +31,7 @@ import difflib
 import errno
 import json
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -245,11 +247,17 @@ def _report_doc(report: Any) -> dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    if args.hf:
+        if args.format not in (None, "hf"):
+            raise InvalidArgumentError(f"--hf writes a save_pretrained directory; it cannot be combined with "
+                                       f"--format {args.format}", argument="--hf")
+        args.format = "hf"
     _check_export_suffix(args)
     try:
         with _progress(args, f"export {args.out}") as progress:
             report = export_checkpoint(_url(args.checkpoint), args.out, format=args.format, item=args.item,
-                                       overwrite=args.force, progress=progress)
+                                       overwrite=args.force, progress=progress,
+                                       max_shard_bytes=_shard_size(args.max_shard_size))
     except CheckpointNotFoundError as exc:
         raise _hint_run_directory(_url(args.checkpoint), exc) from exc
     except UnsupportedFormatError as exc:
@@ -461,11 +469,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_interop_parsers(sub: Any) -> None:
-    ex = sub.add_parser("export", help="write a checkpoint as a .safetensors or torch.save file")
+    ex = sub.add_parser("export", help="write a checkpoint as a .safetensors or torch.save file, or a Hugging Face "
+                                       "save_pretrained directory (--hf)")
     ex.add_argument("checkpoint")
-    ex.add_argument("out", help="the file to write (.safetensors, .pt)")
-    ex.add_argument("--format", choices=("safetensors", "torch"), help="default: from OUT's suffix")
-    ex.add_argument("--item", help="export this item only (default: all)")
+    ex.add_argument("out", help="the file to write (.safetensors, .pt), or the directory (--hf)")
+    ex.add_argument("--format", choices=("safetensors", "torch", "hf"), help="default: from OUT's suffix")
+    ex.add_argument("--hf", action="store_true",
+                    help="write OUT as a save_pretrained directory (config.json, model.safetensors or shards with "
+                         "an index) from the items 'model' and 'hf_config' (same as --format hf)")
+    ex.add_argument("--max-shard-size", default="5GB",
+                    help="--hf: split the weights into shards of at most this size (bytes, or 500MB, 5GB, 2GiB)")
+    ex.add_argument("--item", help="export this item only (default: all; --hf: the model's item, default 'model')")
     ex.add_argument("--force", action="store_true", help="replace OUT if it exists")
     im = sub.add_parser("import", help="save a torch.save or safetensors file, or a DCP checkpoint, as a zerostall checkpoint")
     im.add_argument("src", help="a torch.save file (read weights_only), a .safetensors file, or a DCP directory (trusted only)")
@@ -783,6 +797,20 @@ def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
         what = (f"a checkpoint is a directory holding {MANIFEST_NAME} (a torch.save file: zerostall import FILE DST "
                 "makes a checkpoint of it)")
     return StorageError(f"{local} is a file, not a checkpoint: {what}", errno=exc.errno, path=exc.path)
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+               "GIB": 2**30, "TIB": 2**40}
+
+
+def _shard_size(text: str) -> int:
+    """``--max-shard-size``: bytes, or a number with a unit (decimal KB/MB/GB/TB, binary KiB/MiB/GiB/TiB)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise InvalidArgumentError(f"--max-shard-size: expected a size such as 5GB, 500MB, 2GiB or a number of "
+                                   f"bytes, got {text!r}", argument="--max-shard-size")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 def _check_export_suffix(args: argparse.Namespace) -> None:

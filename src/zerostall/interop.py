@@ -45,6 +45,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ __all__ = ["ExportReport", "ImportReport", "ProgressCallback", "export_checkpoin
 
 #: ``progress(phase, done, total)``: bytes of ``phase`` ("copy", "read", "write") done so far (0 of 0: unknown)
 ProgressCallback = Callable[[str, int, int], None]
-ExportFormat = Literal["safetensors", "torch"]
+ExportFormat = Literal["safetensors", "torch", "hf"]
 ImportFormat = Literal["torch", "dcp", "safetensors"]
 
 _CHUNK = 8 << 20
@@ -87,6 +88,12 @@ _SUFFIXES: dict[str, ExportFormat] = {".safetensors": "safetensors", ".pt": "tor
 #: zerostall dtypes the safetensors format does not define (readers reject the file)
 _NOT_SAFETENSORS = frozenset({"C128"})
 _SINGLE = DistributedOptions(enabled=False)  # export and import are one process's work
+#: format="hf": the item holding the model's state dict, and the one holding its config.json text
+#: (the names zerostall.integrations.transformers saves under)
+HF_MODEL_ITEM = "model"
+HF_CONFIG_ITEM = "hf_config"
+#: format="hf": shards above this many bytes (what the Hub's tooling has long used, "5GB")
+HF_MAX_SHARD_BYTES = 5 * 10**9
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,7 @@ class ImportReport:
 def export_checkpoint(
     src: str | os.PathLike[str], out: str | os.PathLike[str], *, format: ExportFormat | None = None,
     item: str | None = None, overwrite: bool = False, chunk_bytes: int = _CHUNK,
-    progress: ProgressCallback | None = None,
+    progress: ProgressCallback | None = None, max_shard_bytes: int = HF_MAX_SHARD_BYTES,
 ) -> ExportReport:
     """Write the committed checkpoint at ``src`` (a path or storage URL) to the local file ``out``.
 
@@ -143,11 +150,17 @@ def export_checkpoint(
         src: the checkpoint (a path or URL, as for :func:`zerostall.load_pytree`).
         out: the file to write: a local path whose directory exists.
         format: ``"safetensors"`` or ``"torch"``; default from ``out``'s suffix (``.safetensors``;
-            ``.pt``, ``.pth``, ``.bin``).
+            ``.pt``, ``.pth``, ``.bin``). ``"hf"``: ``out`` is a directory in the layout of
+            ``save_pretrained`` (``config.json``, ``model.safetensors`` or shards with
+            ``model.safetensors.index.json``) that ``from_pretrained(out)`` reads: the item
+            ``item`` (default ``"model"``) holds the model's state dict, the item ``hf_config``
+            its ``config.json`` text (what ``zerostall.integrations.transformers`` saves).
         item: export this item only (its tree becomes the root); default: everything.
         overwrite: replace ``out`` if it exists (default: refuse).
         chunk_bytes: safetensors only: the size of the one buffer the leaves stream through.
         progress: called with ``(phase, bytes done, bytes total)`` as the export goes.
+        max_shard_bytes: ``"hf"`` only: a model with more tensor bytes is split into shards of at
+            most this size (a single larger tensor gets a shard of its own), listed in the index.
 
     The output is written to a temporary file beside ``out``, synced, and renamed into place: on
     any failure no partial ``out`` is left. safetensors: leaf bytes stream through one buffer of
@@ -180,15 +193,24 @@ def export_checkpoint(
     fmt = _export_format(out, format)
     if chunk_bytes < 4096:
         raise InvalidArgumentError(f"chunk_bytes must be >= 4096, got {chunk_bytes}", argument="chunk_bytes")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise InvalidArgumentError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}",
+                                   argument="max_shard_bytes")
     out_path = os.path.abspath(os.path.expanduser(os.fspath(out)))
-    _check_out(out_path, overwrite)
+    if fmt == "hf":
+        _check_out_dir(out_path, overwrite)
+    else:
+        _check_out(out_path, overwrite)
     root, name = split_url(_url(src))
     storage = open_storage(root)
     ckpt = f"{root.rstrip('/')}/{name}"
     m = read_manifest(storage, name, path=ckpt)
     if item is not None and item not in m.items:
         raise MissingKeyError(f"the checkpoint has no item {item!r} (it has {sorted(m.items)})", path=ckpt, key=item)
-    if fmt == "safetensors":
+    if fmt == "hf":
+        counts = _export_hf(_Source(storage, name, m, ckpt), item or HF_MODEL_ITEM, out_path, overwrite,
+                            max_shard_bytes, chunk_bytes, progress)
+    elif fmt == "safetensors":
         flat = _Flattener(m, ckpt).run(item)
         with _AtomicFile(out_path, overwrite) as f:
             _write_safetensors(f, flat, _Source(storage, name, m, ckpt), item, chunk_bytes, progress)
@@ -207,9 +229,10 @@ def _export_format(out: str | os.PathLike[str], format: str | None) -> ExportFor
                 f"cannot tell the format from the suffix of {os.fspath(out)!r}: name it .safetensors or .pt, or "
                 "pass format='safetensors' or format='torch'", path=os.fspath(out))
         return _SUFFIXES[suffix]
-    if format not in ("safetensors", "torch"):
-        raise UnsupportedFormatError(f"format must be 'safetensors' or 'torch', got {format!r}", path=os.fspath(out))
-    return "safetensors" if format == "safetensors" else "torch"
+    if format not in ("safetensors", "torch", "hf"):
+        raise UnsupportedFormatError(f"format must be 'safetensors', 'torch' or 'hf', got {format!r}",
+                                     path=os.fspath(out))
+    return "safetensors" if format == "safetensors" else "hf" if format == "hf" else "torch"
 
 
 def _check_out(out: str, overwrite: bool) -> None:
@@ -499,13 +522,16 @@ class _Source:
 
 
 def _write_safetensors(f: BinaryIO, flat: _Flat, src: _Source, item: str | None, chunk_bytes: int,
-                       progress: ProgressCallback | None) -> None:
+                       progress: ProgressCallback | None, meta: dict[str, str] | None = None) -> None:
+    """Write ``flat`` as one safetensors file; ``meta`` replaces the ``__metadata__`` built from
+    ``flat.values`` and the ``%zerostall`` entry."""
     # Empty tensors, then the largest element size first: with the data section 64-aligned every
     # tensor starts at a multiple of its own element size (no padding entries needed); within a
     # size, in source order, for readahead.
     order = sorted(flat.tensors, key=lambda t: (t.nbytes > 0, -t.itemsize, t.source_order))
-    meta = dict(flat.values)
-    meta["%zerostall"] = json.dumps({"source": src.path, "item": item, "metadata": src.m.metadata})
+    if meta is None:
+        meta = dict(flat.values)
+        meta["%zerostall"] = json.dumps({"source": src.path, "item": item, "metadata": src.m.metadata})
     header: dict[str, Any] = {"__metadata__": meta}
     pos = 0
     for t in order:
@@ -531,6 +557,123 @@ def _write_safetensors(f: BinaryIO, flat: _Flat, src: _Source, item: str | None,
                     progress("copy", done, flat.nbytes)
         if progress is not None:
             progress("copy", done, flat.nbytes)
+
+
+# -- Hugging Face save_pretrained layout --------------------------------------------------------
+
+
+def _check_out_dir(out: str, overwrite: bool) -> None:
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise StorageError(f"cannot write {out}: directory {parent} does not exist", errno=_errno.ENOENT, path=out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise StorageError(f"cannot write {out}: it is a file, not a directory", errno=_errno.ENOTDIR, path=out)
+    if not overwrite and os.path.lexists(out):
+        raise CheckpointExistsError("the output directory exists; refusing to overwrite it (overwrite=True or "
+                                    "--force replaces it)", path=out)
+
+
+def _hf_config(src: _Source) -> str:
+    node = src.m.items.get(HF_CONFIG_ITEM)
+    value = _scalar(node) if node is not None and "leaf" not in node and "values" not in node else None
+    if not isinstance(value, str):
+        raise MissingKeyError(f"format='hf' needs the model's config.json text in an item {HF_CONFIG_ITEM!r} (str), "
+                              f"as zerostall.integrations.transformers saves it; the checkpoint has items "
+                              f"{sorted(src.m.items)}", path=src.path, key=HF_CONFIG_ITEM)
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise UnsupportedFormatError(f"item {HF_CONFIG_ITEM!r} is not a config.json text: {exc}", path=src.path,
+                                     key=HF_CONFIG_ITEM) from exc
+    if not isinstance(parsed, dict):
+        raise UnsupportedFormatError(f"item {HF_CONFIG_ITEM!r} is not a config.json text: not a JSON object",
+                                     path=src.path, key=HF_CONFIG_ITEM)
+    return value
+
+
+def _shards(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+    """Consecutive groups (in source order) of at most ``max_bytes``; a larger tensor is a group of its own."""
+    groups: list[list[_Tensor]] = []
+    size = 0
+    for t in sorted(tensors, key=lambda t: t.source_order):
+        if not groups or (size + t.nbytes > max_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups or [[]]
+
+
+def _export_hf(src: _Source, item: str, out: str, overwrite: bool, max_shard_bytes: int, chunk_bytes: int,
+               progress: ProgressCallback | None) -> tuple[int, int, int]:
+    if item not in src.m.items:
+        raise MissingKeyError(f"format='hf' exports the model's state dict from the item {item!r}, which the "
+                              f"checkpoint does not have (it has {sorted(src.m.items)}); name it with item=",
+                              path=src.path, key=item)
+    config = _hf_config(src)
+    flat = _Flattener(src.m, src.path).run(item)
+    if flat.values:
+        bad = sorted(flat.values)
+        raise UnsupportedLeafError(f"format='hf' writes tensors only; item {item!r} holds {len(bad)} other "
+                                   f"value(s): {', '.join(bad[:5])}", path=src.path, key=f"{item}/{bad[0]}")
+    groups = _shards(flat.tensors, max_shard_bytes)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)])
+    parent, base = os.path.split(out)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".zs-tmp", dir=parent)
+    except OSError as exc:
+        raise StorageError(f"cannot create a directory in {parent}: {exc.strerror}", errno=exc.errno,
+                           path=out) from exc
+    try:
+        done = 0
+        for name, group in zip(names, groups, strict=True):
+            nbytes = sum(t.nbytes for t in group)
+            shard_progress = None if progress is None else (
+                lambda phase, d, _t, off=done: progress(phase, off + d, flat.nbytes))
+            with _AtomicFile(os.path.join(tmp, name), overwrite=False) as f:
+                _write_safetensors(f, _Flat(group, {}, nbytes), src, item, chunk_bytes, shard_progress,
+                                   meta={"format": "pt"})
+            done += nbytes
+        files = {"config.json": config}
+        if len(groups) > 1:
+            files["model.safetensors.index.json"] = json.dumps(
+                {"metadata": {"total_size": flat.nbytes},
+                 "weight_map": {t.key: name for name, g in zip(names, groups, strict=True) for t in g}},
+                indent=2, sort_keys=True) + "\n"
+        for fname, text in files.items():
+            with _AtomicFile(os.path.join(tmp, fname), overwrite=False) as f:
+                f.write(text.encode())
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+        _publish_dir(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(flat.tensors), 0, flat.nbytes
+
+
+def _publish_dir(tmp: str, out: str, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``; an existing ``out`` (``overwrite``) is moved aside first."""
+    old = None
+    if os.path.lexists(out):
+        if not overwrite:
+            raise _exists(out)
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".zs-old", dir=os.path.dirname(out))
+        os.rename(out, os.path.join(old, "out"))
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        if old is not None:  # put the previous output back
+            os.rename(os.path.join(old, "out"), out)
+        raise StorageError(f"cannot rename the export into place: {exc.strerror}", errno=exc.errno, path=out) from exc
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    dfd = os.open(os.path.dirname(out), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 # -- torch -------------------------------------------------------------------------------------

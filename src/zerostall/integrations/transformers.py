@@ -1,0 +1,427 @@
+"""Hugging Face ``Trainer`` integration: checkpoints through zerostall instead of HF's synchronous save.
+
+Two lines in a stock training script (``trl``'s ``SFTTrainer`` and other ``Trainer`` subclasses too)::
+
+    from zerostall.integrations.transformers import ZerostallCheckpointing
+    ZerostallCheckpointing(trainer)              # then trainer.train(resume_from_checkpoint=True) as usual
+
+:class:`ZerostallCheckpointing` replaces, on that trainer object only, the methods through which
+``Trainer`` saves and loads a checkpoint (``_save_checkpoint``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``)
+and wraps ``train``. HF decides when to save (``save_strategy``, ``save_steps``, evaluation and
+``SaveStrategy.BEST``) exactly as before; each save is a ``Checkpointer.save_checkpointables_async``
+of step ``global_step`` in ``{output_dir}/zerostall`` (``step_00000010/`` ...) and HF writes no
+``checkpoint-N`` folder. ``trainer.train(resume_from_checkpoint=True)`` resumes from the newest
+committed zerostall step (from memory when a :class:`~zerostall.MemoryTier` holds it) and
+otherwise does what HF does (an HF ``checkpoint-N`` folder, or HF's error when there is none).
+
+What one save holds (items of the zerostall checkpoint):
+
+* ``model``: ``trainer.model``'s state dict (HF key names; DTensor shards under FSDP2);
+* ``optimizer``, ``scheduler``: their state dicts (the parameters and optimizer state are copied
+  in the background while the next forward and backward run; the next ``optimizer.step()``
+  waits for that copy);
+* ``scaler``: the ``GradScaler``'s state, where the accelerator has one;
+* ``rng``: Python's, numpy's, torch's CPU and (where present) every CUDA device's generator, per rank;
+* ``trainer_state``: ``TrainerState`` as HF's ``trainer_state.json`` text (global step, epoch,
+  log history, best metric and step, callback states). The data position is HF's: on resume HF
+  skips the ``global_step``'s batches of the current epoch (``ignore_data_skip``), as it does
+  from its own checkpoints;
+* ``hf_config``: the model's ``config.json`` text, so that ``zerostall export CKPT OUT --hf`` can
+  write a ``save_pretrained`` directory.
+
+``save_only_model=True`` saves only ``model``, ``trainer_state`` and ``hf_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import types
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+
+import zerostall
+from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, MissingDependencyError
+
+try:
+    import torch
+    import transformers
+    from packaging.version import Version
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import SaveStrategy
+except ImportError as exc:  # depends on the environment (tests/integration/test_transformers.py blocks it)
+    raise MissingDependencyError(
+        "zerostall.integrations.transformers needs the `transformers` package (and `accelerate`), which is not "
+        "installed: pip install 'zerostall[transformers]'", name=(exc.name or "transformers").split(".")[0]) from exc
+
+__all__ = ["ZerostallCheckpointing", "MIN_TRANSFORMERS", "MIN_TRL"]
+
+log = logging.getLogger("zerostall")
+
+#: the oldest releases this integration is tested with (it replaces private ``Trainer`` methods
+#: whose signatures and call sites are read from these releases)
+MIN_TRANSFORMERS = "5.24.0"
+MIN_TRL = "1.16.0"
+#: the subdirectory of ``args.output_dir`` that holds the zerostall checkpoints by default
+SUBDIR = "zerostall"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_RESUME_PREFIX = "zerostall-hf-resume-"
+
+
+def check_versions(trainer: Any = None) -> None:
+    """Raise :class:`~zerostall.errors.MissingDependencyError` naming the version when transformers
+    (or trl, for a trl trainer) is older than this integration supports."""
+    found = getattr(transformers, "__version__", "unknown")
+    if _older(found, MIN_TRANSFORMERS):
+        raise MissingDependencyError(
+            f"zerostall.integrations.transformers supports transformers >= {MIN_TRANSFORMERS}; found transformers "
+            f"{found}: pip install 'zerostall[transformers]'", name="transformers")
+    if trainer is not None and type(trainer).__module__.split(".")[0] == "trl":
+        import trl  # a trl trainer exists, so trl is importable
+
+        found = getattr(trl, "__version__", "unknown")
+        if _older(found, MIN_TRL):
+            raise MissingDependencyError(
+                f"zerostall.integrations.transformers supports trl >= {MIN_TRL}; found trl {found}: "
+                f"pip install 'trl>={MIN_TRL}'", name="trl")
+
+
+def _older(found: str, minimum: str) -> bool:
+    try:
+        return Version(found) < Version(minimum)
+    except ValueError:  # "unknown" or a malformed version string: say so rather than guess
+        return True
+
+
+@dataclasses.dataclass
+class _Resume:
+    """A resume in progress: the step, and the folder HF is given as ``resume_from_checkpoint``
+    (it holds only ``trainer_state.json``, which HF reads by path; everything else comes from
+    the zerostall checkpoint)."""
+
+    step: int
+    folder: str
+    items: frozenset[str]
+
+
+class ZerostallCheckpointing:
+    """Make ``trainer`` checkpoint through zerostall (see the module documentation).
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer`` ...), before ``train()``.
+        directory: where the checkpoints go (a path or storage URL); default ``{output_dir}/zerostall``.
+        memory_tier: a :class:`~zerostall.MemoryTier`: every save goes to this host's memory, some
+            to storage; a restarted trainer resumes from memory.
+        save_options / load_options: see :class:`~zerostall.SaveOptions` / :class:`~zerostall.LoadOptions`.
+        prepare: allocate the staging buffers after the first optimizer step (the optimizer's
+            state then exists), so that the first save only copies, like the later ones.
+
+    ``save_total_limit`` keeps that many newest steps (zerostall's ``keep_last``); with
+    ``load_best_model_at_end`` the best step is kept too, as HF keeps its best checkpoint. The
+    :class:`~zerostall.Checkpointer` opens when ``train()`` starts and closes when it ends
+    (every save committed or its failure raised; with a memory tier, the newest step persisted).
+
+    Raises:
+        MissingDependencyError: transformers (or trl) older than :data:`MIN_TRANSFORMERS`
+            (:data:`MIN_TRL`), naming the version found.
+        InvalidArgumentError: ``trainer`` is not a ``transformers.Trainer``, or already has one.
+    """
+
+    def __init__(self, trainer: Any, *, directory: str | os.PathLike[str] | None = None,
+                 memory_tier: zerostall.MemoryTier | None = None, save_options: zerostall.SaveOptions | None = None,
+                 load_options: zerostall.LoadOptions | None = None, prepare: bool = True) -> None:
+        if not isinstance(trainer, Trainer):
+            raise InvalidArgumentError(f"expected a transformers.Trainer, got {type(trainer).__name__}",
+                                       argument="trainer")
+        check_versions(trainer)
+        if isinstance(getattr(trainer, "_zerostall", None), ZerostallCheckpointing):
+            raise InvalidArgumentError("this trainer already checkpoints through zerostall", argument="trainer")
+        self.trainer: Any = cast(Any, trainer)  # typed loosely: Trainer subclasses differ, and HF annotates few attributes
+        self.directory = os.fspath(directory) if directory is not None else os.path.join(
+            self.trainer.args.output_dir, SUBDIR)
+        self.memory_tier = memory_tier
+        self.save_options = save_options
+        self.load_options = load_options
+        self.checkpointer: zerostall.Checkpointer | None = None
+        #: the response of the newest save (``wait_staged()``, ``result()``), None before the first
+        self.last_save: zerostall.Response | None = None
+        self._resume: _Resume | None = None
+        # For the best-keeping retention: steps committed (found at open, or seen to commit), and
+        # steps saved (committed or in flight) that count among the newest.
+        self._committed: list[int] = []
+        self._saved: set[int] = set()
+        self._prepare = prepare
+        self._prepared = False
+        self._originals: dict[str, Callable[..., Any]] = {}
+        for name in ("train", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+                     "_load_scaler", "_load_rng_state", "_load_best_model"):
+            self._originals[name] = getattr(self.trainer, name)
+            setattr(self.trainer, name, types.MethodType(getattr(type(self), "_hf_" + name.lstrip("_")), self))
+        self.trainer._zerostall = self
+        if prepare:
+            self.trainer.add_callback(_PrepareAfterFirstStep(self))
+
+    # -- the Checkpointer ----------------------------------------------------------------------
+
+    def _keep_best(self) -> bool:
+        args = self.trainer.args
+        return bool(args.load_best_model_at_end) and args.save_total_limit is not None
+
+    def open(self) -> zerostall.Checkpointer:
+        """The :class:`~zerostall.Checkpointer` (opened here if it is not; collective under torch.distributed)."""
+        if self.checkpointer is None:
+            limit = self.trainer.args.save_total_limit
+            self.checkpointer = zerostall.Checkpointer(
+                self.directory, keep_last=None if self._keep_best() else limit, save_options=self.save_options,
+                load_options=self.load_options, memory_tier=self.memory_tier)
+            self.directory = self.checkpointer.directory
+            self._committed = self.checkpointer.steps() if self._keep_best() else []
+            self._saved = set(self._committed)
+            self._prepared = False
+        return self.checkpointer
+
+    def close(self) -> None:
+        """Wait for every save, then close the Checkpointer (raises a save's background failure)."""
+        ck, self.checkpointer = self.checkpointer, None
+        if ck is not None:
+            ck.close()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (collective under torch.distributed)."""
+        return self.open().latest_step()
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}")
+
+    # -- train ---------------------------------------------------------------------------------
+
+    def _hf_train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        train = self._originals["train"]
+        ck = self.open()
+        failed = True
+        try:
+            step = self._resolve(resume_from_checkpoint)
+            if step is None:
+                out = train(resume_from_checkpoint, *args, **kwargs)
+            else:
+                out = self._train_from(ck, step, train, *args, **kwargs)
+            failed = False
+            return out
+        finally:
+            if failed:  # keep the exception being raised; a background failure is logged by the Checkpointer
+                ck.__exit__(RuntimeError, None)
+                self.checkpointer = None
+            else:
+                if self._keep_best() and self.trainer.args.process_index == 0:
+                    ck.wait()  # the last saves' commits: then the steps they made surplus go
+                    self._rotate()
+                self.close()
+
+    def _resolve(self, resume: str | bool | None) -> int | None:
+        """The zerostall step ``resume`` names, or None for HF's own handling."""
+        if resume is True:
+            return self.open().latest_step()
+        if isinstance(resume, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(resume))
+            m = _STEP_DIR.match(os.path.basename(path))
+            if m is not None and os.path.dirname(path) == os.path.abspath(self.directory):
+                return int(m.group(1))
+        return None
+
+    def _train_from(self, ck: zerostall.Checkpointer, step: int, train: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
+        meta = ck.metadata(step).get("transformers", {})
+        items = frozenset(meta.get("items", ()))
+        text = ck.load_checkpointables(step, {"trainer_state": None})["trainer_state"]
+        folder = tempfile.mkdtemp(prefix=_RESUME_PREFIX)
+        try:
+            with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
+                f.write(text)
+            self._resume = _Resume(step, folder, items)
+            log.info("zerostall: resuming %s from %s", type(self.trainer).__name__, self.step_path(step))
+            return train(folder, *args, **kwargs)
+        finally:
+            self._resume = None
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _ours(self, checkpoint: Any) -> _Resume | None:
+        r = self._resume
+        return r if r is not None and checkpoint is not None and os.fspath(checkpoint) == r.folder else None
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def _hf_save_checkpoint(self, model: Any, trial: Any) -> None:
+        t = self.trainer
+        if trial is not None or t.hp_search_backend is not None:  # HF names trial folders; keep its own save there
+            self._originals["_save_checkpoint"](model, trial)
+            return
+        ck = self.open()
+        args, state = t.args, t.state
+        step = int(state.global_step)
+        t.store_flos()
+        best = state.best_global_step
+        if (args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best
+                and (best == step or best in self._committed)):
+            state.best_model_checkpoint = self.step_path(best)
+        for cb in [*t.callback_handler.callbacks, t.control]:  # as HF: the callbacks' state goes into TrainerState
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                if isinstance(state.stateful_callbacks.get(name), list):
+                    state.stateful_callbacks[name].append(cb.state())
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+        items = self._items(full=not args.save_only_model)
+        items["trainer_state"] = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+        meta = {"transformers": {"global_step": step, "epoch": state.epoch, "items": sorted(items),
+                                 "transformers_version": transformers.__version__,
+                                 "trainer": type(t).__name__}}
+        r = self.last_save = ck.save_checkpointables_async(step, items, metadata=meta)
+        self._saved.add(step)
+        r.add_done_callback(lambda resp: self._settled(step, resp))
+        if self._keep_best() and args.process_index == 0:
+            self._rotate()
+
+    def _settled(self, step: int, resp: zerostall.Response) -> None:
+        if resp.exception() is None:
+            self._committed.append(step)
+        else:
+            self._saved.discard(step)
+
+    def _items(self, *, full: bool) -> dict[str, Any]:
+        t = self.trainer
+        items: dict[str, Any] = {"model": t.model}
+        config = getattr(getattr(t.model, "config", None), "to_json_string", None)
+        if callable(config):
+            items["hf_config"] = config()
+        if full:
+            items["optimizer"] = t.optimizer
+            if t.lr_scheduler is not None:
+                items["scheduler"] = t.lr_scheduler
+            scaler = getattr(t.accelerator, "scaler", None)
+            if scaler is not None:
+                items["scaler"] = scaler
+            items["rng"] = _rng_state()
+        return items
+
+    def _rotate(self) -> None:
+        """``save_total_limit`` newest steps (in flight ones count), and the best one
+        (``load_best_model_at_end``), survive; only committed steps are deleted."""
+        assert self.checkpointer is not None
+        limit = int(self.trainer.args.save_total_limit)
+        best = self.trainer.state.best_global_step
+        keep = set(sorted(self._saved | set(self._committed))[-limit:]) | ({best} if best else set())
+        for s in sorted(set(self._committed) - keep):
+            try:
+                self.checkpointer.delete(s)
+            except CheckpointNotFoundError:
+                pass  # deleted already (another process of this run)
+            self._committed.remove(s)
+            self._saved.discard(s)
+
+    def _prepare_now(self) -> None:
+        if self._prepared or self.checkpointer is None or self.trainer.args.save_strategy == SaveStrategy.NO:
+            return
+        self._prepared = True
+        items = self._items(full=not self.trainer.args.save_only_model)
+        items["trainer_state"] = ""
+        self.checkpointer.prepare(items)
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _hf_load_from_checkpoint(self, checkpoint: str, model: Any = None) -> None:
+        r = self._ours(checkpoint)
+        if r is None:
+            self._originals["_load_from_checkpoint"](checkpoint, model)
+            return
+        target = model if model is not None else self.trainer.model
+        self.open().load_checkpointables(r.step, {"model": target})
+
+    def _hf_load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        r = self._ours(checkpoint)
+        if r is None:
+            self._originals["_load_optimizer_and_scheduler"](checkpoint)
+            return
+        t = self.trainer
+        want: dict[str, Any] = {}
+        if "optimizer" in r.items:
+            want["optimizer"] = t.optimizer
+        if "scheduler" in r.items and t.lr_scheduler is not None:
+            want["scheduler"] = t.lr_scheduler
+        if want:
+            self.open().load_checkpointables(r.step, want)
+
+    def _hf_load_scaler(self, checkpoint: str | None) -> None:
+        r = self._ours(checkpoint)
+        if r is None:
+            self._originals["_load_scaler"](checkpoint)
+            return
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
+        if scaler is not None and "scaler" in r.items:
+            self.open().load_checkpointables(r.step, {"scaler": scaler})
+
+    def _hf_load_rng_state(self, checkpoint: str | None) -> None:
+        r = self._ours(checkpoint)
+        if r is None:
+            self._originals["_load_rng_state"](checkpoint)
+            return
+        if "rng" not in r.items:
+            log.info("zerostall: %s holds no RNG state (save_only_model); reproducibility is not guaranteed",
+                     self.step_path(r.step))
+            return
+        _set_rng_state(self.open().load_checkpointables(r.step, {"rng": None})["rng"])
+
+    def _hf_load_best_model(self) -> None:
+        best = self.trainer.state.best_model_checkpoint
+        m = _STEP_DIR.match(os.path.basename(best or ""))
+        if best is None or m is None or os.path.dirname(os.path.abspath(best)) != os.path.abspath(self.directory):
+            self._originals["_load_best_model"]()
+            return
+        ck = self.open()
+        ck.wait()  # the best step may still be in flight
+        log.info("zerostall: loading the best model from %s (score: %s)", best, self.trainer.state.best_metric)
+        ck.load_checkpointables(int(m.group(1)), {"model": self.trainer.model})
+
+
+class _PrepareAfterFirstStep(TrainerCallback):
+    """Allocates the staging buffers once the optimizer has its state (after the first step)."""
+
+    def __init__(self, owner: ZerostallCheckpointing) -> None:
+        self.owner = owner
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.owner._prepare_now()
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": {"version": version, "state": np.asarray(internal, dtype=np.int64), "gauss": gauss},
+        "numpy": {"name": name, "keys": np.asarray(keys, dtype=np.uint32), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    py = s["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in np.asarray(py["state"]).tolist()), py["gauss"]))
+    n = s["numpy"]
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), int(n["pos"]), int(n["has_gauss"]),
+                         float(n["cached_gaussian"])))
+    torch.random.set_rng_state(torch.as_tensor(s["cpu"], dtype=torch.uint8))
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.as_tensor(x, dtype=torch.uint8) for x in s["cuda"]])
