@@ -25,6 +25,7 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DirectoryReplacedError,
     DonatedArrayError,
     InvalidArgumentError,
     KeeperPersistError,
@@ -65,7 +66,7 @@ __all__ = [
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
-    "KeeperUnadoptableError", "ZerostallWarning",
+    "KeeperUnadoptableError", "DirectoryReplacedError", "ZerostallWarning",
 ]
 
 import importlib as _importlib

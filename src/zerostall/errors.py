@@ -409,6 +409,17 @@ _BY_NAME["KeeperPersistError"] = KeeperPersistError
 __all__ += ["KeeperPersistError"]
 
 
+class DirectoryReplacedError(CheckpointNotFoundError):
+    """The checkpoint directory was deleted (or deleted and created again) after a step was saved
+    into it: that step, held only in the memory tier, belongs to the deleted directory, and is never
+    persisted into nor restored from the new one. The message names the step, ``path`` its path."""
+
+
+_BY_NAME["DirectoryReplacedError"] = DirectoryReplacedError
+__all__ += ["DirectoryReplacedError"]
+
+
+
 class ZerostallWarning(UserWarning):
     """Base of zerostall's warnings: what was asked for still works, but a guarantee is weaker
     than documented (``warnings.filterwarnings("error", category=ZerostallWarning)`` makes them fatal)."""

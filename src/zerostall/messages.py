@@ -38,7 +38,9 @@ __all__ = [
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 5  # 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs
+#: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: Adopt.instance (a keeper that ignored it
+#: would offer a deleted directory's step to a trainer of a new one)
+PROTOCOL = 6
 
 
 class ProtocolMismatchError(WriterError):
@@ -207,6 +209,9 @@ class Adopt:
 
     root: str
     rank: int
+    #: the directory's instance id (:mod:`zerostall.persist.instance`): a keeper of another
+    #: instance (its directory was deleted since) gives up its name and exits instead of answering
+    instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +251,9 @@ class Image:
     #: ``zerostall list`` then does not call a step that retention has since removed from storage
     #: "in memory only". A default for the same reason as ``verified``.
     persisted: bool = False
+    #: the instance id of the directory the step was saved into (:mod:`zerostall.persist.instance`):
+    #: ``zerostall list`` shows a held step only if the directory still carries it
+    instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
