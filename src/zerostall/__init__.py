@@ -28,6 +28,7 @@ from zerostall.errors import (
     DirectoryReplacedError,
     DonatedArrayError,
     InvalidArgumentError,
+    KeeperLostError,
     KeeperPersistError,
     KeeperUnadoptableError,
     MetadataError,
@@ -66,7 +67,7 @@ __all__ = [
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
-    "KeeperUnadoptableError", "DirectoryReplacedError", "ZerostallWarning",
+    "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
 ]
 
 import importlib as _importlib

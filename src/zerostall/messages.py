@@ -33,13 +33,13 @@ from zerostall.options import RetentionPolicy
 
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
-    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
+    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
     "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
 #: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: Adopt.instance (a keeper that ignored it
-#: would offer a deleted directory's step to a trainer of a new one)
+#: would offer a deleted directory's step to a trainer of a new one) and Closed
 PROTOCOL = 6
 
 
@@ -181,6 +181,16 @@ class Close:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Closed:
+    """A keeper's last message at a trainer's :class:`Close`: the step it held is on storage now
+    (persisted at this close, or before). ``step`` None: it held none, or that persist failed (a
+    :class:`KeeperFailed` with ``closing`` came first). A trainer that saved a memory-only step and
+    hears no ``Closed`` naming it knows the keeper ended without storing it."""
+
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Released:
     """The writer no longer reads job ``job``'s buffers: they may be staged into again."""
 
@@ -286,11 +296,11 @@ class KeeperBusy:
     pid_is_keeper: bool = False
 
 
-Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery
+Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
            | Image | KeeperFailed | KeeperBusy)
 
 _OPS: dict[str, type[Any]] = {
-    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,
+    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
     "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy,
 }

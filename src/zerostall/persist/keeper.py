@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from zerostall.commit import committed_steps
+from zerostall.commit import committed_steps, parse_step
 from zerostall.errors import (
     ChecksumMismatchError,
     DirectoryReplacedError,
@@ -462,6 +462,11 @@ class Keeper:
         #: or serves the next trainer), and their abort scanners
         self._crashes: list[threading.Thread] = []
         self._root_of_run: str | None = None
+        #: each dead trainer's collective run, with the thread that persists its step (and its root)
+        self._dead_runs: list[tuple[threading.Thread, str, Collective]] = []
+        #: the step of this session's newest save that went to storage and is not held (a
+        #: persisted collective save: storage has it, memory does not keep it)
+        self._stored_step: int | None = None
         self._stop = threading.Event()
         self._scanners: list[threading.Thread] = []
         #: failed persists after a crash that no trainer has been told of yet (see :meth:`take_failed`)
@@ -611,6 +616,7 @@ class Keeper:
             self.session += 1
             self._trainer_pid = pid
         self._last_coll = None  # the new trainer numbers its saves in a run of its own
+        self._stored_step = None
 
     def on_map(self, buffer: int, fd: int, size: int) -> None:
         old = self._fds.pop(buffer, None)
@@ -634,6 +640,7 @@ class Keeper:
         if job.collective is not None and job.persist:
             stats = run_save(job, views, lambda: send(Released(job=job.id)))
             self._drop_held(send)  # storage now has a newer step than memory held
+            self._stored_step = job.step
             return stats
         storage = open_storage(job.root)
         step: SoloStep | MemoryStep = SoloStep(job, storage) if job.persist else MemoryStep(job)
@@ -733,32 +740,79 @@ class Keeper:
         rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
         (or, at a clean close, writer) takes part, else it is aborted, bounded by the
         collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
-        """
-        if closing:
-            self._join_crash()  # the persist after a crash may be writing this very step
-        held = self._use_held()
-        if held is None:
-            return
-        try:
-            self._persist(held, closing=closing)
-        finally:
-            self._unuse_held(held)
 
-    def _persist(self, held: _Held, closing: bool = False) -> None:
+        At a clean close (``closing``) a persist after an earlier crash is waited for only if it
+        is of this very step; one of an older step (the dead run's, while this trainer saved
+        newer ones) neither delays nor blocks this persist, and once this one has stored the
+        newest step it is abandoned (:meth:`_abandon_dead_runs`).
+        """
+        held = self._use_held()
+        stored = self._stored_step  # nothing held: the newest step went to storage with its save
+        if held is not None:
+            try:
+                if closing:
+                    self._wait_persisting(held)  # the persist after a crash may be writing this very step
+                self._persist(held, closing=closing)
+                stored = held.job.step if held.persisted else None
+            finally:
+                self._unuse_held(held)
+        if closing and stored is not None:
+            self._abandon_dead_runs(stored)
+
+    def durable_step(self) -> int | None:
+        """The held step if it is on storage (None: none held, or not persisted)."""
+        held = self.held  # stable: only the job loop's thread, which calls this, replaces it
+        return held.job.step if held is not None and held.persisted else None
+
+    def _wait_persisting(self, held: _Held) -> None:
+        with self._cond:
+            while held.persisting:
+                self._cond.wait()
+
+    def _abandon_dead_runs(self, stored: int) -> None:
+        """Abort what is left of the dead runs' attempts at steps older than ``stored``.
+
+        Called at the clean close of the trainer that adopted this keeper, once that trainer's
+        newest step, ``stored``, is on storage: storage then loses nothing a restart would resume
+        from. (An attempt at a newer step, which keepers on other hosts may still commit, is left
+        alone.) Aborting it lets the keeper exit now instead of after the dead run's collective
+        ``timeout_s`` (its attempt waits for keepers that may be gone with their host); its
+        writers (this keeper's persist thread among them) see the decision, remove their parts
+        and end. When that step's persist failed, this is not called: the attempt ends on its
+        own, bounded by that timeout, and may still store an older step.
+        """
+        with self._cond:
+            runs = [(t, root, coll) for t, root, coll in self._dead_runs if t.is_alive()]
+        for _, root, coll in runs:
+            reason = f"rank {coll.rank}'s keeper was adopted by a job that has closed with step {stored} stored"
+            try:
+                abort_attempts_except(open_storage(root), coll.run, None, coll.rank, reason,
+                                      only=lambda n: (s := parse_step(n.name)) is not None and s < stored)
+            except Exception:  # noqa: BLE001,S110 - the attempt then ends on its own timeout
+                pass
+
+    def _claim(self, held: _Held) -> bool:
+        """Reserve ``held`` for one persist (False: it is persisted, being persisted, or used up)."""
         with self._cond:  # two persists after crashes may hold the same step: one tries it
             # A solo step whose persist failed is tried again at a clean close (its attempt names
             # are its own); a collective attempt's names are used up, and a step whose bytes
             # changed in memory is never persisted.
             if held.persisted or held.persisting or (
                     held.attempted and (held.job.collective is not None or held.bad_key is not None)):
-                return
+                return False
             held.persisting = True
             held.attempted = True
+            return True
+
+    def _persist(self, held: _Held, closing: bool = False, *, claimed: bool = False) -> None:
+        if not claimed and not self._claim(held):
+            return
         try:
             self._persist_once(held, closing)
         finally:
             with self._cond:
                 held.persisting = False
+                self._cond.notify_all()
 
     def _persist_once(self, held: _Held, closing: bool) -> None:
         job = dataclasses.replace(held.job, persist=True)
@@ -902,26 +956,35 @@ class Keeper:
     def _start_crash_persist(self) -> None:
         coll = self._last_coll
         self._last_coll = None
-        held = self.held
-        if coll is None and (held is None or held.persisted or held.attempted):
+        # The held step is claimed here, before a new trainer's session can start: a close of that
+        # trainer waits for this persist only if it is of the step still held then (persist_held).
+        held = self._use_held()
+        if held is not None and not self._claim(held):
+            self._unuse_held(held)
+            held = None
+        if coll is None and held is None:
             return  # nothing to persist, no run whose attempts could wait for this rank
         # (A previous crash's persist may still run, if an adopted trainer died too: never wait
         # for it here, a restart must not.)
-        t = threading.Thread(target=self._after_crash, args=(coll,), name="zerostall-keeper-persist",
+        t = threading.Thread(target=self._after_crash, args=(coll, held), name="zerostall-keeper-persist",
                              daemon=True)
         self._crashes.append(t)
+        if coll is not None and self._root_of_run is not None:
+            with self._cond:
+                self._dead_runs.append((t, self._root_of_run, coll))
         t.start()
 
-    def _after_crash(self, coll: Collective | None) -> None:
+    def _after_crash(self, coll: Collective | None, held: _Held | None) -> None:
+        """The persist of ``held`` (reserved and claimed for it, or None) after its trainer died,
+        and the aborts and sweep of the dead trainer's run ``coll``."""
         settled = threading.Event()  # this rank's part is settled for good: no more aborts needed
         own_done = threading.Event()  # this rank's own attempt has ended (or never started)
         storage = self._run_storage(coll)
         keep: int | None = None  # the one attempt of the dead trainer's run this rank takes part in
         try:
-            held = self._use_held()
             try:
                 if coll is not None and storage is not None:
-                    if held is not None and not held.persisted and not held.attempted:
+                    if held is not None:
                         mine = held.job.collective
                         keep = mine.counter if mine is not None and mine.run == coll.run else None
                     scanner = threading.Thread(target=self._abort_others, args=(storage, coll, keep, settled, own_done),
@@ -929,7 +992,7 @@ class Keeper:
                     self._scanners.append(scanner)
                     scanner.start()
                 if held is not None:
-                    self._persist(held)
+                    self._persist(held, claimed=True)
                     if held.persisted:  # committed: every rank took part, no other attempt waits on us
                         settled.set()
             finally:
