@@ -302,6 +302,7 @@ class WriterClient:
         """Leave the writer as a crash would (no :class:`Close`): a keeper then lingers for a
         restarted trainer instead of exiting. Call after waiting for the jobs submitted."""
         conn, self._conn = self._conn, None
+        self._memory_only = None  # left to the keeper for a restart: no close() will ask for it
         if conn is not None:
             self._closing = True
             try:  # wakes our listener (EOF) and tells the keeper its trainer is gone
