@@ -25,8 +25,10 @@ from zerostall.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    DirectoryReplacedError,
     DonatedArrayError,
     InvalidArgumentError,
+    KeeperLostError,
     KeeperPersistError,
     KeeperUnadoptableError,
     MetadataError,
@@ -65,7 +67,7 @@ __all__ = [
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
-    "KeeperUnadoptableError", "ZerostallWarning",
+    "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
 ]
 
 import importlib as _importlib

@@ -47,6 +47,7 @@ from zerostall.errors import (
 from zerostall.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
+from zerostall.persist.instance import ensure_instance, read_instance
 from zerostall.persist.keeper import KeeperSpec
 from zerostall.persist.keeperfail import take_markers
 from zerostall.persist.premap import Premap
@@ -198,7 +199,8 @@ class Checkpointer:
             if so.writer is not WriterKind.PROCESS:
                 raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
                                  "the memory must outlive the trainer", path=self.directory, argument="memory_tier")
-            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s)
+            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s,
+                                instance=_directory_instance(self.directory, create=not self.read_only))
         self._last_persist = time.monotonic()
         self._save_dist = so.distributed
         # The writer starts first: its interpreter boots while the storage is probed below.
@@ -885,6 +887,23 @@ def _check_cadence_args(*, memory_tier: object, save_interval: object, save_inte
     if mtbf_s is not None:
         check_number("mtbf_s", mtbf_s, positive=True)
     check_instance("costs", costs, MeasuredCosts)
+
+
+def _directory_instance(directory: str, *, create: bool) -> str:
+    """The directory's instance id (:mod:`zerostall.persist.instance`), its marker written first if
+    ``create`` and it has none; empty when it has none (read-only).
+
+    Raises:
+        StorageError: storage cannot be read (or written) now: a keeper it might adopt cannot be
+            told apart from one of a deleted directory at this path.
+    """
+    storage = open_storage(directory)
+    try:
+        return ensure_instance(storage) if create else (read_instance(storage) or "")
+    except OSError as exc:
+        check_reachable(storage, write=create, path=directory)  # the storage's own error, if it has one
+        raise StorageError(f"cannot read the directory's instance marker: {exc}", path=directory,
+                           errno=exc.errno) from exc
 
 
 def _keeper_rank(dopts: DistributedOptions | None) -> int:

@@ -410,6 +410,27 @@ _BY_NAME["KeeperPersistError"] = KeeperPersistError
 __all__ += ["KeeperPersistError"]
 
 
+class DirectoryReplacedError(CheckpointNotFoundError):
+    """The checkpoint directory was deleted (or deleted and created again) after a step was saved
+    into it: that step, held only in the memory tier, belongs to the deleted directory, and is never
+    persisted into nor restored from the new one. The message names the step, ``path`` its path."""
+
+
+_BY_NAME["DirectoryReplacedError"] = DirectoryReplacedError
+__all__ += ["DirectoryReplacedError"]
+
+
+class KeeperLostError(KeeperPersistError):
+    """The memory tier's keeper ended (killed, or its host lost) while it held the newest step this
+    trainer saved, a step only its memory held: that step never reached storage and is lost.
+    ``close()`` raises it (and it is in :attr:`zerostall.Checkpointer.keeper_failures`, logged
+    at WARNING when the keeper's end is seen); ``step`` names the step, ``path`` its path."""
+
+
+_BY_NAME["KeeperLostError"] = KeeperLostError
+__all__ += ["KeeperLostError"]
+
+
 class ZerostallWarning(UserWarning):
     """Base of zerostall's warnings: what was asked for still works, but a guarantee is weaker
     than documented (``warnings.filterwarnings("error", category=ZerostallWarning)`` makes them fatal)."""

@@ -33,12 +33,14 @@ from zerostall.options import RetentionPolicy
 
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
-    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
+    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
     "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
-PROTOCOL = 6  # 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref
+#: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref, Adopt.instance (a
+#: keeper that ignored it would offer a deleted directory's step to a trainer of a new one) and Closed
+PROTOCOL = 6
 
 
 class ProtocolMismatchError(WriterError):
@@ -184,6 +186,16 @@ class Close:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Closed:
+    """A keeper's last message at a trainer's :class:`Close`: the step it held is on storage now
+    (persisted at this close, or before). ``step`` None: it held none, or that persist failed (a
+    :class:`KeeperFailed` with ``closing`` came first). A trainer that saved a memory-only step and
+    hears no ``Closed`` naming it knows the keeper ended without storing it."""
+
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Released:
     """The writer no longer reads job ``job``'s buffers: they may be staged into again."""
 
@@ -212,6 +224,9 @@ class Adopt:
 
     root: str
     rank: int
+    #: the directory's instance id (:mod:`zerostall.persist.instance`): a keeper of another
+    #: instance (its directory was deleted since) gives up its name and exits instead of answering
+    instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +266,9 @@ class Image:
     #: ``zerostall list`` then does not call a step that retention has since removed from storage
     #: "in memory only". A default for the same reason as ``verified``.
     persisted: bool = False
+    #: the instance id of the directory the step was saved into (:mod:`zerostall.persist.instance`):
+    #: ``zerostall list`` shows a held step only if the directory still carries it
+    instance: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,11 +301,11 @@ class KeeperBusy:
     pid_is_keeper: bool = False
 
 
-Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Released | Done | Failed | Adopt | ImageQuery
+Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
            | Image | KeeperFailed | KeeperBusy)
 
 _OPS: dict[str, type[Any]] = {
-    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close,
+    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
     "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy,
 }

@@ -30,6 +30,7 @@ from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyErr
 from zerostall.messages import Image
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
+from zerostall.persist.instance import INSTANCE_KEY
 from zerostall.persist.keeper import ADDRESS_PREFIX, keeper_address, query_held
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -151,7 +152,8 @@ def test_linger_expiry_leaves_nothing_behind(tmp_path: Path) -> None:
     _wait(lambda: not _running(keeper), "the keeper to exit after linger_s")
     assert not Path(f"/proc/{keeper}/fd").exists() or not _running(keeper)
     assert keeper_address(str(d), 0) not in _keeper_sockets()
-    assert [p.name for p in d.iterdir()] == [step_name(2)]  # persisted before it left; no temp dirs
+    # persisted before it left; no temp dirs (the directory's instance marker stays)
+    assert sorted(p.name for p in d.iterdir()) == sorted([INSTANCE_KEY, step_name(2)])
     with Checkpointer(d, memory_tier=_memory()) as ck:  # no keeper to adopt: a fresh writer
         assert not ck._engine.writer.adopted and ck.memory_step() is None and ck.latest_step() == 2
         _assert_state(ck.load_pytree(), state(2))
@@ -369,7 +371,7 @@ def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> Non
     # Meanwhile the crashed group's keepers persisted step 6 together, in the background (the
     # restarted trainers did not wait for it), and left no attempt, decision or lease behind.
     assert 6 in _storage_steps(crashed) and 6 not in _storage_steps(plain)
-    assert not [p.name for p in crashed.iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in crashed.iterdir() if p.name.startswith(".") and p.name != INSTANCE_KEY]
     stored = _flatten(zerostall.load_pytree(crashed / step_name(6)))  # verified: every CRC32C checked
     assert [v for k, v in stored.items() if k.endswith("position")] == [6], stored.keys()
 

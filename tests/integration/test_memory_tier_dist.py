@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 
 from zerostall.commit import step_name
 from zerostall.persist.gc import collect_garbage
+from zerostall.persist.instance import INSTANCE_KEY
 from zerostall.persist.keeper import keeper_address
 from zerostall.persist.keeperfail import MARKER_PREFIX, read_markers
 from zerostall.storage import open_storage
@@ -74,8 +75,9 @@ def _died(procs: list[subprocess.Popen[str]]) -> list[tuple[int, dict[int, str]]
 
 
 def _storage(d: Path) -> list[str]:
-    """What the directory holds, less the keepers' markers of failed persists (see :func:`_failed`)."""
-    return sorted(p.name for p in d.iterdir() if not p.name.startswith(MARKER_PREFIX))
+    """What the directory holds, less the keepers' markers of failed persists (see :func:`_failed`) and
+    the directory's instance marker."""
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(MARKER_PREFIX) and p.name != INSTANCE_KEY)
 
 
 def _failed(d: Path) -> dict[int, list[tuple[int | None, str]]]:

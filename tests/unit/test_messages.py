@@ -20,6 +20,7 @@ from zerostall.messages import (
     PROTOCOL,
     Adopt,
     Close,
+    Closed,
     Collective,
     Done,
     Failed,
@@ -75,6 +76,10 @@ MESSAGES = [
     Done(job=7, stats=WriterStats(nbytes=4160, tiers=("memory",))),
     # who holds a keeper's name (the bind race)
     Image(step=None, name="", manifest="", files=(), trainer_pid=4242), KeeperBusy(pid=77, pid_is_keeper=True),
+    # the directory's instance, and the keeper's word that the step it held is stored at a close
+    Adopt(root="/r", rank=1, instance="9f0c"), Image(step=3, name="step_00000003", manifest="{}", files=(),
+                                                      instance="9f0c"),
+    Closed(step=10), Closed(step=None),
 ]
 
 

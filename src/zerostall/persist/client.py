@@ -25,6 +25,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 from zerostall.commit import is_committed
 from zerostall.errors import (
     InvalidArgumentError,
+    KeeperLostError,
     KeeperPersistError,
     KeeperUnadoptableError,
     WriterError,
@@ -35,6 +36,7 @@ from zerostall.memcopy import settled_switches
 from zerostall.messages import (
     PROTOCOL,
     Close,
+    Closed,
     Done,
     Failed,
     Hello,
@@ -133,6 +135,13 @@ class WriterClient:
         self.keeper_failures: list[KeeperPersistError] = []
         #: those of them that the persist at this trainer's own clean close reported (close() raises them)
         self.close_failures: list[KeeperPersistError] = []
+        #: the newest memory-tier save done, if only memory holds it (None once a newer one persisted):
+        #: the step a clean close must see stored (:meth:`close`)
+        self._memory_only: SaveJob | None = None
+        #: the step the keeper said is on storage at this close (:class:`Closed`)
+        self._durable: int | None = None
+        #: the keeper ended while it held ``_memory_only``: that step, and the error naming it
+        self._lost: tuple[int | None, KeeperLostError] | None = None
         #: our keeper found the memory tier held by another trainer's keeper (:class:`KeeperBusy`
         #: instead of its Hello) and exited: raised by the next wait_ready(), start() or the jobs it had
         self._busy: InvalidArgumentError | None = None
@@ -254,15 +263,24 @@ class WriterClient:
         self._listener = None
 
     def close(self) -> None:
-        """Stop the writer after the jobs already submitted (call after waiting for them)."""
+        """Stop the writer after the jobs already submitted (call after waiting for them).
+
+        With a memory tier, the keeper first persists the newest step only its memory holds; this
+        waits for that persist for as long as the keeper runs it (each of its waits is bounded by
+        the storage's timeouts and, for a collective step, by ``DistributedOptions.timeout_s``).
+        If the keeper ends without saying that step is stored, and without reporting the failure,
+        :attr:`close_failures` gets a :class:`KeeperLostError` naming it.
+        """
         self._closing = True
+        self._durable = None
         if self._conn is not None:
             try:
                 self._send(Close())
             except OSError:
                 pass
         if self._listener is not None:
-            self._listener.join(timeout=60)
+            self._listener.join(timeout=None if self.keeper is not None else 60)
+        self._check_stored_at_close()
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=60)
@@ -284,6 +302,7 @@ class WriterClient:
         """Leave the writer as a crash would (no :class:`Close`): a keeper then lingers for a
         restarted trainer instead of exiting. Call after waiting for the jobs submitted."""
         conn, self._conn = self._conn, None
+        self._memory_only = None  # left to the keeper for a restart: no close() will ask for it
         if conn is not None:
             self._closing = True
             try:  # wakes our listener (EOF) and tells the keeper its trainer is gone
@@ -384,6 +403,8 @@ class WriterClient:
                                                              rank=msg.rank, time=0.0))
                 if msg.closing:
                     self.close_failures.append(err)
+            elif isinstance(msg, Closed):
+                self._durable = msg.step
             elif isinstance(msg, Image):
                 fds = [recv_handle(conn) for _ in msg.files]
                 self._image_reply((msg, fds))
@@ -392,6 +413,8 @@ class WriterClient:
                     p = self._pending.pop(msg.job, None)
                 if p is None:
                     continue
+                if isinstance(msg, Done) and p.job.memory:
+                    self._memory_only = None if p.job.persist else p.job
                 if not p.released and isinstance(msg, Done) and p.job.memory:
                     # the keeper holds this step's buffers until a newer step is in memory
                     p.released = True
@@ -406,6 +429,8 @@ class WriterClient:
                     p.on_done(None, from_wire(msg.error))
         if self._incompatible is not None:
             conn.close()  # the writer exits once it sees its trainer's end close
+        if not self._closing:
+            self._note_lost()  # the keeper died under a live trainer: told now, raised by close()
         self._ready.set()  # nobody waits for a writer that is gone
         self._image_reply(None)
         self._release_held()
@@ -438,6 +463,38 @@ class WriterClient:
             release, self._deferred = (self._deferred, []) if not self._pins else ([], self._deferred)
         for r in release:
             r()
+
+    def _note_lost(self) -> KeeperLostError | None:
+        """The keeper has ended: if it held the newest step this trainer saved and only memory had
+        it, that step is lost. Logged and listed once (:attr:`keeper_failures`); returned for
+        :meth:`close` to raise (None: nothing was lost)."""
+        job = self._memory_only
+        if job is None or self.keeper is None:
+            return None
+        if self._lost is not None and self._lost[0] == job.step:
+            return self._lost[1]
+        pid = self.pid
+        err = KeeperLostError(
+            f"the memory tier's keeper ({f'pid {pid}, ' if pid is not None else ''}rank {self.keeper.rank}) ended "
+            f"before step {job.step}, which only its memory held, reached storage: step {job.step} is lost, and "
+            "storage's newest step is an older one", path=job.path, rank=self.keeper.rank, step=job.step)
+        self._lost = (job.step, err)
+        self.keeper_failures.append(err)
+        log.warning("zerostall: %s", err)
+        return err
+
+    def _check_stored_at_close(self) -> None:
+        """After a clean close: the newest memory-only step must be on storage (the keeper said so
+        with :class:`Closed`), or its failed persist was reported; else the keeper ended without
+        storing it, and close() raises :class:`KeeperLostError` naming it."""
+        job = self._memory_only
+        if job is None or self.keeper is None or self._durable == job.step:
+            return
+        if any(e.step == job.step for e in self.close_failures):
+            return
+        err = self._note_lost()
+        if err is not None:
+            self.close_failures.append(err)
 
     def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
         """Record a failed persist of the keeper (from its message or a marker) and log it."""

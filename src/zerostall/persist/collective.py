@@ -515,7 +515,8 @@ def attempts_of_run(storage: Storage, run: str) -> dict[int, AttemptNames]:
 
 
 def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: int, reason: str, *,
-                          once_keep_started: bool = False) -> list[int]:
+                          once_keep_started: bool = False,
+                          only: Callable[[AttemptNames], bool] | None = None) -> list[int]:
     """Decide "abort" for every undecided attempt of ``run`` in progress, other than counter ``keep``.
 
     Called by a rank's keeper once that rank's trainer is dead: the rank will never take part in
@@ -527,13 +528,15 @@ def abort_attempts_except(storage: Storage, run: str, keep: int | None, rank: in
     ``once_keep_started``: abort nothing until attempt ``keep`` is in progress too (its lease
     visible), so that any rank that sees its own attempt aborted by this one can, in turn, find
     and abort ``keep``.
+
+    ``only``: abort only the attempts it accepts (the others are left to end on their own).
     """
     aborted: list[int] = []
     attempts = attempts_of_run(storage, run)
     if once_keep_started and keep is not None and keep not in attempts:
         return aborted
     for counter, names in sorted(attempts.items()):
-        if counter == keep or read_decision(storage, names) is not None:
+        if counter == keep or (only is not None and not only(names)) or read_decision(storage, names) is not None:
             continue
         exc = WriterError(f"{reason}; nothing of this save was committed", rank=rank)
         dec = decide(storage, names, abort_doc(exc, rank, names.name))

@@ -180,7 +180,8 @@ class SoloStep:
 
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-             step: Step | None = None, *, known_crcs: Sequence[int | None] | None = None) -> WriterStats:
+             step: Step | None = None, *, known_crcs: Sequence[int | None] | None = None,
+             guard: Callable[[], None] | None = None) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
     ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
@@ -193,6 +194,10 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     manifest (:meth:`zerostall.persist.keeper.Keeper._persist_once`). Without them, the CRC32Cs
     staging computed in its copy (:attr:`SaveJob.crcs`) are taken, and only the other leaves
     are checksummed here.
+
+    ``guard`` runs right before the commit, with the lease check (the step's ``check_lease``; for
+    a collective save, rank 0's): raising there fails the save instead. The memory tier's keeper
+    passes a check that the directory was not deleted since the step was saved into it.
 
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
@@ -216,6 +221,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         if lease is not None:
             held = lease
             step.check_lease = lambda: held.check(job.path)
+        if guard is not None:
+            step.check_lease = _guarded(guard, step.check_lease)
         mine = step.owned(views, lambda lf: lf.shared)
         known = _known(job, known_crcs)
         todo = [li for li in mine if known[li] is None]
@@ -298,6 +305,13 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         rank=job.collective.rank if job.collective is not None else None,
         leaves_written=len(mine) if job.collective is not None else None,
     )
+
+
+def _guarded(guard: Callable[[], None], check_lease: Callable[[], None]) -> Callable[[], None]:
+    def check() -> None:
+        guard()
+        check_lease()
+    return check
 
 
 def _no_check() -> None:

@@ -48,8 +48,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from zerostall.commit import committed_steps
-from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, WireError, ZerostallError, to_wire
+from zerostall.commit import committed_steps, parse_step
+from zerostall.errors import (
+    ChecksumMismatchError,
+    DirectoryReplacedError,
+    InvalidArgumentError,
+    WireError,
+    ZerostallError,
+    to_wire,
+)
 from zerostall.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
@@ -72,6 +79,7 @@ from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.imagecheck import cpus, first_bad_leaf
+from zerostall.persist.instance import read_instance
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.persist.keeperfail import KeeperFailure, write_marker
 from zerostall.storage import Storage, local_path, open_storage
@@ -89,11 +97,25 @@ _HELLO_TIMEOUT_S = 10.0
 _BIND_RETRY_S = 5.0
 #: the slowest a keeper looks for attempts to abort after its trainer died (a root listing each)
 _SCAN_MIN_S = 0.25
+#: how often a lingering keeper looks whether its directory still exists (one small read each)
+_INSTANCE_POLL_S = 2.0
 
 
 def _root_key(root: str) -> str:
     local = local_path(root)
     return os.path.realpath(local) if local is not None else root
+
+
+def directory_replaced(root: str, instance: str) -> bool:
+    """Whether the directory at ``root`` is no longer the instance ``instance`` (deleted, or
+    deleted and created again: its marker is missing or names another instance). False when
+    ``instance`` is empty (unknown) or storage cannot be read now (gone is never guessed)."""
+    if not instance:
+        return False
+    try:
+        return read_instance(open_storage(root)) != instance
+    except Exception:  # noqa: BLE001 - unreadable now is not gone
+        return False
 
 
 def keeper_address(root: str, rank: int, uid: int | None = None) -> bytes:
@@ -110,6 +132,9 @@ class KeeperSpec:
     root: str
     rank: int
     linger_s: float
+    #: the directory's instance id (:mod:`zerostall.persist.instance`; empty: unknown, a read-only
+    #: trainer of a directory without a marker): the keeper's steps belong to that instance only
+    instance: str = ""
 
     @property
     def address(self) -> bytes:
@@ -117,11 +142,12 @@ class KeeperSpec:
 
     def argv(self) -> list[str]:
         """The writer's extra command-line arguments that make it this keeper."""
-        return [self.address.hex(), repr(float(self.linger_s)), self.root, str(self.rank)]
+        return [self.address.hex(), repr(float(self.linger_s)), self.root, str(self.rank), self.instance]
 
     @staticmethod
     def from_argv(args: list[str]) -> tuple[bytes, KeeperSpec]:
-        return bytes.fromhex(args[0]), KeeperSpec(root=args[2], rank=int(args[3]), linger_s=float(args[1]))
+        return bytes.fromhex(args[0]), KeeperSpec(root=args[2], rank=int(args[3]), linger_s=float(args[1]),
+                                                  instance=args[4] if len(args) > 4 else "")
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -149,8 +175,10 @@ def _connect(address: bytes) -> socket.socket | None:
 def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connection, Hello] | None:
     """Claim the lingering keeper of ``spec``: the connection (its writer from now on) and its Hello.
 
-    None when there is no keeper, it belongs to another user, or it speaks another protocol;
-    the caller then starts a writer of its own.
+    None when there is no keeper, it belongs to another user, it speaks another protocol, or it
+    holds the steps of another instance of the directory (deleted since: that keeper gives up
+    its name before it closes the connection, and exits); the caller then starts a writer of
+    its own.
 
     Raises:
         InvalidArgumentError: the keeper serves a live trainer (this process or another): two
@@ -161,7 +189,7 @@ def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connect
         return None
     conn = Connection(sock.detach())
     try:
-        conn.send_bytes(encode(Adopt(root=spec.root, rank=spec.rank)))
+        conn.send_bytes(encode(Adopt(root=spec.root, rank=spec.rank, instance=spec.instance)))
         if not conn.poll(timeout_s):
             conn.close()
             return None
@@ -233,10 +261,15 @@ def held_steps(root: str, max_rank: int = 4096) -> list[tuple[int, Image]]:
     out: list[tuple[int, Image]] = []
     if not names:
         return out
+    replaced: dict[str, bool] = {}  # a keeper of a deleted instance of the directory holds nothing of it
     for rank in range(max_rank):
         if keeper_address(root, rank) in names:
             img = query_held(root, rank)
-            if img is not None and img.step is not None:
+            if img is None or img.step is None:
+                continue
+            if img.instance not in replaced:
+                replaced[img.instance] = directory_replaced(root, img.instance)
+            if not replaced[img.instance]:
                 out.append((rank, img))
     return out
 
@@ -429,6 +462,11 @@ class Keeper:
         #: or serves the next trainer), and their abort scanners
         self._crashes: list[threading.Thread] = []
         self._root_of_run: str | None = None
+        #: each dead trainer's collective run, with the thread that persists its step (and its root)
+        self._dead_runs: list[tuple[threading.Thread, str, Collective]] = []
+        #: the step of this session's newest save that went to storage and is not held (a
+        #: persisted collective save: storage has it, memory does not keep it)
+        self._stored_step: int | None = None
         self._stop = threading.Event()
         self._scanners: list[threading.Thread] = []
         #: failed persists after a crash that no trainer has been told of yet (see :meth:`take_failed`)
@@ -438,6 +476,9 @@ class Keeper:
         #: set by :meth:`listen` when this keeper serves but cannot be adopted (the bind failed, or
         #: another user's process holds the name): told to the trainer in its Hello
         self.unadoptable: WireError | None = None
+        #: the directory is not the instance this keeper's steps were saved into any more (deleted,
+        #: or deleted and created again): nothing is offered, persisted or recorded there; it exits
+        self.replaced = False
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -490,10 +531,11 @@ class Keeper:
         return True
 
     def _accept_loop(self) -> None:
-        assert self._listener is not None
+        listener = self._listener
+        assert listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
             try:
@@ -518,7 +560,8 @@ class Keeper:
             with self._cond:
                 img = self.held.image(with_files=False) if self.held is not None else _empty_image()
                 live = self._trainer_pid is not None and _pid_running(self._trainer_pid)
-                img = dataclasses.replace(img, trainer_pid=self._trainer_pid if live else None)
+                img = dataclasses.replace(img, trainer_pid=self._trainer_pid if live else None,
+                                          instance=self.spec.instance)
             conn.send_bytes(encode(img))
             conn.close()
             return
@@ -532,10 +575,38 @@ class Keeper:
                 finally:
                     conn.close()
                 return
-            if self._waiting is not None:
-                self._waiting.close()
-            self._waiting = conn
+            if msg.instance == self.spec.instance and not self.replaced:
+                if self._waiting is not None:
+                    self._waiting.close()
+                self._waiting = conn
+                self._cond.notify_all()
+                return
+        # A trainer of a new directory at this path: what is held here belongs to the deleted one.
+        # The name goes first, so that the keeper that trainer starts next can bind it.
+        self._directory_gone("a trainer of a new directory at this path claimed it")
+        conn.close()
+
+    def _directory_gone(self, why: str) -> None:
+        """The directory is not this keeper's instance any more: give up the name, persist and
+        record nothing there, and exit once no trainer is served (:meth:`session_ended`)."""
+        with self._cond:
+            if self.replaced:
+                return
+            self.replaced = True
             self._cond.notify_all()
+        self._release_name()
+        print(f"zerostall keeper: {self.spec.root} is no longer the directory its steps were saved into ({why}); "
+              "it persists nothing into it and exits", file=sys.stderr, flush=True)
+
+    def _release_name(self) -> None:
+        with self._cond:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
 
     # -- a session ------------------------------------------------------------------------
 
@@ -545,6 +616,7 @@ class Keeper:
             self.session += 1
             self._trainer_pid = pid
         self._last_coll = None  # the new trainer numbers its saves in a run of its own
+        self._stored_step = None
 
     def on_map(self, buffer: int, fd: int, size: int) -> None:
         old = self._fds.pop(buffer, None)
@@ -568,6 +640,7 @@ class Keeper:
         if job.collective is not None and job.persist:
             stats = run_save(job, views, lambda: send(Released(job=job.id)))
             self._drop_held(send)  # storage now has a newer step than memory held
+            self._stored_step = job.step
             return stats
         storage = open_storage(job.root)
         step: SoloStep | MemoryStep = SoloStep(job, storage) if job.persist else MemoryStep(job)
@@ -633,7 +706,7 @@ class Keeper:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds = {}
-        if not closed:
+        if not closed and not self.replaced:
             self._start_check()
             self._start_crash_persist()
         if closed or self._listener is None:
@@ -644,14 +717,21 @@ class Keeper:
             # keeps stderr to report a failure, and silences it when done.)
             _silence(2)
         deadline = time.monotonic() + self.spec.linger_s
-        with self._cond:
-            while self._waiting is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+        look = time.monotonic() + _INSTANCE_POLL_S  # whether the directory still exists
+        while True:
+            with self._cond:
+                if self._waiting is not None:
+                    conn, self._waiting = self._waiting, None
+                    return conn
+                now = time.monotonic()
+                if self.replaced or now >= deadline:
                     return None
-                self._cond.wait(left)
-            conn, self._waiting = self._waiting, None
-            return conn
+                if now < look:
+                    self._cond.wait(min(deadline, look) - now)
+                    continue
+            look = time.monotonic() + _INSTANCE_POLL_S
+            if directory_replaced(self.spec.root, self.spec.instance):
+                self._directory_gone("it was deleted")
 
     def persist_held(self, closing: bool = False) -> None:
         """Write the held step to storage if only memory has it (its trainer closed or died).
@@ -660,32 +740,79 @@ class Keeper:
         rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
         (or, at a clean close, writer) takes part, else it is aborted, bounded by the
         collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
-        """
-        if closing:
-            self._join_crash()  # the persist after a crash may be writing this very step
-        held = self._use_held()
-        if held is None:
-            return
-        try:
-            self._persist(held, closing=closing)
-        finally:
-            self._unuse_held(held)
 
-    def _persist(self, held: _Held, closing: bool = False) -> None:
+        At a clean close (``closing``) a persist after an earlier crash is waited for only if it
+        is of this very step; one of an older step (the dead run's, while this trainer saved
+        newer ones) neither delays nor blocks this persist, and once this one has stored the
+        newest step it is abandoned (:meth:`_abandon_dead_runs`).
+        """
+        held = self._use_held()
+        stored = self._stored_step  # nothing held: the newest step went to storage with its save
+        if held is not None:
+            try:
+                if closing:
+                    self._wait_persisting(held)  # the persist after a crash may be writing this very step
+                self._persist(held, closing=closing)
+                stored = held.job.step if held.persisted else None
+            finally:
+                self._unuse_held(held)
+        if closing and stored is not None:
+            self._abandon_dead_runs(stored)
+
+    def durable_step(self) -> int | None:
+        """The held step if it is on storage (None: none held, or not persisted)."""
+        held = self.held  # stable: only the job loop's thread, which calls this, replaces it
+        return held.job.step if held is not None and held.persisted else None
+
+    def _wait_persisting(self, held: _Held) -> None:
+        with self._cond:
+            while held.persisting:
+                self._cond.wait()
+
+    def _abandon_dead_runs(self, stored: int) -> None:
+        """Abort what is left of the dead runs' attempts at steps older than ``stored``.
+
+        Called at the clean close of the trainer that adopted this keeper, once that trainer's
+        newest step, ``stored``, is on storage: storage then loses nothing a restart would resume
+        from. (An attempt at a newer step, which keepers on other hosts may still commit, is left
+        alone.) Aborting it lets the keeper exit now instead of after the dead run's collective
+        ``timeout_s`` (its attempt waits for keepers that may be gone with their host); its
+        writers (this keeper's persist thread among them) see the decision, remove their parts
+        and end. When that step's persist failed, this is not called: the attempt ends on its
+        own, bounded by that timeout, and may still store an older step.
+        """
+        with self._cond:
+            runs = [(t, root, coll) for t, root, coll in self._dead_runs if t.is_alive()]
+        for _, root, coll in runs:
+            reason = f"rank {coll.rank}'s keeper was adopted by a job that has closed with step {stored} stored"
+            try:
+                abort_attempts_except(open_storage(root), coll.run, None, coll.rank, reason,
+                                      only=lambda n: (s := parse_step(n.name)) is not None and s < stored)
+            except Exception:  # noqa: BLE001,S110 - the attempt then ends on its own timeout
+                pass
+
+    def _claim(self, held: _Held) -> bool:
+        """Reserve ``held`` for one persist (False: it is persisted, being persisted, or used up)."""
         with self._cond:  # two persists after crashes may hold the same step: one tries it
             # A solo step whose persist failed is tried again at a clean close (its attempt names
             # are its own); a collective attempt's names are used up, and a step whose bytes
             # changed in memory is never persisted.
             if held.persisted or held.persisting or (
                     held.attempted and (held.job.collective is not None or held.bad_key is not None)):
-                return
+                return False
             held.persisting = True
             held.attempted = True
+            return True
+
+    def _persist(self, held: _Held, closing: bool = False, *, claimed: bool = False) -> None:
+        if not claimed and not self._claim(held):
+            return
         try:
             self._persist_once(held, closing)
         finally:
             with self._cond:
                 held.persisting = False
+                self._cond.notify_all()
 
     def _persist_once(self, held: _Held, closing: bool) -> None:
         job = dataclasses.replace(held.job, persist=True)
@@ -710,13 +837,21 @@ class Keeper:
             known = _manifest_crcs(held) if held.verified else None
         try:
             faults.hit("keeper_persist")
+            # Never into a new directory at the same path: before anything is written, and again
+            # right before the commit (the step's check_lease).
+            self._check_directory(job, closing)
             storage = open_storage(job.root)
             if held.job.step is not None and held.job.step in committed_steps(storage):
                 held.persisted = True
                 return
             run_save(job, held.views, lambda: None,
-                     step=SoloStep(job, storage) if job.collective is None else None, known_crcs=known)
+                     step=SoloStep(job, storage) if job.collective is None else None, known_crcs=known,
+                     guard=lambda: self._check_directory(job, closing))
             held.persisted = True
+        except DirectoryReplacedError as exc:
+            if closing:  # the live trainer's close() raises it: its newest step is stored nowhere
+                self._record_failure(job, exc, closing)
+            print(f"zerostall keeper: not persisting {job.path}: {exc.message}", file=sys.stderr, flush=True)
         except BaseException as exc:  # told to the next trainer (report_failed), or left in a marker
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -725,6 +860,17 @@ class Keeper:
             if os.environ.get("ZEROSTALL_DEBUG"):
                 traceback.print_exc()
             self._record_failure(job, exc, closing)
+
+    def _check_directory(self, job: SaveJob, closing: bool) -> None:
+        """Raise :class:`DirectoryReplacedError` when ``job``'s directory is not this keeper's
+        instance any more (after a crash, the keeper then exits: :meth:`session_ended`)."""
+        if self.replaced or directory_replaced(job.root, self.spec.instance):
+            if not closing and self._trainer_pid is None:
+                self._directory_gone("it was deleted")
+            raise DirectoryReplacedError(
+                f"the directory was deleted after step {job.step} was saved into it (a directory at this path now is "
+                f"another one); step {job.step}, held only in memory, belongs to the deleted directory and is not "
+                "persisted into the new one", path=job.path)
 
     # -- failed persists: told to the next trainer, or left in a marker ---------------------------
 
@@ -756,6 +902,11 @@ class Keeper:
         with self._cond:
             failed, self._failed = self._failed, []
         if not failed:
+            return
+        if self.replaced or directory_replaced(self.spec.root, self.spec.instance):
+            # Failures of the deleted directory's steps: a new directory at the path has no use for them.
+            print(f"zerostall keeper: the failed persist of {failed[0].path} is not recorded: its directory was "
+                  "deleted", file=sys.stderr, flush=True)
             return
         try:
             storage: Storage | None = open_storage(self.spec.root)
@@ -805,26 +956,35 @@ class Keeper:
     def _start_crash_persist(self) -> None:
         coll = self._last_coll
         self._last_coll = None
-        held = self.held
-        if coll is None and (held is None or held.persisted or held.attempted):
+        # The held step is claimed here, before a new trainer's session can start: a close of that
+        # trainer waits for this persist only if it is of the step still held then (persist_held).
+        held = self._use_held()
+        if held is not None and not self._claim(held):
+            self._unuse_held(held)
+            held = None
+        if coll is None and held is None:
             return  # nothing to persist, no run whose attempts could wait for this rank
         # (A previous crash's persist may still run, if an adopted trainer died too: never wait
         # for it here, a restart must not.)
-        t = threading.Thread(target=self._after_crash, args=(coll,), name="zerostall-keeper-persist",
+        t = threading.Thread(target=self._after_crash, args=(coll, held), name="zerostall-keeper-persist",
                              daemon=True)
         self._crashes.append(t)
+        if coll is not None and self._root_of_run is not None:
+            with self._cond:
+                self._dead_runs.append((t, self._root_of_run, coll))
         t.start()
 
-    def _after_crash(self, coll: Collective | None) -> None:
+    def _after_crash(self, coll: Collective | None, held: _Held | None) -> None:
+        """The persist of ``held`` (reserved and claimed for it, or None) after its trainer died,
+        and the aborts and sweep of the dead trainer's run ``coll``."""
         settled = threading.Event()  # this rank's part is settled for good: no more aborts needed
         own_done = threading.Event()  # this rank's own attempt has ended (or never started)
         storage = self._run_storage(coll)
         keep: int | None = None  # the one attempt of the dead trainer's run this rank takes part in
         try:
-            held = self._use_held()
             try:
                 if coll is not None and storage is not None:
-                    if held is not None and not held.persisted and not held.attempted:
+                    if held is not None:
                         mine = held.job.collective
                         keep = mine.counter if mine is not None and mine.run == coll.run else None
                     scanner = threading.Thread(target=self._abort_others, args=(storage, coll, keep, settled, own_done),
@@ -832,7 +992,7 @@ class Keeper:
                     self._scanners.append(scanner)
                     scanner.start()
                 if held is not None:
-                    self._persist(held)
+                    self._persist(held, claimed=True)
                     if held.persisted:  # committed: every rank took part, no other attempt waits on us
                         settled.set()
             finally:
@@ -889,13 +1049,7 @@ class Keeper:
         """Free everything: the name, the held step, the descriptors. A persist still running
         after a crash is waited for (bounded by the collective ``timeout_s``), with the name
         already given up so that no new trainer waits on this keeper meanwhile."""
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
-            self._listener = None
+        self._release_name()
         self._join_crash()
         self._stop.set()
         for t in self._scanners:  # never exit in the middle of a decision's put

@@ -20,6 +20,7 @@ from zerostall.errors import WriterError, to_wire
 from zerostall.messages import (
     PROTOCOL,
     Close,
+    Closed,
     Done,
     Failed,
     Hello,
@@ -114,6 +115,7 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
                     keeper.persist_held(closing=True)
                     keeper.report_failed(conn)
+                    _send(conn, Closed(step=keeper.durable_step()))
                 return True
             else:
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")

@@ -351,9 +351,18 @@ class LocalStorage:
 
     def delete(self, prefix: str) -> None:
         path = self._p(prefix)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=False)
-        elif os.path.lexists(path):
+        while os.path.isdir(path) and not os.path.islink(path):
+            try:
+                shutil.rmtree(path, ignore_errors=False)
+            except FileNotFoundError:
+                # Another process removes it at the same moment (two ranks' writers removing an
+                # aborted attempt): rmtree stops at the first entry the other one took. Go on with
+                # what is left, so that the directory is gone on return: a writer that found its
+                # attempt still there would keep its lease, and the lease would keep the attempt's
+                # decision file from the sweep until it expired. Each pass removes something or
+                # finds the directory gone.
+                continue
+        if os.path.lexists(path) and not os.path.isdir(path):
             os.unlink(path)
 
     def rename(self, src: str, dst: str) -> None:

@@ -1,0 +1,190 @@
+"""A keeper's steps belong to the directory they were saved into, not to its path.
+
+A trainer with a memory tier saves, is SIGKILLed, and its keeper lingers. The directory is then
+deleted: a new trainer on the same path starts fresh (nothing from the keeper is offered to it),
+the keeper persists nothing into the new directory, and it exits. Real processes: the trainers are
+``_memory_trainer.py`` subprocesses, the test process plays the new trainer. (The S3 prefix deleted
+and written again: ``tests/storage/test_s3_keeper_instance.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zerostall import Checkpointer, DirectoryReplacedError, KeeperPersistError, MemoryTier
+from zerostall.persist.faults import ENV as FAULTS_ENV
+from zerostall.persist.faults import MARK_ENV
+from zerostall.persist.instance import INSTANCE_KEY
+from zerostall.persist.keeper import keeper_address, query_held
+
+TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
+DEADLINE_S = 120.0  # only a keeper that never exits takes this long
+LINGER_S = 300.0  # longer than DEADLINE_S: a keeper that merely expires fails the tests
+
+
+def _kill_after(d: str, last: int, every: int, env: dict[str, str] | None = None) -> int:
+    """Run a trainer that saves steps 1..last and SIGKILLs itself; its keeper's pid."""
+    # stderr is not captured: a keeper still persisting keeps the dead trainer's stderr open
+    p = subprocess.run([sys.executable, TRAINER, d, "1", str(last), str(every), str(LINGER_S), "kill"],
+                       stdout=subprocess.PIPE, text=True, timeout=DEADLINE_S, env=env)
+    assert p.returncode == -signal.SIGKILL
+    keeper = next(int(line.split()[1]) for line in p.stdout.splitlines() if line.startswith("KEEPER "))
+    assert f"SAVED {last} memory" in p.stdout
+    return keeper
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _steps(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
+
+
+def _rm_rf(d: Path) -> None:
+    """``rm -rf d``: a file the keeper removes meanwhile (its lease, released) is no error."""
+    while d.exists():
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _memory() -> MemoryTier:
+    return MemoryTier(persist_interval_steps=5, linger_s=LINGER_S)
+
+
+def _stop(pid: int) -> None:
+    if _running(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_new_trainer_on_a_deleted_directorys_path_starts_fresh(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    keeper = _kill_after(str(d), 7, 5)
+    try:
+        # The keeper holds step 7 (and persists it after the crash): the directory is still its own.
+        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
+        held = query_held(str(d), 0)
+        assert held is not None and held.step == 7
+        old_instance = json.loads((d / INSTANCE_KEY).read_bytes())["instance"]
+        _rm_rf(d)
+
+        with Checkpointer(d, memory_tier=_memory()) as ckpt:
+            assert ckpt.latest_step() is None and ckpt.steps() == [] and ckpt.memory_step() is None
+            assert not ckpt._engine.writer.adopted and ckpt._engine.writer.pid != keeper
+            assert json.loads((d / INSTANCE_KEY).read_bytes())["instance"] != old_instance
+            _wait(lambda: not _running(keeper), "the old keeper to exit")
+            ckpt.save_pytree(1, {"x": np.arange(4)})
+        assert _steps(d) == [1]  # nothing of the deleted directory's steps
+        assert query_held(str(d), 0) is None  # the new keeper closed with its trainer
+    finally:
+        _stop(keeper)
+
+
+def test_a_keepers_persist_never_writes_into_a_new_directory_at_its_path(tmp_path: Path) -> None:
+    d, mark, go = tmp_path / "run", tmp_path / "mark", tmp_path / "go"
+    mark.mkdir()
+    env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_persist": f"wait:{go}"}), MARK_ENV: str(mark)})
+    keeper = _kill_after(str(d), 7, 5, env)
+    try:
+        # The keeper's persist of step 7 has started; the directory is deleted and a new run begins.
+        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
+        assert _steps(d) == [5]
+        _rm_rf(d)
+        with Checkpointer(d, memory_tier=_memory()) as ckpt:
+            assert ckpt.latest_step() is None and ckpt.memory_step() is None
+            go.touch()  # the old keeper's persist goes on now
+            _wait(lambda: not _running(keeper), "the old keeper to exit")
+            assert _steps(d) == []  # step 7 did not go into the new directory
+            ckpt.save_pytree(1, {"x": np.arange(4)})
+        assert _steps(d) == [1]
+        assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".zs-instance")) == ["step_00000001"]
+    finally:
+        _stop(keeper)
+
+
+def test_a_lingering_keeper_exits_once_its_directory_is_deleted(tmp_path: Path) -> None:
+    d, mark, go = tmp_path / "run", tmp_path / "mark", tmp_path / "go"
+    mark.mkdir()
+    env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_persist": f"wait:{go}"}), MARK_ENV: str(mark)})
+    keeper = _kill_after(str(d), 7, 5, env)
+    try:
+        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
+        _rm_rf(d)
+        go.touch()
+        # No new trainer comes: the keeper finds its directory gone, persists nothing and exits
+        # (long before its linger would expire).
+        _wait(lambda: not _running(keeper), "the keeper to exit")
+        assert not d.exists()
+        assert keeper_address(str(d), 0) not in _keeper_names()
+    finally:
+        _stop(keeper)
+
+
+def test_a_directory_without_a_marker_gets_one_and_resumes_as_before(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    keeper = _kill_after(str(d), 7, 5)
+    try:
+        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
+        # A directory an older version wrote: no marker. A new Checkpointer writes one; it resumes
+        # from storage, as before (the lingering keeper's step is another instance's now).
+        (d / INSTANCE_KEY).unlink()
+        with Checkpointer(d, memory_tier=_memory()) as ckpt:
+            assert (d / INSTANCE_KEY).exists()
+            assert ckpt.latest_step() == 7 and ckpt.steps() == [5, 7]
+            got = ckpt.load_pytree(7)
+            assert int(got["step"]) == 7
+            ckpt.save_pytree(8, {"x": np.arange(4)})
+        assert _steps(d) == [5, 7, 8]
+        _wait(lambda: not _running(keeper), "the old keeper to exit")
+        # The marker stays the same for as long as the directory exists.
+        first = (d / INSTANCE_KEY).read_bytes()
+        with Checkpointer(d, memory_tier=_memory()) as ckpt:
+            assert ckpt.latest_step() == 8
+        assert (d / INSTANCE_KEY).read_bytes() == first
+    finally:
+        _stop(keeper)
+
+
+def test_close_raises_when_the_directory_was_deleted_under_a_live_trainer(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    ckpt = Checkpointer(d, memory_tier=_memory())
+    ckpt.save_pytree(5, {"x": np.arange(4)})
+    ckpt.save_pytree(6, {"x": np.arange(4) + 1})
+    _rm_rf(d)
+    with pytest.raises(KeeperPersistError) as info:
+        ckpt.close()
+    assert info.value.step == 6 and isinstance(info.value.cause, DirectoryReplacedError)
+    assert "step 6" in str(info.value)
+    assert not (d / "step_00000006").exists()
+
+
+def _keeper_names() -> set[bytes]:
+    names = set()
+    with open("/proc/net/unix") as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[-1].startswith("@zerostall-keeper-"):
+                names.add(b"\0" + parts[-1][1:].encode())
+    return names
