@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from zerostall._version import __version__
-from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, delete_checkpoint, parse_step, step_name
+from zerostall.commit import committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -46,8 +46,8 @@ from zerostall.errors import (
     UnsupportedFormatError,
     ZerostallError,
 )
+from zerostall.format.layout import DEL_MARK, MANIFEST_NAME, TMP_MARK
 from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
-from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
 from zerostall.persist.keeperfail import as_error, local_marker, marker_key, read_markers

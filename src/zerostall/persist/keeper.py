@@ -50,7 +50,8 @@ from typing import Any
 
 from zerostall.commit import committed_steps
 from zerostall.errors import ChecksumMismatchError, InvalidArgumentError, WireError, ZerostallError, to_wire
-from zerostall.manifest import parse_manifest
+from zerostall.format.layout import DATA_DIR
+from zerostall.format.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -333,7 +334,7 @@ class MemoryStep:
         return list(range(len(self.job.leaves)))
 
     def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
-        self.manifest_bytes = solo_manifest(self.job, written, files, "data")
+        self.manifest_bytes = solo_manifest(self.job, written, files, DATA_DIR)
 
     def fail(self, exc: BaseException) -> BaseException:
         return exc
