@@ -46,7 +46,7 @@ from zerostall.errors import (
     UnsupportedFormatError,
     ZerostallError,
 )
-from zerostall.format.layout import DEL_MARK, MANIFEST_NAME, TMP_MARK
+from zerostall.format.layout import DATA_DIR, DEL_MARK, MANIFEST_NAME, TMP_MARK
 from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
@@ -777,7 +777,7 @@ def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
         return exc
     folder = os.path.dirname(os.path.abspath(local))
     ckpt = os.path.dirname(folder)
-    if os.path.basename(folder) == "data" and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
+    if os.path.basename(folder) == DATA_DIR and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
         what = f"it is a data file of the checkpoint {ckpt}: pass that directory"
     else:
         what = (f"a checkpoint is a directory holding {MANIFEST_NAME} (a torch.save file: zerostall import FILE DST "
