@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from zerostall.checksum import checksum  # noqa: E402
-from zerostall.manifest import encode_manifest  # noqa: E402
+from zerostall.format.manifest import encode_manifest  # noqa: E402
 from zerostall.memtier.replica import OutgoingStep, ReplicaGroup, ReplicaOf  # noqa: E402
 from zerostall.stage.buffers import HostBuffer  # noqa: E402
 

@@ -44,7 +44,7 @@ from zerostall.errors import (
     ZerostallError,
     ZerostallWarning,
 )
-from zerostall.manifest import MANIFEST_NAME, parse_manifest
+from zerostall.format.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.persist.instance import ensure_instance, read_instance

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from zerostall._version import __version__
-from zerostall.commit import DEL_MARK, TMP_MARK, committed_steps, delete_checkpoint, parse_step, step_name
+from zerostall.commit import committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -48,8 +48,8 @@ from zerostall.errors import (
     UnsupportedFormatError,
     ZerostallError,
 )
+from zerostall.format.layout import DATA_DIR, DEL_MARK, MANIFEST_NAME, TMP_MARK
 from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
-from zerostall.manifest import MANIFEST_NAME
 from zerostall.persist.gc import collect_garbage
 from zerostall.persist.keeper import held_steps
 from zerostall.persist.keeperfail import as_error, local_marker, marker_key, read_markers
@@ -791,7 +791,7 @@ def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
         return exc
     folder = os.path.dirname(os.path.abspath(local))
     ckpt = os.path.dirname(folder)
-    if os.path.basename(folder) == "data" and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
+    if os.path.basename(folder) == DATA_DIR and os.path.isfile(os.path.join(ckpt, MANIFEST_NAME)):
         what = f"it is a data file of the checkpoint {ckpt}: pass that directory"
     else:
         what = (f"a checkpoint is a directory holding {MANIFEST_NAME} (a torch.save file: zerostall import FILE DST "

@@ -17,13 +17,21 @@ Runs in the writer, never on the training thread.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from dataclasses import dataclass
 
 from zerostall.errors import CheckpointExistsError, StorageError
+from zerostall.format.layout import (
+    ATTEMPT_RE,
+    DATA_DIR,
+    DATA_PREFIX,
+    DEL_MARK,
+    MANIFEST_NAME,
+    TMP_MARK,
+    parse_step,
+    step_name,
+)
 from zerostall.lease import host_id, pid_alive
-from zerostall.manifest import MANIFEST_NAME
 from zerostall.storage import Storage
 from zerostall.storage.base import as_probe
 
@@ -34,12 +42,6 @@ __all__ = [
 ]
 __all__ += ["check_reachable"]
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
-TMP_MARK = ".zs-tmp-"
-DEL_MARK = ".zs-del-"
-# .<name>.zs-tmp-<host>-<pid>-<id>: who made a partial directory, so leftovers of dead writers
-# on this host can be told apart from the attempts of live ones.
-_ATTEMPT_RE = re.compile(r"^\..+\.zs-(?:tmp|del)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
 
 
 def _host_id() -> str:
@@ -49,6 +51,9 @@ def _host_id() -> str:
 
 
 def _attempt_tag() -> str:
+    """``<host>-<pid>-<id>``: who made a partial directory (:data:`~zerostall.format.layout.ATTEMPT_RE`
+    reads it back), so leftovers of dead writers on this host can be told apart from the attempts
+    of live ones."""
     return f"{_host_id()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
@@ -64,7 +69,7 @@ def remove_stale_attempts(storage: Storage) -> list[str]:
     except FileNotFoundError:
         return []
     for n in names:
-        m = _ATTEMPT_RE.match(n)
+        m = ATTEMPT_RE.match(n)
         if m is None or m.group("host") != host or _pid_alive(int(m.group("pid"))):
             continue
         try:
@@ -79,15 +84,6 @@ def remove_stale_attempts(storage: Storage) -> list[str]:
 
 def _pid_alive(pid: int) -> bool:
     return pid_alive(pid)
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
 
 
 def is_committed(storage: Storage, name: str) -> bool:
@@ -176,7 +172,7 @@ class RenameCommit(CommitProtocol):
     def begin(self, name: str) -> Attempt:
         if self.storage.exists(name):
             raise exists_error(self.storage, name, _join(self.storage.url, name))
-        return Attempt(name=name, staging=f".{name}{TMP_MARK}{_attempt_tag()}", data_dir="data")
+        return Attempt(name=name, staging=f".{name}{TMP_MARK}{_attempt_tag()}", data_dir=DATA_DIR)
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:
         s = self.storage
@@ -204,7 +200,7 @@ class ManifestLastCommit(CommitProtocol):
         if is_committed(self.storage, name):
             raise CheckpointExistsError("a checkpoint already exists here; zerostall never overwrites one",
                                         path=_join(self.storage.url, name))
-        data_dir = f"data-{uuid.uuid4().hex[:12]}"
+        data_dir = f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"
         return Attempt(name=name, staging=name, data_dir=data_dir)
 
     def commit(self, attempt: Attempt, manifest: bytes) -> None:

@@ -68,7 +68,16 @@ from zerostall.errors import (
     UnsupportedLeafError,
     ZerostallError,
 )
-from zerostall.manifest import MANIFEST_NAME, LeafEntry, Manifest
+from zerostall.format.header import (
+    DATA_ALIGN,
+    MAX_HEADER,
+    HeaderError,
+    decode_header,
+    encode_header,
+    header_length,
+    tensor_entries,
+)
+from zerostall.format.manifest import MANIFEST_NAME, LeafEntry, Manifest
 from zerostall.options import DistributedOptions, LoadOptions, SaveOptions
 from zerostall.restore import DataFiles, read_manifest
 from zerostall.storage import Storage, local_path, open_storage, split_url
@@ -81,8 +90,6 @@ ExportFormat = Literal["safetensors", "torch", "hf"]
 ImportFormat = Literal["torch", "dcp", "safetensors"]
 
 _CHUNK = 8 << 20
-_ALIGN = 64  # the data section starts at a multiple of this (as in zerostall's own data files)
-_MAX_HEADER = 100_000_000  # what the safetensors reader accepts
 _SUFFIXES: dict[str, ExportFormat] = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch",
                                       ".bin": "torch"}
 #: zerostall dtypes the safetensors format does not define (readers reject the file)
@@ -537,12 +544,11 @@ def _write_safetensors(f: BinaryIO, flat: _Flat, src: _Source, item: str | None,
     for t in order:
         header[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    if len(raw) > _MAX_HEADER:
-        raise UnsupportedLeafError(f"the safetensors header would be {len(raw)} bytes, more than the "
-                                   f"{_MAX_HEADER} readers accept (too many keys or values)", path=src.path)
-    raw += b" " * (-(8 + len(raw)) % _ALIGN)
-    f.write(len(raw).to_bytes(8, "little") + raw)
+    head = encode_header(header, align=DATA_ALIGN)  # the data section starts aligned, as in zerostall's own files
+    if len(head) - 8 > MAX_HEADER:
+        raise UnsupportedLeafError(f"the safetensors header would be {len(head) - 8} bytes, more than the "
+                                   f"{MAX_HEADER} readers accept (too many keys or values)", path=src.path)
+    f.write(head)
     scratch = memoryview(bytearray(max(4096, min(chunk_bytes, max((t.nbytes for t in order), default=0)))))
     done = 0
     for t in order:
@@ -872,53 +878,24 @@ def _load_safetensors(source: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         size = os.path.getsize(source)
         with open(source, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"{size} bytes, shorter than the 8-byte header length")
-            n = int.from_bytes(head, "little")
-            if not 2 <= n <= min(_MAX_HEADER, size - 8):
-                raise bad(f"a header of {n} bytes in a file of {size}")
+            n = header_length(f.read(8), size)
             raw = f.read(n)
         data = np.memmap(source, dtype=np.uint8, mode="c") if size > 8 + n else np.zeros(0, dtype=np.uint8)
+    except HeaderError as exc:
+        raise bad(str(exc)) from exc
     except OSError as exc:
         raise StorageError(f"cannot read the file: {exc.strerror or exc}", errno=exc.errno, path=source) from exc
+    start = 8 + n
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad(f"the header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise bad("the header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise bad("__metadata__ is not a map of strings to strings")
-    start, tree, spans = 8 + n, {}, []
-    for name, entry in header.items():
-        if not isinstance(entry, dict):
-            raise bad(f"the entry of {name!r} is not an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in ITEMSIZE:
-            raise bad(f"{name!r} has the dtype {dtype!r}, which zerostall does not read")
-        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)):
-            raise bad(f"{name!r} has no valid shape and data_offsets")
-        lo, hi = offsets
-        if not 0 <= lo <= hi <= size - start or hi - lo != math.prod(shape) * ITEMSIZE[dtype]:
-            raise bad(f"{name!r}: its bytes {lo}..{hi} do not hold {shape} of {dtype} inside the file")
-        spans.append((lo, hi, name))
-        t = torch.from_numpy(data[start + lo:start + hi]) if hi > lo else torch.zeros(0, dtype=torch.uint8)
-        if (start + lo) % ITEMSIZE[dtype]:
+        meta, entries = tensor_entries(decode_header(raw), size - start)
+    except HeaderError as exc:
+        raise bad(str(exc)) from exc
+    tree = {}
+    for e in entries:
+        t = torch.from_numpy(data[start + e.lo:start + e.hi]) if e.hi > e.lo else torch.zeros(0, dtype=torch.uint8)
+        if (start + e.lo) % ITEMSIZE[e.dtype]:
             t = t.clone()  # a view as a wider type needs an aligned start
-        tree[name] = t.view(to_torch_dtype(dtype)).reshape(shape)
-    # As the format's reference loader requires: the tensors tile the data area, no overlap and no
-    # hole (two names over the same bytes, or bytes no name covers, make a file that is not one).
-    end = 0
-    for lo, hi, name in sorted(spans):
-        if lo != end:
-            raise bad(f"{name!r} starts at byte {lo} of the data, not at {end} where the tensor before it ends"
-                      " (tensors overlap or leave a hole)")
-        end = hi
-    if end != size - start:
-        raise bad(f"the tensors cover {end} bytes of a data area of {size - start}")
+        tree[e.name] = t.view(to_torch_dtype(e.dtype)).reshape(e.shape)
     return tree, meta
 
 

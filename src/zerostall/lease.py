@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 from zerostall.errors import WriterError
+from zerostall.format.layout import LEASE_MARK, LEASE_RE
 from zerostall.storage import Storage
 
 __all__ = [
@@ -42,11 +42,9 @@ __all__ = [
     "LeaseInfo", "Lease", "read_leases", "covers",
 ]
 
-LEASE_MARK = ".zs-lease-"
 HOST_ENV = "ZEROSTALL_HOST_ID"
 LEASE_ENV = "ZEROSTALL_LEASE_S"
 DEFAULT_LEASE_S = 60.0
-_KEY_RE = re.compile(r"^\.zs-lease-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}\.json$")
 
 
 def host_id() -> str:
@@ -134,7 +132,7 @@ def read_leases(storage: Storage) -> list[LeaseInfo]:
     """Every lease under the storage root (a missing or vanishing one is skipped)."""
     out = []
     for name in storage.list(""):
-        m = _KEY_RE.match(name)
+        m = LEASE_RE.match(name)
         if m is None:
             continue
         try:

@@ -28,7 +28,7 @@ from zerostall import (
     UnsupportedFormatError,
     ZerostallError,
 )
-from zerostall.manifest import parse_manifest
+from zerostall.format.manifest import parse_manifest
 
 from .conftest import Ckpt
 
@@ -226,7 +226,7 @@ def test_corpus_cases_load_when_unmutated(ckpt: Ckpt) -> None:
 
 def test_tree_at_max_depth_loads(ckpt: Ckpt) -> None:
     """Nesting up to the limit is accepted and loads without a RecursionError."""
-    from zerostall.manifest import MAX_DEPTH
+    from zerostall.format.manifest import MAX_DEPTH
 
     doc = ckpt.manifest()
     node: dict[str, Any] = {"type": "int", "value": 1}
@@ -266,7 +266,7 @@ def test_huge_declared_shape_allocates_nothing(ckpt: Ckpt, monkeypatch: pytest.M
 
 
 def test_manifest_larger_than_limit(ckpt: Ckpt, monkeypatch: pytest.MonkeyPatch) -> None:
-    import zerostall.manifest as manifest
+    import zerostall.format.manifest as manifest
 
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(CorruptCheckpointError, match="allowed"):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import zerostall
 from zerostall import ZerostallError
-from zerostall.manifest import parse_manifest
+from zerostall.format.manifest import parse_manifest
 
 from .conftest import Ckpt
 

@@ -115,7 +115,7 @@ def run_state(step: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    from zerostall.manifest import FORMAT_VERSION
+    from zerostall.format.manifest import FORMAT_VERSION
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--force", action="store_true", help="rewrite an existing version's directory")

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from zerostall import Checkpointer, MemoryTier
-from zerostall.manifest import parse_manifest
+from zerostall.format.manifest import parse_manifest
 
 
 def state(step: int, big: bool = False) -> dict:

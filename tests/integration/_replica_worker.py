@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from zerostall.checksum import checksum
 from zerostall.errors import ReplicaError
-from zerostall.manifest import encode_manifest
+from zerostall.format.manifest import encode_manifest
 from zerostall.memtier.replica import OutgoingStep, ReplicaGroup, ReplicaOf
 from zerostall.stage.buffers import HostBuffer
 

@@ -24,7 +24,7 @@ import pytest
 from zerostall.checksum import checksum
 from zerostall.commit import committed_steps, is_committed, protocol_for, step_name
 from zerostall.errors import CheckpointExistsError
-from zerostall.manifest import MANIFEST_NAME
+from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.base import (
     Capabilities,

@@ -14,7 +14,7 @@ import torch
 import zerostall
 from zerostall.commit import ManifestLastCommit, committed_steps, step_name
 from zerostall.errors import CheckpointExistsError, StorageError, ZerostallError
-from zerostall.manifest import MANIFEST_NAME
+from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.options import SaveOptions, WriterKind
 from zerostall.storage import open_storage
 

@@ -10,7 +10,7 @@ from zerostall import LoadOptions
 from zerostall.distributed import DistributedOptions, Replicated
 from zerostall.distributed.load import replicated_leaves
 from zerostall.errors import CorruptCheckpointError
-from zerostall.manifest import encode_manifest, parse_manifest
+from zerostall.format.manifest import encode_manifest, parse_manifest
 from zerostall.persist.collective import assign_owners, attempt_names, merge_reports
 from zerostall.storage.memory import MemoryStorage
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from zerostall.checksum import checksum
-from zerostall.manifest import encode_manifest
+from zerostall.format.manifest import encode_manifest
 from zerostall.persist.imagecheck import cpus, first_bad_leaf
 
 

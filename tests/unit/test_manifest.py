@@ -3,7 +3,7 @@ import json
 import pytest
 
 from zerostall.errors import CorruptCheckpointError, UnsupportedFormatError
-from zerostall.manifest import encode_manifest, parse_manifest
+from zerostall.format.manifest import encode_manifest, parse_manifest
 
 
 def _doc(**over):

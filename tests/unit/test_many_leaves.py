@@ -16,8 +16,8 @@ import torch
 import zerostall
 from zerostall.dtypes import ITEMSIZE
 from zerostall.errors import CorruptCheckpointError, MismatchError, UnsupportedFormatError
+from zerostall.format.manifest import FileEntry, _leaf, _plain_leaf, parse_manifest
 from zerostall.gcpause import paused_gc
-from zerostall.manifest import FileEntry, _leaf, _plain_leaf, parse_manifest
 from zerostall.messages import FileRow, LeafRow, SaveJob, WriteOptions, decode, encode
 from zerostall.stage import stager
 

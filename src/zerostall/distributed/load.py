@@ -14,7 +14,7 @@ from typing import Any
 
 from zerostall.distributed.context import active, group_rank_world
 from zerostall.errors import WireError, from_wire, to_wire
-from zerostall.manifest import Manifest
+from zerostall.format.manifest import Manifest
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
 from zerostall.restore import (
     ReadRequest,

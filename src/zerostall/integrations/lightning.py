@@ -2,7 +2,8 @@
 
 ``save_checkpoint`` returns once the checkpoint is staged (copied into zerostall's host buffers);
 zerostall's writer process commits it in the background, and still does if the trainer is killed.
-``load_checkpoint`` reads it back without pickle. Only the public ``zerostall`` API is used.
+``load_checkpoint`` reads it back without pickle. Only the public ``zerostall`` API and the layout's names
+(:mod:`zerostall.format.layout`) are used.
 
 Layout. Lightning names a checkpoint by a file path (``.../epoch=3-step=40.ckpt``), expects that
 path to exist as soon as ``save_checkpoint`` returns (``ModelCheckpoint`` picks the next free name
@@ -46,7 +47,6 @@ import errno
 import logging
 import os
 import pathlib
-import re
 import shutil
 import threading
 import uuid
@@ -77,6 +77,14 @@ from zerostall import (
     ZerostallWarning,
 )
 from zerostall.errors import MissingDependencyError
+from zerostall.format.layout import (
+    LIGHTNING_REMOVED_MARK,
+    MANIFEST_NAME,
+    STEP_RE,
+    TAKEN_STEP_RE,
+    fsync_dir,
+    step_name,
+)
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -96,12 +104,6 @@ Key = str | int
 #: the item holding Lightning's checkpoint dict, and the item recording converted values
 ITEM = "lightning"
 CONVERSIONS = "conversions"
-MANIFEST = "manifest.json"  # its presence is a zerostall checkpoint's commit (docs/format.md)
-
-_STEP_RE = re.compile(r"^step_(\d+)$")
-# committed, partial (manifest dropped) or in flight (.step_N.zs-tmp-…): numbers already taken
-_TAKEN_RE = re.compile(r"^\.?step_(\d+)(?:$|\.)")
-_REMOVED_MARK = ".zs-lightning-removed-"
 
 # Filled by torch's state_dict(): tensors and plain values, where zerostall's own rules apply and
 # walking thousands of leaves twice would only cost the training thread time.
@@ -338,8 +340,8 @@ def _numbers(container: str) -> list[tuple[int, str]]:
     found = []
     with os.scandir(container) as it:
         for entry in it:
-            m = _STEP_RE.match(entry.name)
-            if m and os.path.isfile(os.path.join(entry.path, MANIFEST)):
+            m = STEP_RE.match(entry.name)
+            if m and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
                 found.append((int(m.group(1)), entry.name))
     return sorted(found)
 
@@ -394,7 +396,7 @@ def _newest_committed_sibling(container: str) -> tuple[str, int | None] | None:
                 continue
             where = os.path.join(entry.path, numbers[-1][1])
             meta = zerostall.load_metadata(where).get("lightning", {})
-            mtime = os.stat(os.path.join(where, MANIFEST)).st_mtime
+            mtime = os.stat(os.path.join(where, MANIFEST_NAME)).st_mtime
         except (OSError, ZerostallError):
             continue
         step = meta.get("global_step") if isinstance(meta, dict) else None
@@ -408,7 +410,7 @@ def _newest_committed_sibling(container: str) -> tuple[str, int | None] | None:
 def _is_container(path: str) -> bool:
     """A directory this plugin made: only ``step_*`` checkpoints and hidden entries inside."""
     with os.scandir(path) as it:
-        return all(_STEP_RE.match(e.name) or e.name.startswith(".") for e in it)
+        return all(STEP_RE.match(e.name) or e.name.startswith(".") for e in it)
 
 
 def _delete(path: str) -> None:
@@ -425,20 +427,12 @@ def _delete(path: str) -> None:
             subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
         for sub in (path, *subdirs):
             try:
-                os.unlink(os.path.join(sub, MANIFEST))
+                os.unlink(os.path.join(sub, MANIFEST_NAME))
             except FileNotFoundError:
                 pass
         shutil.rmtree(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclasses.dataclass(eq=False)
@@ -542,7 +536,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         with self._lock:
             pending = [s.number for s in self._saves.get(container, [])]
         try:
-            taken = [int(m.group(1)) for n in os.listdir(container) if (m := _TAKEN_RE.match(n))]
+            taken = [int(m.group(1)) for n in os.listdir(container) if (m := TAKEN_STEP_RE.match(n))]
         except OSError as exc:
             raise _storage_error(exc, p, "cannot list the checkpoint directory") from exc
         number = max([0, *taken, *pending]) + 1
@@ -551,7 +545,7 @@ class ZerostallCheckpointIO(CheckpointIO):
                                      if type(checkpoint.get(k)) is int}}}
         try:
             response = zerostall.save_checkpointables_async(
-                os.path.join(container, f"step_{number:08d}"), {ITEM: tree, CONVERSIONS: conversions},
+                os.path.join(container, step_name(number)), {ITEM: tree, CONVERSIONS: conversions},
                 metadata=metadata, options=self.save_options)
         except BaseException as exc:
             self._undo_container(p, container, created, replaced)
@@ -644,7 +638,7 @@ class ZerostallCheckpointIO(CheckpointIO):
         if not os.path.lexists(p):
             return
         parent, name = os.path.split(os.path.abspath(p))
-        doomed = os.path.join(parent, f".{name}{_REMOVED_MARK}{uuid.uuid4().hex[:12]}")
+        doomed = os.path.join(parent, f".{name}{LIGHTNING_REMOVED_MARK}{uuid.uuid4().hex[:12]}")
         try:
             os.rename(p, doomed)
         except FileNotFoundError:
@@ -680,7 +674,7 @@ class ZerostallCheckpointIO(CheckpointIO):
                 os.unlink(p)
             elif os.path.isfile(p):  # e.g. torch.save's last.ckpt from an earlier run: kept until replaced
                 parent, name = os.path.split(os.path.abspath(p))
-                replaced = os.path.join(parent, f".{name}{_REMOVED_MARK}{uuid.uuid4().hex[:12]}")
+                replaced = os.path.join(parent, f".{name}{LIGHTNING_REMOVED_MARK}{uuid.uuid4().hex[:12]}")
                 os.rename(p, replaced)
             elif os.path.isdir(p):
                 if not _is_container(p):
@@ -728,13 +722,13 @@ class ZerostallCheckpointIO(CheckpointIO):
         except FileNotFoundError:  # removed meanwhile
             return
         for name in names:
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if m and int(m.group(1)) < save.number:
                 _delete(os.path.join(save.container, name))
         if save.replaced is not None:
             _delete(save.replaced)
         if save.created:  # the container's own entry, so that a power loss cannot lose it
-            _fsync_dir(os.path.dirname(save.container))
+            fsync_dir(os.path.dirname(save.container))
 
     def _clean(self, path: str, fn: Callable[[Any], None], arg: Any) -> None:
         """Run ``fn(arg)`` on the background cleaner; a failure is raised by the next call."""

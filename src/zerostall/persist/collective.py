@@ -30,7 +30,6 @@ import xxhash
 
 from zerostall._version import __version__
 from zerostall.commit import (
-    TMP_MARK,
     Attempt,
     RenameCommit,
     committed_steps,
@@ -40,8 +39,18 @@ from zerostall.commit import (
     steps_to_delete_everywhere,
 )
 from zerostall.errors import CheckpointExistsError, WireError, WriterError, ZerostallError, from_wire, to_wire
+from zerostall.format.layout import (
+    COORD_DIR,
+    COORD_PREFIX,
+    DATA_DIR,
+    DATA_PREFIX,
+    DEC_MARK,
+    MANIFEST_NAME,
+    TMP_MARK,
+    data_file,
+)
+from zerostall.format.manifest import encode_manifest
 from zerostall.lease import covers, host_id, read_leases
-from zerostall.manifest import MANIFEST_NAME, encode_manifest
 from zerostall.messages import Collective, LeafRow, SaveJob
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
@@ -49,16 +58,11 @@ from zerostall.storage import Storage
 
 __all__ = [
     "AttemptNames", "attempt_names", "read_decision", "decide", "abort_doc", "error_of", "wait_for_outcome",
-    "assign_owners", "merge_reports", "CollectiveStep", "DEC_MARK", "rank_file",
+    "assign_owners", "merge_reports", "CollectiveStep",
     "attempts_of_run", "abort_attempts_except", "sweep_aborted_decisions",
 ]
 
-DEC_MARK = ".zs-decision-"
 Table = dict[str, Any]
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class AttemptNames:
     rename: bool  # commit by renaming ``staging`` onto ``name``
 
     def data_file(self, rank: int) -> str:
-        return f"{self.staging}/{self.data_dir}/{rank_file(rank)}"
+        return f"{self.staging}/{self.data_dir}/{data_file(rank)}"
 
     def table(self, rank: int) -> str:
         return f"{self.coord}/tables/rank-{rank:05d}.json"
@@ -92,9 +96,9 @@ def attempt_names(storage: Storage, name: str, run: str, counter: int) -> Attemp
     attempt = f"{run}-{counter}"
     if storage.atomic_rename:
         staging = f".{name}{TMP_MARK}{attempt}"
-        return AttemptNames(name, attempt, staging, "data", f"{staging}/zs-coord", f".{name}{DEC_MARK}{attempt}",
+        return AttemptNames(name, attempt, staging, DATA_DIR, f"{staging}/{COORD_DIR}", f".{name}{DEC_MARK}{attempt}",
                             True)
-    return AttemptNames(name, attempt, name, f"data-{attempt}", f"{name}/zs-coord-{attempt}",
+    return AttemptNames(name, attempt, name, f"{DATA_PREFIX}{attempt}", f"{name}/{COORD_PREFIX}{attempt}",
                         f".{name}{DEC_MARK}{attempt}", False)
 
 
@@ -263,7 +267,7 @@ def _walk_sharded(node: Any, key: str, fn: Callable[[str, dict[str, Any]], None]
 def merge_reports(reports: list[dict[str, Any]], data_dir: str
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """The global ``files``, ``leaves`` and per-rank item trees of a collective save."""
-    files = [{"path": f"{data_dir}/{rank_file(r)}", "size": rep["file_size"]} for r, rep in enumerate(reports)]
+    files = [{"path": f"{data_dir}/{data_file(r)}", "size": rep["file_size"]} for r, rep in enumerate(reports)]
     leaves: list[dict[str, Any]] = []
     index: dict[tuple[int, str], int] = {}
     for r, rep in enumerate(reports):
@@ -489,7 +493,7 @@ def _attempt_of(key: str, run: str) -> tuple[str, int] | None:
             digits = tail.split(".", 1)[0].split("/", 1)[0]
             return (head[1:], int(digits)) if digits.isdigit() else None
     name, sep, rest = key.partition("/")
-    for mark in ("data-", "zs-coord-"):
+    for mark in (DATA_PREFIX, COORD_PREFIX):
         if sep and rest.startswith(f"{mark}{run}-"):
             digits = rest[len(mark) + len(run) + 1:].split("/", 1)[0]
             return (name, int(digits)) if digits.isdigit() else None

@@ -26,24 +26,27 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from zerostall.commit import DEL_MARK, TMP_MARK
+from zerostall.format.layout import (
+    COORD_PREFIX,
+    DATA_PREFIX,
+    DEC_MARK,
+    DEL_MARK,
+    MANIFEST_NAME,
+    SOLO_ATTEMPT_RE,
+    TMP_MARK,
+)
 from zerostall.lease import covers, host_id, pid_alive, read_leases
-from zerostall.manifest import MANIFEST_NAME
-from zerostall.persist.collective import DEC_MARK
 from zerostall.storage import Storage
 from zerostall.storage.base import as_multipart
 
 __all__ = ["GcReport", "collect_garbage", "collect_at_start"]
 
 _log = logging.getLogger("zerostall")
-# .<name>.zs-tmp-<host>-<pid>-<id>: a solo attempt's directory names its writer
-_SOLO_RE = re.compile(r"^\..+\.zs-tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
 
 
 @dataclass
@@ -159,13 +162,13 @@ def _candidates(storage: Storage) -> list[_Candidate]:
 def _object_store_partials(storage: Storage, name: str) -> list[_Candidate]:
     """Data prefixes of ``name`` that its manifest does not refer to, and coordination prefixes."""
     children = storage.list(name)
-    parts = [c for c in children if c.startswith(("data-", "zs-coord-"))]
-    if not parts or (MANIFEST_NAME in children and len(parts) == 1 and parts[0].startswith("data-")):
+    parts = [c for c in children if c.startswith((DATA_PREFIX, COORD_PREFIX))]
+    if not parts or (MANIFEST_NAME in children and len(parts) == 1 and parts[0].startswith(DATA_PREFIX)):
         return []  # nothing, or a committed step's one data prefix (a commit refers to its own): no read
     refs = _manifest_dirs(storage, name)
     if refs is None:
         return []  # a manifest we cannot read: do not guess which data it refers to
-    return [_Candidate(f"{name}/{c}", step=name if c.startswith("data-") else None)
+    return [_Candidate(f"{name}/{c}", step=name if c.startswith(DATA_PREFIX) else None)
             for c in parts if c not in refs]
 
 
@@ -204,7 +207,7 @@ def _legacy_live(key: str, here: str) -> bool:
     solo attempt's name carries its writer's host and pid: kept if that pid lives on this host,
     or if it is another host's (nothing proves it dead).
     """
-    m = _SOLO_RE.match(key)
+    m = SOLO_ATTEMPT_RE.match(key)
     if m is None:
         return False
     return m.group("host") != here or pid_alive(int(m.group("pid")))

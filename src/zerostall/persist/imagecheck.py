@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from zerostall.checksum import Span, checksum, join_crcs, split_even
 from zerostall.cpus import usable_cpus as cpus  # a checksum pass: one thread per CPU it may use
-from zerostall.manifest import LeafEntry, parse_manifest
+from zerostall.format.manifest import LeafEntry, parse_manifest
 
 __all__ = ["cpus", "first_bad_leaf"]
 
@@ -31,7 +31,7 @@ def first_bad_leaf(manifest: bytes, views: Mapping[str, memoryview], threads: in
 
     Example::
 
-        >>> from zerostall.manifest import encode_manifest
+        >>> from zerostall.format.manifest import encode_manifest
         >>> m = encode_manifest(items={"x": {"type": "array", "leaf": 0}}, files=[{"path": "data/a", "size": 3}],
         ...                     leaves=[{"key": "x", "kind": "bytes", "dtype": "U8", "shape": [3], "file": 0,
         ...                              "offset": 0, "nbytes": 3, "crc32c": checksum(b"abc")}])

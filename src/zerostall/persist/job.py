@@ -32,8 +32,8 @@ from zerostall.commit import (
     steps_to_delete,
 )
 from zerostall.errors import WriterError
+from zerostall.format.manifest import encode_manifest
 from zerostall.lease import Lease
-from zerostall.manifest import encode_manifest
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults

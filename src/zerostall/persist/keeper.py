@@ -57,7 +57,8 @@ from zerostall.errors import (
     ZerostallError,
     to_wire,
 )
-from zerostall.manifest import parse_manifest
+from zerostall.format.layout import DATA_DIR
+from zerostall.format.manifest import parse_manifest
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -366,7 +367,7 @@ class MemoryStep:
         return list(range(len(self.job.leaves)))
 
     def commit(self, written: list[dict[str, Any]], files: list[dict[str, Any]]) -> None:
-        self.manifest_bytes = solo_manifest(self.job, written, files, "data")
+        self.manifest_bytes = solo_manifest(self.job, written, files, DATA_DIR)
 
     def fail(self, exc: BaseException) -> BaseException:
         return exc

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerostall.errors import KeeperPersistError, KeeperUnadoptableError, WireError, from_wire
+from zerostall.format.layout import KEEPER_FAILED_PREFIX as MARKER_PREFIX
 from zerostall.storage import Storage, local_path
 
 __all__ = ["KeeperFailure", "marker_key", "local_marker", "write_marker", "read_markers", "take_markers",
            "as_error", "MARKER_PREFIX", "unadoptable_error"]
-
-MARKER_PREFIX = ".zs-keeper-failed-r"
 
 
 @dataclass(frozen=True)

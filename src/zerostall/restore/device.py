@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from zerostall.checksum import checksum
-from zerostall.manifest import LeafEntry
+from zerostall.format.manifest import LeafEntry
 from zerostall.restore.plan import ReadRequest
 from zerostall.restore.spans import Span, join_crcs, run_all, split_chunks, workers
 from zerostall.storage import Storage

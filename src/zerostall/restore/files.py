@@ -17,7 +17,7 @@ from zerostall.errors import (
     StorageError,
     ZerostallError,
 )
-from zerostall.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafEntry, Manifest, parse_manifest
+from zerostall.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, LeafEntry, Manifest, parse_manifest
 from zerostall.storage import Storage
 from zerostall.storage.base import as_local_files
 

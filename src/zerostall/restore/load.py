@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.errors import MismatchError, MissingKeyError, ZerostallError
+from zerostall.format.manifest import Manifest
 from zerostall.gcpause import paused_gc
-from zerostall.manifest import Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.files import DataFiles, read_manifest
 from zerostall.restore.plan import ReadPlanner, Thunk

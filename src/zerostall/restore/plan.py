@@ -32,7 +32,7 @@ from zerostall.errors import (
     MissingKeyError,
     UnsupportedFormatError,
 )
-from zerostall.manifest import LeafEntry, Manifest
+from zerostall.format.manifest import LeafEntry, Manifest
 from zerostall.memcopy import env_switch
 from zerostall.restore.files import DataFiles
 from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations

@@ -26,7 +26,7 @@ import numpy as np
 import zerostall.memcopy as memcopy
 from zerostall.checksum import checksum
 from zerostall.errors import ChecksumMismatchError, CorruptCheckpointError, StorageError, ZerostallError
-from zerostall.manifest import LeafEntry, Manifest
+from zerostall.format.manifest import LeafEntry, Manifest
 from zerostall.options import LoadOptions
 from zerostall.restore.device import prepare_device_reads
 from zerostall.restore.files import missing_file_error

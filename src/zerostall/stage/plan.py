@@ -7,21 +7,18 @@ the buffer when a layout is first planned, and persisting is one large write of 
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from zerostall.format.header import DATA_ALIGN, encode_header
+from zerostall.format.layout import PAD_PREFIX, data_file
 from zerostall.tree import FlatState
 
 __all__ = ["LeafSlot", "FilePlan", "Plan", "LeafSpec", "make_plan", "plan_file", "DATA_ALIGN", "PAGE"]
 
-#: every tensor starts at a multiple of this many bytes from the data section start
-DATA_ALIGN = 64
 #: buffers are sized in whole pages so that direct I/O can write the padded tail
 PAGE = 4096
-PAD_PREFIX = "__zerostall_pad_"
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ def plan_file(leaves: Sequence[LeafSpec], *, rank: int = 0) -> tuple[FilePlan, l
     multiples of :data:`DATA_ALIGN`; the gaps are named padding tensors, as safetensors forbids
     holes, and the header is padded with spaces so that the data section starts aligned.
     """
-    name = f"rank-{rank:05d}.safetensors"
+    name = data_file(rank)
     header: dict[str, object] = {"__metadata__": {"format": "zerostall", "rank": str(rank)}}
     rel_offsets: list[int] = []
     pos = 0
@@ -87,10 +84,8 @@ def plan_file(leaves: Sequence[LeafSpec], *, rank: int = 0) -> tuple[FilePlan, l
         header[leaf.key] = {"dtype": leaf.dtype, "shape": list(leaf.shape), "data_offsets": [pos, pos + leaf.nbytes]}
         rel_offsets.append(pos)
         pos += leaf.nbytes
-    body = json.dumps(header, separators=(",", ":")).encode()
-    data_start = _round_up(8 + len(body), DATA_ALIGN)
-    body += b" " * (data_start - 8 - len(body))
-    head = struct.pack("<Q", len(body)) + body
+    head = encode_header(header, align=DATA_ALIGN)
+    data_start = len(head)
     size = data_start + pos
     fplan = FilePlan(name=name, header=head, data_start=data_start, size=size, alloc=_round_up(max(size, 1), PAGE))
     return fplan, [data_start + off for off in rel_offsets]

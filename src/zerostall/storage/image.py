@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from zerostall.format.layout import MANIFEST_NAME
 from zerostall.memcopy import copy_array
 from zerostall.storage import register_scheme
 from zerostall.storage.base import Capabilities
@@ -47,7 +48,7 @@ class ImageStorage:
     def __init__(self, name: str, manifest: bytes, files: Sequence[tuple[str, int, int, int]]) -> None:
         """``files``: ``(file name, length, mapping size, fd)`` per data file."""
         self.name = name
-        self._objects: dict[str, bytes] = {f"{name}/manifest.json": manifest}
+        self._objects: dict[str, bytes] = {f"{name}/{MANIFEST_NAME}": manifest}
         self._maps: list[mmap.mmap] = []
         self._views: dict[str, memoryview] = {}
         #: ``(st_dev, st_ino)`` of each data file's descriptor: the same memfds, the same bytes

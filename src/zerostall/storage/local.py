@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from zerostall.format.layout import fsync_dir
 from zerostall.memcopy import copy_array
 from zerostall.storage.base import Capabilities
 from zerostall.storage.release import unmap_later
@@ -377,11 +378,7 @@ class LocalStorage:
             raise
 
     def sync(self, prefix: str) -> None:
-        fd = os.open(self._p(prefix), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self._p(prefix))
 
 
 class MappedFile:

@@ -18,6 +18,7 @@ from typing import Any
 
 from zerostall.dtypes import ITEMSIZE
 from zerostall.errors import CorruptCheckpointError, UnsupportedFormatError
+from zerostall.format.layout import MANIFEST_NAME
 
 __all__ = [
     "FORMAT_VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "FileEntry", "LeafEntry", "Manifest",
@@ -25,7 +26,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 MAX_DEPTH = 200
