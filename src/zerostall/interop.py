@@ -77,6 +77,7 @@ from zerostall.format.header import (
     header_length,
     tensor_entries,
 )
+from zerostall.format.layout import fsync_dir
 from zerostall.format.manifest import MANIFEST_NAME, LeafEntry, Manifest
 from zerostall.options import DistributedOptions, LoadOptions, SaveOptions
 from zerostall.restore import DataFiles, read_manifest
@@ -316,11 +317,7 @@ class _AtomicFile:
                 os.rename(self.tmp, self.path)
             else:
                 os.unlink(self.tmp)
-        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(os.path.dirname(self.path))
 
     def _discard(self) -> None:
         try:
@@ -675,11 +672,7 @@ def _publish_dir(tmp: str, out: str, overwrite: bool) -> None:
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    dfd = os.open(os.path.dirname(out), os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(os.path.dirname(out))
 
 
 # -- torch -------------------------------------------------------------------------------------
