@@ -124,7 +124,8 @@ def test_cli_list_and_verify_show_an_unreadable_step_instead_of_calling_it_parti
 
 def _failure(d: Path, step: int, rank: int) -> object:
     from zerostall.commit import step_name
-    from zerostall.errors import StorageError, to_wire
+    from zerostall.errors import StorageError
+    from zerostall.messages import to_wire
     from zerostall.persist.keeperfail import KeeperFailure
 
     return KeeperFailure(step=step, path=f"{d}/{step_name(step)}", rank=rank, time=1.0,

@@ -6,6 +6,7 @@ existing tensors and verifies checksums. Data files are safetensors; nothing run
 """
 
 from zerostall._version import __version__
+from zerostall.advice import Advice, MeasuredCosts
 from zerostall.api import (
     load_checkpointables,
     load_metadata,
@@ -19,6 +20,7 @@ from zerostall.api import (
 )
 from zerostall.checkpointer import Checkpointer
 from zerostall.errors import (
+    AdviceError,
     ArgumentTypeError,
     BackgroundSaveError,
     CheckpointExistsError,
@@ -60,8 +62,10 @@ __all__ = [
     # configuration and extension
     "SaveOptions", "LoadOptions", "WriterKind", "Staging", "DistributedOptions", "Replicated", "MemoryTier",
     "Stateful", "LeafHandler", "register_handler", "unregister_handler",
+    # how often to save (Checkpointer.advice, save_interval="auto")
+    "Advice", "MeasuredCosts",
     # errors (docs/guarantees.md lists which builtin each also is)
-    "ZerostallError", "InvalidArgumentError", "ArgumentTypeError", "MissingDependencyError",
+    "ZerostallError", "InvalidArgumentError", "ArgumentTypeError", "AdviceError", "MissingDependencyError",
     "CheckpointNotFoundError", "CheckpointExistsError", "ReadOnlyError",
     "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",

@@ -5,9 +5,11 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
 
     ZerostallError(Exception)                 .path  .key  .rank
     ├── CheckpointNotFoundError(FileNotFoundError)   no committed checkpoint at a path / step
+    │   └── DirectoryReplacedError                   the directory was deleted after a memory-only step was saved into it
     ├── CheckpointExistsError(FileExistsError)       refusing to overwrite a committed checkpoint
     ├── CorruptCheckpointError(ValueError)           bytes or manifest do not match what was committed
-    │   └── ChecksumMismatchError                    a leaf's checksum differs
+    │   ├── ChecksumMismatchError                    a leaf's checksum differs
+    │   └── NoValidCheckpointError                   a fallback load found no committed step that verifies
     ├── UnsupportedFormatError(ValueError)           unknown format version or entry kind
     ├── MismatchError(ValueError)                    template and checkpoint disagree (shape, dtype, kind)
     ├── MissingKeyError(KeyError)                    a requested key is not in the checkpoint
@@ -16,22 +18,30 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     │   ├── ArgumentTypeError(+TypeError)            an argument of the wrong type
     │   └── MetadataError                            metadata= cannot be stored (NaN, reserved key)
     │       └── MetadataTypeError(+TypeError)        metadata= holds a non-JSON type
+    ├── AdviceError(ValueError)                      the interval advisor's inputs are out of range, or too few were measured
+    ├── MissingDependencyError(ImportError)          an optional dependency is not installed (.name; the message names the extra)
     ├── StorageError(OSError)                        an I/O failure, errno preserved
     │   └── ReadOnlyError                            a save asked of a read_only Checkpointer (EROFS)
     ├── WriterError(RuntimeError)                    the background writer died or was closed
-    │   └── BackgroundSaveError                      a save that failed in the background, raised later
-    ├── ReplicaError(RuntimeError)                   a replica in another host's memory failed (peer, auth, bytes)
-    └── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
-        └── DonatedArrayError                        a jax.Array donated before its background copy
+    │   ├── BackgroundSaveError                      a save that failed in the background, raised later (.step .cause)
+    │   ├── ProtocolMismatchError                    trainer and writer speak different protocol versions (zerostall.messages)
+    │   └── KeeperPersistError                       the memory tier's keeper could not persist a memory-only step (.step .cause)
+    │       ├── KeeperLostError                      the keeper ended while only it held the newest step
+    │       └── KeeperUnadoptableError               a keeper a restart cannot adopt (listed in keeper_failures, not raised)
+    ├── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
+    │   └── DonatedArrayError                        a jax.Array donated before its background copy
+    └── ReplicaError(RuntimeError)                   a replica in another host's memory could not be formed, sent or received intact
+
+    ZerostallWarning(UserWarning)                    a guarantee is weaker than documented; what was asked for still works
 
 Background failures are re-raised on the caller's thread by ``Response.result()`` with the same
-class and errno they had in the writer.
+class and errno they had in the writer: the classes that cross a process boundary by name are
+those :func:`wire_class` knows (the codec is :class:`zerostall.messages.WireError`).
 """
 
 from __future__ import annotations
 
 import errno as _errno
-from dataclasses import dataclass
 
 __all__ = [
     "ZerostallError",
@@ -47,9 +57,7 @@ __all__ = [
     "WriterError",
     "TornSnapshotError",
     "DonatedArrayError",
-    "WireError",
-    "to_wire",
-    "from_wire",
+    "wire_class",
 ]
 
 
@@ -198,70 +206,10 @@ _BY_NAME: dict[str, type[ZerostallError]] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class WireError:
-    """An exception as data, so that another process (the writer, another rank) can raise the same class.
-
-    ``cls`` names a class of this module; an unknown name comes back as :class:`WriterError`.
-    """
-
-    cls: str
-    message: str
-    errno: int | None = None
-    path: str | None = None
-    key: str | None = None
-    rank: int | None = None
-
-    def to_json(self) -> dict[str, object]:
-        return {"class": self.cls, "message": self.message, "errno": self.errno, "path": self.path,
-                "key": self.key, "rank": self.rank}
-
-    @classmethod
-    def from_json(cls, data: object) -> WireError:
-        """Read what :meth:`to_json` wrote; fields of the wrong type are dropped, never trusted."""
-        d = data if isinstance(data, dict) else {}
-
-        def opt_str(name: str) -> str | None:
-            v = d.get(name)
-            return v if isinstance(v, str) else None
-
-        def opt_int(name: str) -> int | None:
-            v = d.get(name)
-            return v if type(v) is int else None
-
-        return cls(cls=opt_str("class") or "WriterError", message=str(d.get("message", "")),
-                   errno=opt_int("errno"), path=opt_str("path"), key=opt_str("key"), rank=opt_int("rank"))
-
-
-def to_wire(exc: BaseException, *, path: str | None = None) -> WireError:
-    """Describe ``exc`` so that :func:`from_wire` can rebuild it in another process.
-
-    A :class:`ZerostallError` keeps its class and fields; ``FileExistsError`` becomes
-    :class:`CheckpointExistsError`, any other ``OSError`` a :class:`StorageError` with its errno;
-    anything else a :class:`WriterError` whose message names the original type. ``path`` fills
-    in where the exception names none.
-    """
-    if isinstance(exc, ZerostallError):
-        return WireError(cls=type(exc).__name__, message=exc.message,
-                         errno=exc.errno if isinstance(exc, StorageError) else None,
-                         path=exc.path if exc.path is not None else path, key=exc.key, rank=exc.rank)
-    if isinstance(exc, FileExistsError):
-        return WireError(cls="CheckpointExistsError", message=str(exc), path=path)
-    if isinstance(exc, OSError):
-        message = exc.strerror or str(exc)
-        if isinstance(exc.filename, str) and exc.filename != path:
-            message = f"{message}: {exc.filename}"
-        return WireError(cls="StorageError", message=message, errno=exc.errno,
-                         path=path if path is not None else (exc.filename if isinstance(exc.filename, str) else None))
-    return WireError(cls="WriterError", message=f"{type(exc).__name__}: {exc}", path=path)
-
-
-def from_wire(w: WireError) -> ZerostallError:
-    """Rebuild an exception described by :func:`to_wire` (same class, errno, path, key, rank)."""
-    cls = _BY_NAME.get(w.cls, WriterError)
-    if issubclass(cls, StorageError):
-        return cls(w.message, errno=w.errno, path=w.path, key=w.key, rank=w.rank)
-    return cls(w.message, path=w.path, key=w.key, rank=w.rank)
+def wire_class(name: str) -> type[ZerostallError]:
+    """The error class called ``name`` that another process may send (:class:`WriterError` for a
+    name this version does not know: a newer writer's class)."""
+    return _BY_NAME.get(name, WriterError)
 
 
 class BackgroundSaveError(WriterError):

@@ -12,6 +12,9 @@ writer of different zerostall versions (an upgrade on disk while a job runs, a k
 outlived its trainer) refuse each other clearly instead of misreading a field. The writer
 introduces itself with :class:`Hello` as its first message.
 
+Errors cross the boundary as :class:`WireError` (:func:`to_wire` / :func:`from_wire`), the same
+codec the ranks of a collective save use for each other's failures.
+
 A bottom layer: it imports only :mod:`zerostall.errors`, :mod:`zerostall.options` and the
 version, never a stage.
 """
@@ -28,13 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from zerostall._version import __version__
-from zerostall.errors import WireError, WriterError
+from zerostall.errors import CheckpointExistsError, StorageError, WriterError, ZerostallError, wire_class
 from zerostall.options import RetentionPolicy
 
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
     "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
+    "WireError", "to_wire", "from_wire",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
@@ -45,6 +49,76 @@ PROTOCOL = 6
 
 class ProtocolMismatchError(WriterError):
     """The other side speaks another version of the trainer-to-writer protocol."""
+
+
+# -- errors as data -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireError:
+    """An exception as data, so that another process (the writer, another rank) can raise the same class.
+
+    ``cls`` names an error class (:func:`~zerostall.errors.wire_class`); an unknown name comes back
+    as :class:`~zerostall.errors.WriterError`.
+    """
+
+    cls: str
+    message: str
+    errno: int | None = None
+    path: str | None = None
+    key: str | None = None
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {"class": self.cls, "message": self.message, "errno": self.errno, "path": self.path,
+                "key": self.key, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, data: object) -> WireError:
+        """Read what :meth:`to_json` wrote; fields of the wrong type are dropped, never trusted."""
+        d = data if isinstance(data, dict) else {}
+
+        def opt_str(name: str) -> str | None:
+            v = d.get(name)
+            return v if isinstance(v, str) else None
+
+        def opt_int(name: str) -> int | None:
+            v = d.get(name)
+            return v if type(v) is int else None
+
+        return cls(cls=opt_str("class") or "WriterError", message=str(d.get("message", "")),
+                   errno=opt_int("errno"), path=opt_str("path"), key=opt_str("key"), rank=opt_int("rank"))
+
+
+def to_wire(exc: BaseException, *, path: str | None = None) -> WireError:
+    """Describe ``exc`` so that :func:`from_wire` can rebuild it in another process.
+
+    A :class:`~zerostall.errors.ZerostallError` keeps its class and fields; ``FileExistsError``
+    becomes :class:`~zerostall.errors.CheckpointExistsError`, any other ``OSError`` a
+    :class:`~zerostall.errors.StorageError` with its errno; anything else a ``WriterError`` whose
+    message names the original type. ``path`` fills in where the exception names none.
+    """
+    if isinstance(exc, ZerostallError):
+        return WireError(cls=type(exc).__name__, message=exc.message,
+                         errno=exc.errno if isinstance(exc, StorageError) else None,
+                         path=exc.path if exc.path is not None else path, key=exc.key, rank=exc.rank)
+    if isinstance(exc, FileExistsError):
+        return WireError(cls=CheckpointExistsError.__name__, message=str(exc), path=path)
+    if isinstance(exc, OSError):
+        message = exc.strerror or str(exc)
+        if isinstance(exc.filename, str) and exc.filename != path:
+            message = f"{message}: {exc.filename}"
+        return WireError(cls=StorageError.__name__, message=message, errno=exc.errno,
+                         path=path if path is not None else (exc.filename if isinstance(exc.filename, str) else None))
+    return WireError(cls=WriterError.__name__, message=f"{type(exc).__name__}: {exc}", path=path)
+
+
+def from_wire(w: WireError) -> ZerostallError:
+    """Rebuild an exception described by :func:`to_wire` (same class, errno, path, key, rank)."""
+    cls = wire_class(w.cls)
+    if issubclass(cls, StorageError):
+        return cls(w.message, errno=w.errno, path=w.path, key=w.key, rank=w.rank)
+    return cls(w.message, path=w.path, key=w.key, rank=w.rank)
 
 
 # -- the data of a save ---------------------------------------------------------------------

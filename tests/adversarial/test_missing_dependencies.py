@@ -10,7 +10,8 @@ import pytest
 
 import zerostall
 from zerostall import Checkpointer, SaveOptions, WriterKind, ZerostallError
-from zerostall.errors import MissingDependencyError, from_wire, to_wire
+from zerostall.errors import MissingDependencyError
+from zerostall.messages import from_wire, to_wire
 from zerostall.storage import open_storage
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)

@@ -22,7 +22,8 @@ import pytest
 from zerostall import Checkpointer, MemoryTier
 from zerostall.cli import main as cli_main
 from zerostall.commit import step_name
-from zerostall.errors import KeeperPersistError, StorageError, to_wire
+from zerostall.errors import KeeperPersistError, StorageError
+from zerostall.messages import to_wire
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
 from zerostall.persist.keeperfail import (

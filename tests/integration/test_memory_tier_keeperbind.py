@@ -25,7 +25,8 @@ import pytest
 
 from zerostall import Checkpointer, InvalidArgumentError, KeeperUnadoptableError, MemoryTier, ZerostallWarning
 from zerostall.commit import step_name
-from zerostall.errors import KeeperPersistError, StorageError, to_wire
+from zerostall.errors import KeeperPersistError, StorageError
+from zerostall.messages import to_wire
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.keeper import keeper_address
 from zerostall.persist.keeperfail import KeeperFailure, marker_key, write_marker

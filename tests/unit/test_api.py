@@ -384,7 +384,8 @@ def test_public_api_is_frozen():
         "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
         "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
-        "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning"])
+        "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+        "Advice", "MeasuredCosts", "AdviceError"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):

@@ -15,7 +15,7 @@ import torch
 
 import zerostall
 from zerostall import SaveOptions, WriterError, WriterKind
-from zerostall.errors import StorageError, to_wire
+from zerostall.errors import StorageError
 from zerostall.messages import (
     PROTOCOL,
     Adopt,
@@ -41,6 +41,7 @@ from zerostall.messages import (
     WriterStats,
     decode,
     encode,
+    to_wire,
 )
 from zerostall.options import RetentionPolicy
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.distributed.context import active, group_rank_world
-from zerostall.errors import WireError, from_wire, to_wire
 from zerostall.format.manifest import Manifest
+from zerostall.messages import WireError, from_wire, to_wire
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
 from zerostall.restore import (
     ReadRequest,

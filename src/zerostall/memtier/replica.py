@@ -39,8 +39,8 @@ from typing import Any
 
 from zerostall.checksum import Span, checksum, join_crcs
 from zerostall.errors import ReplicaError, ZerostallError
-from zerostall.lease import host_id
 from zerostall.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from zerostall.lease import host_id
 from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
 from zerostall.memtier.link import OK as _OK
 from zerostall.memtier.link import Link, prove

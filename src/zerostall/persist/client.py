@@ -30,7 +30,6 @@ from zerostall.errors import (
     KeeperUnadoptableError,
     WriterError,
     ZerostallError,
-    from_wire,
 )
 from zerostall.memcopy import settled_switches
 from zerostall.messages import (
@@ -53,6 +52,7 @@ from zerostall.messages import (
     WriterStats,
     decode,
     encode,
+    from_wire,
 )
 from zerostall.options import WriterKind
 from zerostall.persist.keeper import KeeperSpec, adopt, busy_error

@@ -38,7 +38,7 @@ from zerostall.commit import (
     step_name,
     steps_to_delete_everywhere,
 )
-from zerostall.errors import CheckpointExistsError, WireError, WriterError, ZerostallError, from_wire, to_wire
+from zerostall.errors import CheckpointExistsError, WriterError, ZerostallError
 from zerostall.format.layout import (
     COORD_DIR,
     COORD_PREFIX,
@@ -51,7 +51,7 @@ from zerostall.format.layout import (
 )
 from zerostall.format.manifest import encode_manifest
 from zerostall.lease import covers, host_id, read_leases
-from zerostall.messages import Collective, LeafRow, SaveJob
+from zerostall.messages import Collective, LeafRow, SaveJob, WireError, from_wire, to_wire
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.storage import Storage

@@ -49,14 +49,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall.commit import committed_steps, parse_step
-from zerostall.errors import (
-    ChecksumMismatchError,
-    DirectoryReplacedError,
-    InvalidArgumentError,
-    WireError,
-    ZerostallError,
-    to_wire,
-)
+from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, InvalidArgumentError, ZerostallError
 from zerostall.format.layout import DATA_DIR
 from zerostall.format.manifest import parse_manifest
 from zerostall.messages import (
@@ -72,9 +65,11 @@ from zerostall.messages import (
     Message,
     Released,
     SaveJob,
+    WireError,
     WriterStats,
     decode,
     encode,
+    to_wire,
 )
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults

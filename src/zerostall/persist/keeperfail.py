@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zerostall.errors import KeeperPersistError, KeeperUnadoptableError, WireError, from_wire
+from zerostall.errors import KeeperPersistError, KeeperUnadoptableError
 from zerostall.format.layout import KEEPER_FAILED_PREFIX as MARKER_PREFIX
+from zerostall.messages import WireError, from_wire
 from zerostall.storage import Storage, local_path
 
 __all__ = ["KeeperFailure", "marker_key", "local_marker", "write_marker", "read_markers", "take_markers",

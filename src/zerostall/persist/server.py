@@ -16,7 +16,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from zerostall._version import __version__
-from zerostall.errors import WriterError, to_wire
+from zerostall.errors import WriterError
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -32,6 +32,7 @@ from zerostall.messages import (
     SaveJob,
     UnmapBuffer,
     encode,
+    to_wire,
 )
 from zerostall.persist.intake import Intake
 from zerostall.persist.job import run_save
