@@ -13,7 +13,7 @@ The keeper reports a failed persist of a memory-only step to the trainer that ad
   keeper's socket name does.
 
 A marker holds a JSON object ``{"root", "rank", "failures": [{"step", "path", "error", "time"}]}``
-(``error`` as :class:`~zerostall.errors.WireError` writes it). A reader that reports it removes
+(``error`` as :class:`~zerostall.messages.WireError` writes it). A reader that reports it removes
 it (:func:`take_markers`): each failure is reported once, like a background save error.
 """
 
