@@ -10,7 +10,6 @@ multipart path is exercised with an 11 MiB object.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import mmap
 import os
@@ -38,7 +37,6 @@ from zerostall.storage.base import (
     SequentialReads,
     VectoredReads,
     as_fill_cache,
-    as_hooked_writer,
     as_local_files,
     as_map_file,
     as_multipart,
@@ -432,8 +430,6 @@ class TestDeclaredCapabilities:
         assert isinstance(caps, Capabilities)
         for flag, proto in GROUPS.items():
             assert isinstance(st, proto) == getattr(caps, flag), (type(st).__name__, flag)
-        hook = "before_chunk" in inspect.signature(st.write_from_buffer).parameters
-        assert hook == caps.write_hook, type(st).__name__
 
     def test_a_mapping_needs_scan_to_be_declared(self) -> None:
         with pytest.raises(ValueError, match="scan"):
@@ -533,22 +529,6 @@ class TestDeclaredCapabilities:
         assert st.get("pw/obj") == want and st.size("pw/obj") == 20_000
         with pytest.raises(FileExistsError):
             pw.write_pieces("pw/obj", b"", 10, [])
-
-    def test_write_hook(self, declaring: Holder) -> None:
-        st = declaring.storage
-        hw = as_hooked_writer(st)
-        if hw is None:
-            assert not st.capabilities.write_hook
-            return
-        data = blob(3 * 4096 + 5, 18)
-        seen: list[tuple[int, int]] = []
-        hw.write_from_buffer("hook/obj", staged(data), len(data), threads=4, chunk_bytes=4096, direct=True,
-                             before_chunk=lambda off, n: seen.append((off, n)))
-        assert st.get("hook/obj") == data
-        covered = bytearray(len(data) + 4096)  # a direct write's last chunk may run into the padding
-        for off, n in seen:
-            covered[off:off + n] = b"\x01" * n
-        assert covered[:len(data)] == b"\x01" * len(data)  # every byte offered before it was written
 
     def test_multipart_uploads(self, declaring: Holder) -> None:
         st = declaring.storage

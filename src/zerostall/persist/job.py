@@ -37,11 +37,10 @@ from zerostall.lease import Lease
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
-from zerostall.persist.chunkcrc import ChunkChecksums, pipeline
 from zerostall.persist.collective import CollectiveStep
 from zerostall.stage.plan import plan_file
 from zerostall.storage import Storage, open_storage
-from zerostall.storage.base import as_hooked_writer, as_piece_writer
+from zerostall.storage.base import as_piece_writer
 
 __all__ = ["run_save", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
 
@@ -239,11 +238,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
             except BaseException as exc:  # noqa: BLE001 - re-raised below on the job's thread
                 crc_error.append(exc)
 
-        # One writer thread where the storage checksums as it writes (see chunkcrc): the CRC
-        # thread would run beside the writes, on a core the trainer's threads use.
-        fused = _fused_checksums(job, step, storage, views, mine, todo) if todo else None
         crc_thread = None
-        if fused is None and todo:
+        if todo:
             crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
             crc_thread.start()
         elif known_crcs is None:
@@ -255,12 +251,10 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
         try:
             faults.hit("write", job.root)
             if getattr(step, "writes", True):
-                written, files = _write(job, step, storage, views, mine, fused)
+                written, files = _write(job, step, storage, views, mine)
             else:  # the staged images stay where they are (the memory tier)
                 written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
                 files = [{"name": f.name, "size": f.length} for f in job.files]
-            if fused is not None:
-                sums = dict(zip(todo, fused.finish(), strict=True))
         finally:
             if crc_thread is not None:
                 crc_thread.join()
@@ -339,37 +333,18 @@ def _known(job: SaveJob, known_crcs: Sequence[int | None] | None) -> list[int | 
     return list(given)
 
 
-def _fused_checksums(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int],
-                     todo: list[int]) -> ChunkChecksums | None:
-    """The chunk-by-chunk checksummer of the leaves ``todo``, where this save writes every staged
-    file whole to a storage that calls a hook per chunk; None: checksum on a thread of its own."""
-    if (pipeline() != "serial" or not getattr(step, "writes", True) or len(mine) != len(job.leaves)
-            or not storage.capabilities.write_hook):
-        return None
-    return ChunkChecksums(job.leaves, todo, views)
-
-
-def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview], mine: list[int],
-           fused: ChunkChecksums | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Write this writer's data files; return the manifest rows of the leaves written, and the files.
-
-    With ``fused``, the files are written one after another on this thread, each chunk
-    checksummed right before it is written."""
+def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview],
+           mine: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Write this writer's data files; return the manifest rows of the leaves written, and the files."""
     w = job.write
-    hooked = as_hooked_writer(storage)
     if len(mine) == len(job.leaves):
         # Everything staged is this writer's: the staged images are the files, written as they are.
         def write_file(i: int) -> None:
             f = job.files[i]
-            if fused is not None:
-                assert hooked is not None  # _fused_checksums fuses only where write_hook is declared
-                hooked.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=1,
-                                         chunk_bytes=w.chunk_bytes, direct=w.direct_io, before_chunk=fused.hook(i))
-                return
             storage.write_from_buffer(step.data_key(f.name), views[i], f.length, threads=w.io_threads,
                                       chunk_bytes=w.chunk_bytes, direct=w.direct_io)
 
-        if len(job.files) == 1 or fused is not None:
+        if len(job.files) == 1:
             for i in range(len(job.files)):
                 write_file(i)
         else:

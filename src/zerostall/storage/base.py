@@ -22,9 +22,9 @@ from typing import Protocol, cast, runtime_checkable
 
 __all__ = [
     "Storage", "Capabilities", "NO_CAPABILITIES", "VectoredReads", "SequentialReads", "Scan", "MappedRange",
-    "MapFile", "FillCache", "PieceWrites", "HookedWrites", "MultipartUploads", "Probe", "LocalFiles",
+    "MapFile", "FillCache", "PieceWrites", "MultipartUploads", "Probe", "LocalFiles",
     "as_vectored", "as_sequential", "as_scan", "as_map_file", "as_fill_cache", "as_piece_writer",
-    "as_hooked_writer", "as_multipart", "as_probe", "as_local_files",
+    "as_multipart", "as_probe", "as_local_files",
 ]
 
 
@@ -48,8 +48,6 @@ class Capabilities:
     fill_cache: bool = False
     #: :class:`PieceWrites`: a new object written from scattered ``(bytes, offset)`` pieces
     write_pieces: bool = False
-    #: :class:`HookedWrites`: ``write_from_buffer`` takes ``before_chunk``, called on the writing thread
-    write_hook: bool = False
     #: :class:`MultipartUploads`: incomplete multipart uploads can be listed and aborted
     multipart_uploads: bool = False
     #: :class:`Probe`: a cheap reachability check (without it the root is listed instead)
@@ -189,18 +187,6 @@ class PieceWrites(Protocol):
 
 
 @runtime_checkable
-class HookedWrites(Protocol):
-    def write_from_buffer(
-        self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool,
-        before_chunk: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """:meth:`Storage.write_from_buffer`, calling ``before_chunk(offset, n)`` on the writing
-        thread before each chunk is written (a chunk may be offered again; the hook ignores what
-        it has seen). Together the chunks cover ``[0, length)`` (an aligned direct write's last
-        chunk may run on into the buffer's padding)."""
-
-
-@runtime_checkable
 class MultipartUploads(Protocol):
     def list_uploads(self, prefix: str) -> Sequence[tuple[str, str]]:
         """Incomplete multipart uploads under ``prefix``: ``(key relative to the root, upload id)``."""
@@ -258,10 +244,6 @@ def as_fill_cache(storage: Storage) -> FillCache | None:
 
 def as_piece_writer(storage: Storage) -> PieceWrites | None:
     return cast(PieceWrites, storage) if storage.capabilities.write_pieces else None
-
-
-def as_hooked_writer(storage: Storage) -> HookedWrites | None:
-    return cast(HookedWrites, storage) if storage.capabilities.write_hook else None
 
 
 def as_multipart(storage: Storage) -> MultipartUploads | None:

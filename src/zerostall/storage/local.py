@@ -41,7 +41,7 @@ class LocalStorage:
 
     atomic_rename = True
     capabilities = Capabilities(vectored_reads=True, sequential_reads=True, scan=True, map_file=True,
-                                fill_cache=True, write_pieces=True, write_hook=True, probe=True, local_files=True)
+                                fill_cache=True, write_pieces=True, probe=True, local_files=True)
 
     def __init__(self, root_url: str) -> None:
         root = root_url.removeprefix("file://")
@@ -59,18 +59,9 @@ class LocalStorage:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def write_from_buffer(
-        self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int, direct: bool,
-        before_chunk: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """Write ``buf[:length]`` to a new file ``key``; durable (fsynced) on return.
-
-        ``before_chunk(offset, n)`` runs on the writing thread before each chunk is written (one
-        thread: ``threads`` is then ignored). A chunk may be offered again after a fallback from
-        ``O_DIRECT`` to buffered writes; the hook must ignore what it has already seen.
-        """
-        if before_chunk is not None:
-            threads = 1
+    def write_from_buffer(self, key: str, buf: memoryview, length: int, *, threads: int, chunk_bytes: int,
+                          direct: bool) -> None:
+        """Write ``buf[:length]`` to a new file ``key``; durable (fsynced) on return."""
         path = self._p(key)
         _makedirs(os.path.dirname(path))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -90,14 +81,14 @@ class LocalStorage:
             # the file is cut back to `length` afterwards.
             end = _round_up(length, _ALIGN) if use_direct else length
             try:
-                _parallel_pwrite(fd, buf, end, threads, chunk_bytes, before_chunk)
+                _parallel_pwrite(fd, buf, end, threads, chunk_bytes)
             except OSError as exc:
                 if not (use_direct and exc.errno == errno.EINVAL):
                     raise
                 os.close(fd)
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
                 use_direct = False
-                _parallel_pwrite(fd, buf, length, threads, chunk_bytes, before_chunk)
+                _parallel_pwrite(fd, buf, length, threads, chunk_bytes)
             if use_direct and end != length:
                 os.ftruncate(fd, length)
             os.fsync(fd)
@@ -451,14 +442,11 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += w
 
 
-def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: int,
-                     before_chunk: Callable[[int, int], None] | None = None) -> None:
+def _parallel_pwrite(fd: int, buf: memoryview, end: int, threads: int, chunk: int) -> None:
     ranges = [(off, min(chunk, end - off)) for off in range(0, end, chunk)]
 
     def write_range(r: tuple[int, int]) -> None:
         off, n = r
-        if before_chunk is not None:
-            before_chunk(off, n)
         _pwrite_all(fd, buf[off:off + n], off)
 
     if threads <= 1 or len(ranges) <= 1:
