@@ -5,6 +5,11 @@ import pytest
 
 # Tests import the package from src/ even without an editable install.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "src"))
+# The fault injector (ZEROSTALL_FAULTS) is not part of the package: this process and every process
+# the tests start (writers, keepers, trainers, torchrun workers) find it in tests/support.
+_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+sys.path.insert(0, _SUPPORT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SUPPORT, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
+from zerostall import envvars
 from zerostall._version import __version__
 from zerostall.commit import committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.errors import (
@@ -501,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = run(args)
     except Exception as exc:  # every failure is one line (or one JSON document), never a traceback
-        if os.environ.get("ZEROSTALL_DEBUG"):
+        if envvars.get(envvars.DEBUG):
             raise
         exc = _as_zerostall_error(exc, args)
         exc = _hint_file_given(exc, args)

@@ -33,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from zerostall import envvars
 from zerostall.errors import WriterError
 from zerostall.format.layout import LEASE_MARK, LEASE_RE
 from zerostall.storage import Storage
@@ -42,8 +43,8 @@ __all__ = [
     "LeaseInfo", "Lease", "read_leases", "covers",
 ]
 
-HOST_ENV = "ZEROSTALL_HOST_ID"
-LEASE_ENV = "ZEROSTALL_LEASE_S"
+HOST_ENV = envvars.HOST_ID.name
+LEASE_ENV = envvars.LEASE_S.name
 DEFAULT_LEASE_S = 60.0
 
 

@@ -6,14 +6,13 @@ long after the copy has pushed it out of every cache. Ordinary stores first read
 cache line (read-for-ownership) and write it back later; streaming stores write it once. glibc's
 ``memmove`` switches to them only above ``x86_non_temporal_threshold`` (192 MiB on the machine
 measured), and checkpoints are copied a tensor at a time. Measured on that machine (AMD EPYC,
-2 vCPUs, 1 GiB in 1-32 MiB pieces, ``benchmarks/memcopy_probe.py``): 0.129-0.134 s per GiB with
+2 vCPUs, 1 GiB in 1-32 MiB pieces, ``benchmarks/probes/memcopy_probe.py``): 0.129-0.134 s per GiB with
 ``memmove`` on one thread, 0.077-0.080 s with streaming stores; 0.084-0.104 s and 0.057-0.071 s
 on two threads.
 
 The streaming copy is a small C extension (``zerostall._memcopy``, built at install where a C
 compiler is found; an optional build). Without it, or on a CPU without streaming stores, every
-copy is ``memmove``: the same bytes, only slower. :data:`STREAMING` says which; the environment
-variable ``ZEROSTALL_STREAMING_COPY=0`` (or ``false``, ``no``, ``off``) turns it off (for A/B measurements).
+copy is ``memmove``: the same bytes, only slower. :data:`STREAMING` says which.
 
 The same extension has one more kernel, for copies whose bytes must be checksummed anyway (a
 load that verifies, a staging copy whose CRC the writer then need not compute): the CRC32C of
@@ -21,7 +20,7 @@ the bytes computed in the copy's own pass (:func:`copy` / :func:`copy_array` wit
 :func:`copy_many` with ``crc=True``). Where the CPU has AVX-512 VPCLMULQDQ, 256 bytes at a time
 are folded by carry-less multiplication and stream-stored from the same registers; elsewhere each
 12 KiB block is checksummed (three lanes of SSE4.2 ``crc32``) while the block before it is copied
-out of L1. Per GiB from faulted-in memory (``benchmarks/memcopy_probe.py``, 32 MiB pieces):
+out of L1. Per GiB from faulted-in memory (``benchmarks/probes/memcopy_probe.py``, 32 MiB pieces):
 0.048 s on one thread with the fold, 0.069 s without, against 0.053 s for the streaming copy alone;
 0.043 s on two threads either way, as the copy (docs/design.md, "Streaming-store copies"). The
 extension's CRC-only kernel (:func:`crc32c`) is what :func:`zerostall.checksum.checksum` uses.
@@ -34,9 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import os
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -44,10 +41,8 @@ from typing import Any
 import numpy as np
 
 from zerostall.cpus import shared_pool, usable_cpus
-from zerostall.errors import ZerostallWarning
 
-__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "crc32c", "copy_array", "copy_many",
-           "env_switch", "settled_switches"]
+__all__ = ["STREAMING", "CRC_COPY", "MIN_STREAM", "copy", "combine", "crc32c", "copy_array", "copy_many"]
 
 
 def _load() -> ModuleType | None:
@@ -58,65 +53,16 @@ def _load() -> ModuleType | None:
     return ext if ext.NONTEMPORAL else None
 
 
-_ON = ("1", "true", "yes", "on", "")
-_OFF = ("0", "false", "no", "off")
-_READ: set[str] = set()  # the switches this process has read (and warned about)
-
-
-def env_switch(name: str, what: str) -> bool:
-    """An on/off environment variable: unset or on by default; 0/false/no/off turn it off, and a
-    value that is neither on nor off is warned about (a typo must not leave an A/B measuring the
-    same code twice unnoticed). ``what`` names what stays on, for the warning."""
-    _READ.add(name)
-    value = os.environ.get(name, "1").strip().lower()
-    if value in _OFF:
-        return False
-    if value not in _ON:
-        warnings.warn(f"{name}={value!r} is neither on (1, true, yes, on) nor off (0, false, no, off): "
-                      f"{what} stay on", ZerostallWarning, stacklevel=3)
-    return True
-
-
-def settled_switches(env: dict[str, str]) -> dict[str, str]:
-    """``env`` (a child process's environment) with every switch this process has read and warned
-    about as neither on nor off set to ``1``, which is what it means here: the child (the writer)
-    reads the same switches, and the user sees the warning once, not once per process.
-
-    Example::
-
-        >>> import warnings; warnings.simplefilter("ignore")
-        >>> os.environ["ZEROSTALL_STREAMING_COPY"] = "of"; _ = _switch()
-        >>> settled_switches({"ZEROSTALL_STREAMING_COPY": "of"})
-        {'ZEROSTALL_STREAMING_COPY': '1'}
-        >>> del os.environ["ZEROSTALL_STREAMING_COPY"]
-    """
-    out = dict(env)
-    for name in _READ:
-        value = out.get(name)
-        if value is not None and value.strip().lower() not in _ON + _OFF:
-            out[name] = "1"
-    return out
-
-
-def _switch() -> bool:
-    """``ZEROSTALL_STREAMING_COPY`` (:func:`env_switch`)."""
-    return env_switch("ZEROSTALL_STREAMING_COPY", "streaming copies")
-
-
 _ext = _load()
 # An extension built before the kernel existed has no CRC32C attribute: copies only.
 _crc_ext = _ext if _ext is not None and bool(getattr(_ext, "CRC32C", False)) else None
-# The carry-less-multiply kernels (AVX-512 VPCLMULQDQ) are used wherever the CPU has them;
-# ZEROSTALL_CRC_FOLD=0 keeps the crc32-instruction kernels, for A/B runs. An extension built
-# before they existed has no set_fold.
-if _crc_ext is not None and hasattr(_crc_ext, "set_fold") and not env_switch(
-        "ZEROSTALL_CRC_FOLD", "the carry-less-multiply CRC kernels"):
-    _crc_ext.set_fold(False)
+# The carry-less-multiply kernels (AVX-512 VPCLMULQDQ) are used wherever the CPU has them, the
+# crc32-instruction kernels elsewhere (the extension decides at import).
 # The extension's CRC-only kernel (None where it is not built, or built before it existed)
 _crc_only: Callable[[Any, int], int] | None = getattr(_crc_ext, "crc32c", None)
 #: Whether large copies use streaming stores (the extension is built and the CPU has them).
-#: Read at every copy, so a benchmark may switch it for a paired A/B.
-STREAMING: bool = _ext is not None and _switch()
+#: Read at every copy (a test may switch it off to run the memmove path).
+STREAMING: bool = _ext is not None
 #: Whether :func:`copy_array` can checksum (CRC32C) the bytes it copies in the same pass: the
 #: extension's kernel, on a CPU with SSE4.2's crc32 instruction, while :data:`STREAMING` is on.
 CRC_COPY: bool = STREAMING and _crc_ext is not None
@@ -168,7 +114,7 @@ def crc32c(view: memoryview | bytes | bytearray, crc: int = 0) -> int | None:
 
     On a CPU with AVX-512 VPCLMULQDQ it folds 256 bytes at a time by carry-less multiplication
     and runs at memory speed (0.030 s per GiB on two cores here against 0.039 s for the crc32
-    instruction; 0.033 against 0.069 s on one, docs/performance.md, "Eighth round"); elsewhere it
+    instruction; 0.033 against 0.069 s on one, ``benchmarks/probes/memcopy_probe.py``); elsewhere it
     is the three-lane crc32-instruction loop.
     :func:`zerostall.checksum.checksum` uses it and falls back to the ``crc32c`` package.
     """
@@ -225,9 +171,9 @@ def copy_many(items: Sequence[tuple[int, int, int]], threads: int | None = None,
     (default: one per usable CPU). Returns once every piece is copied; the first error is raised
     after every piece has run.
 
-    Not on the pinned team that a load's passes use (:data:`zerostall.restore.spans.PIN_PASSES`):
-    there the blocking save's stall was the same (256 MiB, 12 pairs in one process: 17.0 ms
-    pooled, 17.2 ms pinned; docs/performance.md, "Tenth round").
+    Not on the pinned team that a load's passes use (:func:`zerostall.cpus.pinned_team`): there
+    the blocking save's stall was the same (256 MiB, 12 pairs in one process: 17.0 ms pooled,
+    17.2 ms pinned).
 
     With ``crc`` and :data:`CRC_COPY`, returns each piece's ``((item, start, end), CRC32C)``,
     computed in the copy's own pass (:func:`zerostall.checksum.join_crcs` makes the items' CRCs

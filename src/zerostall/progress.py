@@ -20,6 +20,8 @@ import time
 from types import TracebackType
 from typing import TextIO
 
+from zerostall import envvars
+
 __all__ = ["Progress"]
 
 _SPIN = "|/-\\"
@@ -132,7 +134,7 @@ class Progress:
 
 def _env_delay() -> float:
     try:
-        return float(os.environ.get("ZEROSTALL_PROGRESS_DELAY_S", "1"))
+        return float(envvars.get(envvars.PROGRESS_DELAY_S, "1") or "1")
     except ValueError:
         return 1.0
 

@@ -318,64 +318,6 @@ def test_copy_many_does_not_wait_for_a_busy_pool(monkeypatch: pytest.MonkeyPatch
         busy.result()
 
 
-@pytest.mark.parametrize("value, on, warned", [
-    ("0", False, False), ("off", False, False), ("False", False, False), ("1", True, False), ("yes", True, False),
-    ("of", True, True),
-])
-def test_the_switch_reads_on_and_off_and_warns_about_anything_else(monkeypatch: pytest.MonkeyPatch, value: str,
-                                                                   on: bool, warned: bool) -> None:
-    from zerostall.errors import ZerostallWarning
-
-    monkeypatch.setenv("ZEROSTALL_STREAMING_COPY", value)
-    with pytest.warns(ZerostallWarning, match="ZEROSTALL_STREAMING_COPY='of'") if warned else _no_warning():
-        assert memcopy._switch() is on
-
-
-def _no_warning():  # type: ignore[no-untyped-def]
-    import contextlib
-    import warnings
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.simplefilter("error")
-    return stack
-
-
-def test_the_fold_switch_turns_the_fold_kernels_off_at_import() -> None:
-    import subprocess
-    import sys
-
-    probe = "import zerostall.memcopy as m; print(m._crc_ext.set_fold(False) if m._crc_ext else 'unbuilt')"
-    env = {**__import__("os").environ, "ZEROSTALL_CRC_FOLD": "0"}
-    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert off.stdout.strip() in ("False", "unbuilt")
-    env["ZEROSTALL_CRC_FOLD"] = "1"
-    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    has = {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= _cpu_flags()
-    assert on.stdout.strip() in (str(has), "unbuilt")
-
-
-def test_a_bad_switch_is_warned_about_once_not_again_by_the_writer_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import os
-    import subprocess
-    import sys
-
-    script = (
-        "import torch, zerostall\n"
-        f"with zerostall.Checkpointer({str(tmp_path / 'c')!r}) as ck:\n"
-        "    ck.save_pytree(1, {'w': torch.ones(1 << 18)})\n"
-        "print('saved')\n"
-    )
-    env = {**os.environ, "ZEROSTALL_STAGE_CRC": "bogus", "ZEROSTALL_STREAMING_COPY": "maybe"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "saved" in out.stdout
-    assert out.stderr.count("ZEROSTALL_STAGE_CRC='bogus'") == 1, out.stderr  # the trainer's, not the writer's too
-    assert out.stderr.count("ZEROSTALL_STREAMING_COPY='maybe'") == 1, out.stderr
-    assert memcopy.settled_switches({"ZEROSTALL_STAGE_CRC": "off", "OTHER": "x"}) == {"ZEROSTALL_STAGE_CRC": "off",
-                                                                                     "OTHER": "x"}
-
-
 def test_checksum_is_the_same_with_and_without_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     import zerostall.checksum as cks
 

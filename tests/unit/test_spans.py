@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-import zerostall.restore.spans as spans
 from zerostall.checksum import checksum, checksum_combine
 from zerostall.cpus import PinnedTeam, pinned_team, usable_cpus
 from zerostall.restore.spans import join_crcs, run_all, split_chunks, split_even, workers
@@ -117,8 +116,6 @@ def test_a_pass_on_every_cpu_runs_on_the_pinned_team_else_on_the_pool(monkeypatc
         assert sorted(ran) == list(range(n))
         # more shares than CPUs (a cold pass): the pool, unpinned
         assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), [0] * (n + 1), n + 1))
-        monkeypatch.setattr(spans, "PIN_PASSES", False)  # the A/B switch
-        assert all(not w[0].startswith("zerostall-pass-cpu") for w in run_all(lambda i: _where(), list(range(n)), n))
     else:
         assert pinned_team() is None
 

@@ -159,17 +159,3 @@ def test_stage_checksums_what_it_streams_and_leaves_the_rest_to_the_writer(monke
         v = leaf.value
         want = v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else (v.tobytes() if isinstance(v, np.ndarray) else v)
         assert bytes(buf[place.offset:place.offset + place.nbytes]) == want, leaf.key
-
-
-def test_the_stage_crc_switch_reads_on_and_off_and_warns_about_anything_else(monkeypatch):
-    import pytest
-
-    import zerostall.stage.stager as stager
-    from zerostall.errors import ZerostallWarning
-
-    for value, on in (("0", False), ("OFF", False), ("1", True), ("", True)):
-        monkeypatch.setenv("ZEROSTALL_STAGE_CRC", value)
-        assert stager._stage_crc() is on
-    monkeypatch.setenv("ZEROSTALL_STAGE_CRC", "nope")
-    with pytest.warns(ZerostallWarning, match="ZEROSTALL_STAGE_CRC='nope'.*checksums at staging stay on"):
-        assert stager._stage_crc() is True

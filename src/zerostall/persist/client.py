@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
 
 from zerostall.commit import is_committed
+from zerostall.envvars import settled_switches
 from zerostall.errors import (
     InvalidArgumentError,
     KeeperLostError,
@@ -31,7 +32,6 @@ from zerostall.errors import (
     WriterError,
     ZerostallError,
 )
-from zerostall.memcopy import settled_switches
 from zerostall.messages import (
     PROTOCOL,
     Close,

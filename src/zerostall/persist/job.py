@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from zerostall import envvars
 from zerostall._version import __version__
 from zerostall.checksum import checksum
 from zerostall.commit import (
@@ -45,7 +46,7 @@ from zerostall.storage.base import as_piece_writer
 __all__ = ["run_save", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
 
 #: environment variables that configure storage backends; the trainer's values travel with each job
-STORAGE_ENV_PREFIXES = ("AWS_", "ZEROSTALL_S3_")
+STORAGE_ENV_PREFIXES = ("AWS_", envvars.S3_PREFIX)
 
 
 def storage_env() -> dict[str, str]:

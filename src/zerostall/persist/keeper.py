@@ -48,6 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from zerostall import envvars
 from zerostall.commit import committed_steps, parse_step
 from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, InvalidArgumentError, ZerostallError
 from zerostall.format.layout import DATA_DIR
@@ -853,7 +854,7 @@ class Keeper:
                 raise
             print(f"zerostall keeper: persisting {job.path}, held only in memory, failed: {exc}",
                   file=sys.stderr, flush=True)
-            if os.environ.get("ZEROSTALL_DEBUG"):
+            if envvars.get(envvars.DEBUG):
                 traceback.print_exc()
             self._record_failure(job, exc, closing)
 

@@ -15,6 +15,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from zerostall import envvars
 from zerostall._version import __version__
 from zerostall.errors import WriterError
 from zerostall.messages import (
@@ -139,7 +140,7 @@ def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: K
     except BaseException as exc:  # every failure goes back to the caller's result()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        if os.environ.get("ZEROSTALL_DEBUG"):
+        if envvars.get(envvars.DEBUG):
             traceback.print_exc()
         _send(conn, Failed(job=job.id, error=to_wire(exc, path=job.path)))
     else:

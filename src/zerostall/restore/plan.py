@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from zerostall import envvars
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype
 from zerostall.errors import (
     CorruptCheckpointError,
@@ -33,7 +34,6 @@ from zerostall.errors import (
     UnsupportedFormatError,
 )
 from zerostall.format.manifest import LeafEntry, Manifest
-from zerostall.memcopy import env_switch
 from zerostall.restore.files import DataFiles
 from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations
 
@@ -166,10 +166,10 @@ class ReadRequest:
     device: Any = None
 
 
-#: Whether templates on an accelerator are loaded by :mod:`zerostall.restore.device`'s pass
-#: (``ZEROSTALL_DEVICE_LOADS=0``: through a host tensor per leaf and one synchronous copy each, the
-#: way before; for A/B runs).
-DEVICE_LOADS: bool = env_switch("ZEROSTALL_DEVICE_LOADS", "loads into CUDA templates through page-locked rings")
+#: Whether templates on an accelerator are loaded by :mod:`zerostall.restore.device`'s pass, or
+#: through a host tensor per leaf and one synchronous copy each (:data:`zerostall.envvars.DEVICE_LOADS`:
+#: an A/B a GPU run has yet to decide).
+DEVICE_LOADS: bool = envvars.switch(envvars.DEVICE_LOADS, "loads into CUDA templates through page-locked rings")
 #: The device types that pass loads into. A test adds "cpu" to send CPU templates through the same
 #: pass (no streams, no page-locked memory: its logic, not its speed).
 DEVICE_TYPES: set[str] = {"cuda"}

@@ -11,7 +11,7 @@ MiB; cached stores cost up to 1.8x as much, measured here).
 
 A pass on every CPU the process may use, one share per CPU, runs on
 :func:`zerostall.cpus.pinned_team`: one thread pinned to each CPU, so that no two shares start on
-the same core (``ZEROSTALL_PIN_PASSES=0`` turns that off, for A/B runs). Other passes (a cold
+the same core. Other passes (a cold
 one: many pieces, each taken by whichever thread is free once it has been read) take threads from one pool per process
 (:func:`zerostall.cpus.shared_pool`), made on first use: starting threads costs milliseconds per
 load on a busy machine.
@@ -27,13 +27,8 @@ from typing import Any, TypeVar, cast
 # sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
 from zerostall.cpus import pinned_team, shared_pool, usable_cpus
-from zerostall.memcopy import env_switch
 
-__all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs", "PIN_PASSES"]
-
-#: Whether a pass with one share per usable CPU runs on :func:`zerostall.cpus.pinned_team`
-#: (``ZEROSTALL_PIN_PASSES=0``: on the shared pool, for A/B runs).
-PIN_PASSES: bool = env_switch("ZEROSTALL_PIN_PASSES", "passes pinned one thread per CPU")
+__all__ = ["Span", "workers", "split_even", "split_chunks", "run_all", "join_crcs"]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -67,7 +62,7 @@ def run_all(fn: Callable[[_T], _R], items: Sequence[_T], threads: int) -> list[_
     item order) is raised."""
     if threads <= 1 or len(items) <= 1:
         return [fn(t) for t in items]
-    team = pinned_team() if PIN_PASSES and threads == usable_cpus() else None
+    team = pinned_team() if threads == usable_cpus() else None
     got: list[tuple[BaseException | None, _R | None]]
     if team is not None and len(items) <= len(team):
         got = team.run(fn, items)

@@ -52,10 +52,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+from zerostall import envvars
 from zerostall.checksum import join_crcs
 from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
-from zerostall.memcopy import copy, env_switch
+from zerostall.memcopy import copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
@@ -190,9 +191,9 @@ class _CudaPart:
 #: thread (:class:`_Enqueuer`), so the save call only records an event on the caller's stream.
 #: Each ``copy_`` costs the host ~17 us in torch and the driver (H200 host: 22 ms for the
 #: 1,268 tensors of benchmarks/gpu.py's model, half of the whole call), and a step needs the
-#: copies enqueued only before its own kernels are. ``ZEROSTALL_CUDA_ENQUEUE_THREAD=0`` enqueues
-#: them in the call, on the training thread (before round 9; for A/B runs).
-CUDA_ENQUEUE_THREAD = env_switch("ZEROSTALL_CUDA_ENQUEUE_THREAD", "background CUDA copy enqueues")
+#: copies enqueued only before its own kernels are. Off (:data:`zerostall.envvars.CUDA_ENQUEUE_THREAD`):
+#: enqueued in the call, on the training thread; an A/B for a GPU run to decide.
+CUDA_ENQUEUE_THREAD = envvars.switch(envvars.CUDA_ENQUEUE_THREAD, "background CUDA copy enqueues")
 
 
 def _enqueue_copies(part: _CudaPart, stream: Any, ready: Any, dsts: list[Any]) -> None:

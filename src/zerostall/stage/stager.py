@@ -33,17 +33,12 @@ class CopyEngine(Protocol):
     def finish(self) -> dict[int, int]: ...
 
 
-def _stage_crc() -> bool:
-    """``ZEROSTALL_STAGE_CRC``: on unless 0/false/no/off (an A/B switch for benchmarks; see
-    :func:`~zerostall.memcopy.env_switch`)."""
-    return memcopy.env_switch("ZEROSTALL_STAGE_CRC", "checksums at staging")
-
-
 #: Whether staging checksums what it copies (the copy kernel's CRC32C in the copy's own pass,
 #: where :data:`zerostall.memcopy.CRC_COPY`): the writer and the memory tier's keeper then make
-#: no checksum pass of their own over those leaves. Read at every save, so a benchmark may
-#: switch it for a paired A/B (docs/design.md, "Checksums at staging").
-STAGE_CRC: bool = _stage_crc()
+#: no checksum pass of their own over those leaves. Read at every save: a test switches it off to
+#: run the path of a build without the kernel, where the writer checksums (docs/design.md,
+#: "Checksums at staging").
+STAGE_CRC: bool = True
 
 
 def staging_checksums() -> bool:

@@ -40,6 +40,7 @@ import boto3
 from botocore import exceptions as bex
 from botocore.config import Config
 
+from zerostall.envvars import S3_PREFIX
 from zerostall.errors import InvalidArgumentError
 from zerostall.storage.base import Capabilities
 from zerostall.validate import check_int, check_number
@@ -108,15 +109,15 @@ class S3Options:
         env = os.environ if environ is None else environ
         kw: dict[str, Any] = {}
         for f in fields(cls):
-            raw = env.get(f"ZEROSTALL_S3_{f.name.upper()}")
+            name = f"{S3_PREFIX}{f.name.upper()}"
+            raw = env.get(name)
             if raw is None or raw == "":
                 continue
             kind = type(f.default).__name__ if isinstance(f.default, (int, float)) else "str"
             try:
                 kw[f.name] = int(float(raw)) if kind == "int" else float(raw) if kind == "float" else raw
             except ValueError:
-                raise InvalidArgumentError(f"ZEROSTALL_S3_{f.name.upper()}={raw!r} is not a valid {kind}",
-                                           argument=f"ZEROSTALL_S3_{f.name.upper()}") from None
+                raise InvalidArgumentError(f"{name}={raw!r} is not a valid {kind}", argument=name) from None
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
