@@ -208,7 +208,7 @@ static uint32_t crc_lanes_store(const char *src, uint64_t c0, char *pdst, const 
  * ran 0.066-0.074 s per GiB on two threads here, the overlapped form 0.049-0.057 s, a plain
  * streaming copy 0.047-0.050 s (a one-off C harness, 16 MiB pieces). Storing each word as it was
  * checksummed measured 1.7-2.5x slower (six interleaved write streams defeat the write-combining
- * buffers). benchmarks/memcopy_probe.py times this kernel against the copy and the crc32c
+ * buffers). benchmarks/probes/memcopy_probe.py times this kernel against the copy and the crc32c
  * package. */
 __attribute__((target("sse4.2")))
 static uint32_t copy_crc(char *dst, const char *src, size_t n, uint32_t crc)

@@ -227,7 +227,7 @@ def hint_run_layout(exc: CheckpointNotFoundError, where: str, *,
                     newest: str = "the newest that loads with fallback=True (or Checkpointer(dir, read_only=True)"
                                   ".load_pytree(template=...))") -> CheckpointNotFoundError:
     """Given a Checkpointer's run directory, or a step folder it does not have (``step_1`` for
-    ``step_00000001``), say which steps are there: "no manifest" alone does not tell a newcomer."""
+    ``step_00000001``), say which steps are there: "no manifest" alone does not say where to look."""
     try:
         steps = committed_steps(open_storage(where))
         if steps:
@@ -479,7 +479,7 @@ def set_buffer_cache_limit(nbytes: int) -> None:
             eng.pool.cache_bytes = _cache_bytes
 
 
-# -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+# -- common mistakes, refused with what to do -------------------------------------------------
 
 
 def check_writer_reaches(path: str, options: SaveOptions | None) -> None:

@@ -714,7 +714,7 @@ class Checkpointer:
                               "again (loading and listing still work)",
                               path=self.directory if step is None else self._step_path(step))
 
-    # -- metadata and deletion (issue 12) ----------------------------------------------------
+    # -- metadata and deletion -----------------------------------------------------------------
 
     def _step_path(self, step: int) -> str:
         return f"{self.directory.rstrip('/')}/{step_name(step)}"
@@ -784,7 +784,7 @@ class Checkpointer:
             raise InvalidArgumentError("this host's memory tier holds this step; it cannot be deleted until a newer "
                                        "step replaces it", argument="step", path=path)
         if step not in committed_steps(self._storage):
-            if self._engine.in_flight(path):  # "no committed step" for the step just saved puzzled a newcomer
+            if self._engine.in_flight(path):  # "no committed step" for the step just saved would puzzle
                 raise CheckpointNotFoundError("no committed step to delete: its save is still in flight; wait for it "
                                               "(response.result() or ckpt.wait()), then delete", path=path)
             raise CheckpointNotFoundError("no committed step to delete", path=path)
@@ -1007,7 +1007,7 @@ class _FixedCosts(CadenceEstimator):
         return self._fixed
 
 
-# -- mistakes a newcomer makes, refused with what to do (docs/newcomer-run.md) -----------------
+# -- common mistakes, refused with what to do -------------------------------------------------
 
 
 def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -> None:
@@ -1040,7 +1040,7 @@ def _hint_steps(exc: CheckpointNotFoundError, steps: list[int]) -> CheckpointNot
 
 def _refuse_a_checkpoint_as_run(storage: Storage, directory: str) -> None:
     """``Checkpointer("run/step_00000100")`` (or a ``save_pytree`` output) listed nothing, and its
-    saves nested new ``step_*`` folders inside that committed checkpoint (newcomer round 4)."""
+    saves nested new ``step_*`` folders inside that committed checkpoint."""
     try:
         inside = storage.exists(MANIFEST_NAME)
     except OSError:

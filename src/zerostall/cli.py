@@ -132,7 +132,7 @@ def cmd_list(args: argparse.Namespace) -> dict[str, Any]:
 
 def _runs_below(storage: Storage, names: list[str]) -> list[dict[str, Any]]:
     """Subdirectories that hold committed steps themselves (a Lightning ModelCheckpoint dirpath holds
-    ``epoch=3-step=40.ckpt/step_00000001``): "no committed checkpoints" alone sent a newcomer away."""
+    ``epoch=3-step=40.ckpt/step_00000001``): "no committed checkpoints" alone would not say where to look."""
     out: list[dict[str, Any]] = []
     for n in names[:_RUNS_BELOW_LOOKED_AT]:
         if parse_step(n) is not None or TMP_MARK in n or DEL_MARK in n or n.startswith("."):
@@ -333,7 +333,7 @@ def _print_list(r: dict[str, Any]) -> None:
     for row in r.get("keeper_failed", ()):
         _out(f"KEEPER PERSIST FAILED: step {row['step']} (rank {row['rank']}) never reached storage: {row['error']}")
     for marker in sorted({row["marker"] for row in r.get("keeper_failed", ()) if row.get("marker")}):
-        # A newcomer who has read the failure wants it gone: say what clears it.
+        # Whoever has read the failure wants it gone: say what clears it.
         _out(f"(recorded in {marker}: the next Checkpointer with a memory tier for this directory and rank "
              "reports it and removes the file; or delete it once read. Storage itself is consistent)")
     if r["unfinished"]:
@@ -538,7 +538,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 
-# -- operations: verify a run, rm, inspect's values and ranks (issue 12) -----------------------
+# -- operations: verify a run, rm, inspect's values and ranks ----------------------------------
 
 
 def _add_ops_parsers(sub: Any) -> None:
@@ -647,7 +647,7 @@ def _leaf_shards(items: dict[str, Any], rank_trees: tuple[dict[str, Any], ...]) 
     """For each leaf that is one box of a ``sharded`` node: its offset and the global shape.
 
     Without it, ``inspect`` of an FSDP2 checkpoint listed ``0.weight 19x13`` and ``0.weight 18x13``
-    with nothing saying they are the two halves of one 37x13 tensor (newcomer round 5).
+    with nothing saying they are the two halves of one 37x13 tensor.
     """
     out: dict[int, dict[str, Any]] = {}
     stack: list[Any] = list(items.values())
@@ -757,7 +757,7 @@ def _print_values(values: list[dict[str, Any]], saving: int | None = None) -> No
         _out(f"  ... {len(values) - _MAX_VALUES_SHOWN} more (--json lists them all)")
 
 
-# -- mistakes a newcomer makes, answered with what to do (docs/newcomer-run.md) ------------------
+# -- common mistakes, answered with what to do ---------------------------------------------------
 
 
 def _hint_missing_path(url: str, exc: CheckpointNotFoundError) -> CheckpointNotFoundError:
@@ -781,7 +781,7 @@ def _hint_missing_path(url: str, exc: CheckpointNotFoundError) -> CheckpointNotF
 
 
 def _hint_file_given(exc: Exception, args: argparse.Namespace) -> Exception:
-    """A file given where a checkpoint directory goes (newcomer round 5: ``zerostall inspect
+    """A file given where a checkpoint directory goes (``zerostall inspect
     model.pt``, ``zerostall verify CKPT/data/rank-00000.safetensors``) says what it is and what to
     pass, instead of only "[ENOTDIR] cannot stat the manifest manifest.json: Not a directory"."""
     given = getattr(args, "path", None) or getattr(args, "checkpoint", None)

@@ -59,7 +59,7 @@ class PinnedTeam:
     instruction. Handed to an ordinary pool, both shares of a two-core pass often ran on one core
     while the other stayed idle until the scheduler's balancing moved one (a warm 256 MiB
     all-or-nothing load after half a second idle, 15 pairs: 28.2-28.7 ms through the pool,
-    24.6-25.0 ms pinned; ``benchmarks/pin_ab.py``, docs/performance.md, "Tenth round"). A thread
+    24.6-25.0 ms pinned, measured by an A/B script kept in git history). A thread
     whose CPU cannot be pinned (taken offline since) runs unpinned.
     """
 

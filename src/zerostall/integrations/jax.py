@@ -333,7 +333,7 @@ def _into_key(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -
 
 def _scalar_into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
     """A saved Python number where the template has a 0-d array: what ``jax.eval_shape`` makes of
-    a state's step counter (newcomer round 5: the Orbax way to build a restore template). It comes
+    a state's step counter (the Orbax way to build a restore template). It comes
     back as an array of the template's dtype; a value that dtype cannot hold exactly is refused."""
     t = node["type"]
     value = float.fromhex(node["value"]) if t == "float" else node["value"]

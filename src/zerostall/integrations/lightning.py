@@ -89,7 +89,7 @@ from zerostall.format.layout import (
 try:
     from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.utilities import AttributeDict
-except ImportError as exc:  # depends on the environment (tests/adversarial/test_newcomer.py blocks it)
+except ImportError as exc:  # depends on the environment (tests/adversarial/test_missing_dependencies.py blocks it)
     raise MissingDependencyError(
         "zerostall.lightning needs the `lightning` package, which is not installed: "
         "pip install 'zerostall[lightning]'", name=(exc.name or "lightning").split(".")[0]) from exc
@@ -350,8 +350,8 @@ def _never_committed(container: str) -> str:
     """Why a plugin directory holds no committed checkpoint, and where to resume from instead.
 
     The directory is made when its first save starts (Lightning expects the path at once), so a
-    trainer killed during that save leaves it empty, and ``fit(ckpt_path="last")`` picks it
-    (newcomer round 5): the user is told which sibling checkpoints hold committed saves.
+    trainer killed during that save leaves it empty, and ``fit(ckpt_path="last")`` picks it:
+    the user is told which sibling checkpoints hold committed saves.
     """
     siblings = []
     try:

@@ -3,8 +3,8 @@
 A template on a CUDA device cannot be read into: its bytes pass through host memory. Before,
 each such leaf was read into a fresh pageable host tensor (the GPU benchmark's 4.74 GB state:
 4.74 GB of new pages, faulted in as they were written), and once everything had verified, copied
-over with one synchronous ``copy_`` per leaf (``benchmarks/gpu_restore.py``, docs/performance.md,
-"Twelfth round": 1.13 s warm, against 0.83 s for safetensors and a host-to-device floor of 0.09 s).
+over with one synchronous ``copy_`` per leaf (``benchmarks/gpu_restore.py`` on one H200: 1.13 s
+warm, against 0.83 s for safetensors and a host-to-device floor of 0.09 s; docs/performance.md).
 
 Now the pass's threads each own a small ring: two page-locked buffers of :data:`PIECE` bytes and a
 stream of their own. A thread reads a piece of the data file (``Storage.read_into``: neighbouring
@@ -20,7 +20,8 @@ in host memory and the commit copies them over, as before. A load that is not al
 the pieces straight into the templates.
 
 Which templates come here is the planner's choice (``restore.plan``: ``ReadRequest.device``;
-``ZEROSTALL_DEVICE_LOADS=0`` plans CUDA templates the old way, a host tensor per leaf, for A/B runs).
+``ZEROSTALL_DEVICE_LOADS=0`` plans CUDA templates through a host tensor per leaf instead, an A/B
+a GPU run has yet to decide: :mod:`zerostall.envvars`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ loaded into it, and its ``state_dict()`` asks for no moments. Restored without a
 moments would come back as new contiguous tensors: for a ``channels_last`` parameter (a CNN) the
 fused AdamW kernel then pairs the elements of parameter and moments by memory position and trains
 on silently wrong moments; for a DTensor parameter (FSDP2) every rank would hold the whole global
-moments as plain tensors and the next ``step()`` fails in DTensor dispatch (newcomer round 5).
+moments as plain tensors and the next ``step()`` fails in DTensor dispatch.
 
 :func:`optimizer_template` gives each saved state entry of a parameter's shape an uninitialized
 tensor made by ``torch.empty_like(param)`` (same strides, device and, for a DTensor, placement),

@@ -413,9 +413,9 @@ class _Reader:
         """Whether a one-pass load of ``reqs`` is better left to the group-by-group reads: nothing
         to check and nothing to read from disk, only one copy, and no streaming stores for it.
         With cached stores the group reads cost less CPU (``preadv`` from the page cache: 0.16-0.17
-        s per GiB against 0.20 s through a fresh mapping; docs/performance.md, "Restore, third
-        round"); with streaming stores (:mod:`zerostall.memcopy`) the copy out of the mapping on
-        every core wins (1 GiB warm, 7 pairs: median 0.096 s against 0.125 s; "Sixth round")."""
+        s per GiB against 0.20 s through a fresh mapping); with streaming stores
+        (:mod:`zerostall.memcopy`) the copy out of the mapping on every core wins (1 GiB warm, 7
+        pairs: median 0.096 s against 0.125 s; ``benchmarks/probes/restore_ab.py``)."""
         return (not memcopy.STREAMING and not any(self.opts.verify and q.verify for q in reqs)
                 and self.resident(reqs))
 
@@ -537,7 +537,7 @@ class _Reader:
         that is not all-or-nothing): warm, the bytes are cut into one run per thread; cold, into
         pieces of :data:`_FILL_CHUNK` in file order, each brought into the page cache
         (``fill_cache``, a buffered read: on this VM's virtual disk ``O_DIRECT`` reads ran at about
-        a third of the page cache's rate, benchmarks/cold_read_probe.py) while the other threads
+        a third of the page cache's rate, benchmarks/probes/cold_read_probe.py) while the other threads
         checksum and copy theirs. Raises for the first bad leaf in file order, after every piece
         has been copied."""
         if not reqs:
@@ -594,7 +594,7 @@ class _FillAhead:
     read reads it, one stream front to back, and the checks trail it by a piece instead of
     waiting for a whole round of reads (256 MiB cold: filled by four threads 32 MiB at a time and
     checked by each, 0.123 s; one reader and checks 8 MiB behind, 0.097-0.109 s; the raw read
-    0.101-0.112 s; benchmarks/cold_read_probe.py). Neighbouring pieces of one file are one
+    0.101-0.112 s; benchmarks/probes/cold_read_probe.py). Neighbouring pieces of one file are one
     ``fill_cache`` call, one descriptor: its readahead keeps growing.
 
     A piece the reader did not fill (it stopped at a read error, or the storage filled nothing)

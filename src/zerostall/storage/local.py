@@ -267,7 +267,7 @@ class LocalStorage:
 
         With ``on_filled``, the range is read front to back in ``piece``-byte calls on this one
         descriptor, whose readahead window keeps growing (a descriptor per piece read 256 MiB
-        cold in 0.126 s against 0.097 s, benchmarks/cold_read_probe.py), and
+        cold in 0.126 s against 0.097 s, benchmarks/probes/cold_read_probe.py), and
         ``on_filled(end)`` is called after each with the file offset filled up to.
         """
         if not length or not hasattr(os, "sendfile"):
