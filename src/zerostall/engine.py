@@ -36,9 +36,10 @@ from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
 from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
+from zerostall.stage.reuse import LayoutCache, Reused, layout_key
 from zerostall.stage.stager import prepare_slot, staging_checksums
 from zerostall.storage import open_storage
-from zerostall.tree import FlatState, flatten
+from zerostall.tree import FlatState, flatten, registry_generation
 
 __all__ = ["Engine", "Coordinator"]
 
@@ -93,6 +94,8 @@ class Engine:
         self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
+        #: the previous saves' work per layout, reused while it still holds (stage.reuse)
+        self._layouts = LayoutCache(_PLAN_CACHE)
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -124,6 +127,7 @@ class Engine:
         with self._lock:
             if rank != self._rank:  # plans name the rank's file
                 self._plans.clear()
+                self._layouts.clear()
                 self._rank = rank
             sig = flat.signature
             hit = self._plans.get(sig)
@@ -141,6 +145,19 @@ class Engine:
                 self._plans.popitem(last=False)
             return plan, rows
 
+    def _layout(self, items: dict[str, Any], rank: int) -> tuple[Any, FlatState, Plan, tuple[LeafRow, ...]]:
+        """The flattened state, plan and rows of ``items``: the previous save's where its layout
+        still holds (stage.reuse), else flattened and planned, and kept for the next save."""
+        key = layout_key(items)
+        states: dict[int, tuple[Any, Any]] = {}
+        hit: Reused | None = self._layouts.lookup(key, items, rank, states)
+        if hit is not None:
+            return hit.entry, hit.flat, hit.plan, hit.rows
+        generation = registry_generation()
+        flat = flatten(items, states=states)
+        plan, rows = self._plan(flat, rank)
+        return self._layouts.remember(key, flat, plan, rows, rank, generation), flat, plan, rows
+
     def _collective(self) -> bool:
         return self._coordinator is not None and self._coordinator.active()
 
@@ -149,9 +166,8 @@ class Engine:
 
         Returns the bytes allocated. Saves of the same layout then only copy. Nothing is saved.
         """
-        flat = flatten(items)
         rank = self._coordinator.rank if self._coordinator is not None and self._collective() else 0
-        plan, _ = self._plan(flat, rank)
+        _, flat, plan, _ = self._layout(items, rank)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
         if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
@@ -210,11 +226,11 @@ class Engine:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise exists_error(storage, name, path)
-        flat = flatten(items)
-        plan, rows = self._plan(flat, info.rank if info is not None else 0)
+        reused, flat, plan, rows = self._layout(items, info.rank if info is not None else 0)
         sync_all()  # copies in flight are judged before this thread stages again (stage.overlap)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
-        split = deferrable_any(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        split = (self._layouts.deferral(reused, items, flat.leaves, deferrable_any)
+                 if self.options.staging is Staging.OVERLAP else None)
         defer = split[0] if split is not None else None
         slot = self.pool.acquire()
         task: OverlapTask | None = None

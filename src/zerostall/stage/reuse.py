@@ -1,0 +1,228 @@
+"""Reuse what the previous save of the same layout computed (training thread).
+
+A save flattens the state, plans the data files, decides which leaves an optimizer owns (those
+are copied after the call returns) and lists the copies. For a state whose layout has not changed
+since the previous save, all of that comes out the same, so :class:`LayoutCache` keeps it (per
+engine, a few layouts, no tensors held) and a later save only checks that it still holds:
+
+* the tree is re-walked along the recorded nodes (:class:`zerostall.tree.Layout`): the same item
+  names, container types and dict keys (and key types); Stateful objects' ``state_dict()`` is
+  called as always; scalars and leaves other than plain tensors are flattened as usual and must
+  give the recorded leaves; a dict of plain tensors is one comparison of its keys;
+* every tensor leaf is then checked in bulk, one list comprehension per property compared with the
+  recorded list in C: its type, dtype, shape, device, data pointer and contiguity (a tensor of no
+  bytes is also checked as :func:`zerostall.tree.add_torch_leaf` checks it);
+* the deferral (which leaves an optimizer owns) is reused while the optimizers are the same
+  objects, in the same order (those found in the tree, then those seen stepping), with the same
+  parameters (identity and data pointer of each) and the same ``capturable`` setting, and the
+  deferred leaves still have a version counter.
+
+What counts as changed, and makes that save take the full path (flatten, plan lookup, ownership),
+after which its layout is the one kept: a new or removed parameter, buffer or optimizer state key;
+a ``.data`` swap or any reallocation (the data pointer moves); a resized, re-typed or moved
+tensor; a tensor made non-contiguous in place; another optimizer object or a changed param group;
+a scalar or string that became a tensor (or the reverse); a different container type or key type;
+a registered handler or flattener added or removed. A changed scalar value (a step count, a
+learning rate) changes only the manifest's nodes, not the layout: the cached save records it.
+Not checked: a tensor turned, in place and at the same address, into a lazy conjugate or
+negative view (no public API does that; layouts with complex tensors are never cached).
+
+The checks read a handful of attributes per tensor (about 0.1 us each here); everything else costs
+per container or per optimizer parameter, not per leaf. A cached save and a full save of the same
+state stage the same bytes under the same plan: the checkpoints are identical
+(tests/unit/test_reuse.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zerostall.messages import LeafRow
+from zerostall.stage.ownership import find_optimizers, known_optimizers, note_optimizer
+from zerostall.stage.plan import Plan
+from zerostall.tree import ArrayLeaf, FlatState, Layout, add_torch_leaf
+
+__all__ = ["LayoutCache", "Reused", "layout_key"]
+
+#: a deferral: per leaf, copied after the call? and the optimizers owning those leaves
+Split = tuple[list[bool], list[Any]] | None
+#: computes a deferral the full way (``zerostall.stage.overlap.deferrable_any``)
+Compute = Callable[[Any, list[ArrayLeaf]], Split]
+
+
+class _Entry:
+    """One layout's reusable work and what checks it (no tensor is referenced)."""
+
+    def __init__(self, layout: Layout, plan: Plan, rows: tuple[LeafRow, ...], rank: int,
+                 leaves: list[ArrayLeaf]) -> None:
+        self.layout = layout
+        self.plan = plan
+        self.rows = rows
+        self.rank = rank
+        idx = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch"]
+        self.all_torch = len(idx) == len(leaves)
+        #: the tensor leaves' positions (None: every leaf)
+        self.torch_idx: list[int] | None = None if self.all_torch else idx
+        tv = [leaves[i].value for i in idx]
+        self.types = list(map(type, tv))
+        self.dtypes = [t.dtype for t in tv]
+        self.shapes = [t.shape for t in tv]
+        self.devices = [t.get_device() for t in tv]
+        self.ptrs = [t.data_ptr() for t in tv]
+        self.contiguous = [t.is_contiguous() for t in tv]
+        #: plain tensors of no bytes: their pointer says nothing, so they are checked one by one
+        self.empty = [i for i in idx if leaves[i].nbytes == 0 and layout.fast[i]]
+        #: the deferral, while the optimizers' fingerprint is ``fingerprint``
+        self.fingerprint: list[Any] | None = None
+        self.defer: list[bool] | None = None
+        self.owners: list[int] = []
+        self.deferred: list[int] = []
+
+
+@dataclass(frozen=True)
+class Reused:
+    """A save of a known layout: its flattened state, plan and leaf rows, as the full path makes them."""
+
+    flat: FlatState
+    plan: Plan
+    rows: tuple[LeafRow, ...]
+    entry: _Entry
+
+
+def layout_key(items: dict[str, Any]) -> tuple[Any, ...]:
+    """Which kept layout a save tries (one per key): item names, each item's type, and a dict
+    item's own keys. Costs per item, not per leaf."""
+    out: list[Any] = []
+    for name, v in items.items():
+        out.append(name)
+        out.append(type(v))
+        if isinstance(v, dict) and len(v) <= 64:
+            out.append(tuple(v))
+    return tuple(out)
+
+
+class LayoutCache:
+    """The kept layouts of one engine, least recently used dropped past ``size``."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: tuple[Any, ...], items: dict[str, Any], rank: int,
+               states: dict[int, tuple[Any, Any]]) -> Reused | None:
+        """The reused work for ``items`` if its layout is the kept one for ``key``, else None.
+
+        After a None, ``states`` holds the ``state_dict()`` results the walk obtained: pass it to
+        :func:`~zerostall.tree.flatten`, so that none is called twice (:meth:`Layout.rewalk`).
+
+        Raises:
+            UnsupportedLeafError: a leaf flattened as usual cannot be saved (as :func:`flatten`).
+        """
+        entry = self._entries.get(key)
+        if entry is None or entry.rank != rank:
+            return None
+        walked = entry.layout.rewalk(items, states)
+        if walked is None:
+            return None
+        nodes, values, others = walked
+        if not _same_tensors(entry, values):
+            return None
+        self._entries.move_to_end(key)
+        return Reused(entry.layout.flat(nodes, values, others), entry.plan, entry.rows, entry)
+
+    def remember(self, key: tuple[Any, ...], flat: FlatState, plan: Plan, rows: tuple[LeafRow, ...], rank: int,
+                 generation: int) -> _Entry | None:
+        """Keep ``flat``'s layout (just saved the full way) for the saves that follow; None when
+        it is not kept (a complex tensor: see the module docstring)."""
+        torch = sys.modules.get("torch")
+        if torch is None or any(leaf.kind == "torch" and leaf.value.is_complex() for leaf in flat.leaves):
+            self._entries.pop(key, None)
+            return None
+        try:
+            entry = _Entry(Layout(flat, generation), plan, rows, rank, flat.leaves)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # a tensor without a pointer
+            self._entries.pop(key, None)
+            return None
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+        return entry
+
+    def deferral(self, entry: _Entry | None, items: Any, leaves: list[ArrayLeaf], compute: Compute) -> Split:
+        """``compute(items, leaves)``, or the deferral it gave for ``entry``'s layout while the
+        optimizers are unchanged (see the module docstring). Layouts with leaves other than
+        tensors are always computed (a registered background source decides per value)."""
+        if entry is None or not entry.all_torch:
+            return compute(items, leaves)
+        found = find_optimizers(items)
+        ids = {id(o) for o in found}
+        optimizers = found + [o for o in known_optimizers() if id(o) not in ids]
+        fp = _fingerprint(optimizers)
+        if fp is not None and fp == entry.fingerprint:
+            try:
+                for i in entry.deferred:
+                    leaves[i].value._version  # noqa: B018 - raises for an inference tensor
+            except RuntimeError:
+                return compute(items, leaves)
+            for o in found:
+                note_optimizer(o)
+            if entry.defer is None:
+                return None
+            return entry.defer, [optimizers[i] for i in entry.owners]
+        split = compute(items, leaves)
+        entry.fingerprint = None
+        position = {id(o): i for i, o in enumerate(optimizers)}
+        owners = [position.get(id(o)) for o in split[1]] if split is not None else []
+        if fp is None or any(i is None for i in owners):
+            return split  # an owner not among those listed here (noted meanwhile): not kept
+        entry.defer = split[0] if split is not None else None
+        entry.owners = [i for i in owners if i is not None]
+        entry.deferred = [i for i, d in enumerate(split[0]) if d] if split is not None else []
+        entry.fingerprint = fp
+        return split
+
+
+def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
+    """Whether the tensor leaves in ``values`` have the recorded type, dtype, shape, device, data
+    pointer and contiguity (each one list comprehension, compared in C)."""
+    tv = values if entry.torch_idx is None else [values[i] for i in entry.torch_idx]
+    try:
+        if list(map(type, tv)) != entry.types or [t.dtype for t in tv] != entry.dtypes \
+                or [t.shape for t in tv] != entry.shapes or [t.data_ptr() for t in tv] != entry.ptrs \
+                or [t.get_device() for t in tv] != entry.devices or [t.is_contiguous() for t in tv] != entry.contiguous:
+            return False
+        for i in entry.empty:
+            leaf = entry.layout.leaves[i]
+            add_torch_leaf(values[i], leaf.key, [])  # raises what a flatten would (a meta tensor...)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False
+    return True
+
+
+def _fingerprint(optimizers: list[Any]) -> list[Any] | None:
+    """What the ownership of leaves depends on, per optimizer: its identity, its ``capturable``
+    setting, its parameters' identities and data pointers (a DTensor's local shard's); None if
+    an optimizer's parameters cannot be listed."""
+    out: list[Any] = []
+    try:
+        for o in optimizers:
+            params = [p for g in o.param_groups for p in g["params"]]
+            out.append(id(o))
+            out.append([len(g["params"]) for g in o.param_groups])
+            out.append(any(bool(g.get("capturable", False)) for g in o.param_groups))
+            out.append(list(map(id, params)))
+            out.append([getattr(p, "_local_tensor", p).data_ptr() for p in params])
+    except Exception:  # noqa: BLE001 - a foreign optimizer-like object: computed every save
+        return None
+    return out
