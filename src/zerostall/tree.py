@@ -521,8 +521,18 @@ class _Tail(list):  # type: ignore[type-arg]
 class _Op:
     """How to re-walk one node of a known layout (see :class:`Layout`)."""
 
-    __slots__ = ("kind", "node", "keys", "key_types", "children", "seq_type", "first", "count", "scalars",
-                 "scalar_types")
+    __slots__ = (
+        "children",
+        "count",
+        "first",
+        "key_types",
+        "keys",
+        "kind",
+        "node",
+        "scalar_types",
+        "scalars",
+        "seq_type",
+    )
 
     def __init__(self, kind: str, node: Node, *, keys: list[Any] | None = None, children: list[_Op] | None = None,
                  seq_type: type | None = None, first: int = 0, count: int = 0,

@@ -106,8 +106,11 @@ class _Pieces:
     """
 
     def __init__(self, copies: list[_CpuCopy], crc: bool = False) -> None:
-        self._items = [(k, off, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
-                       for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
+        if all(c.nbytes <= CHUNK for c in copies):  # one piece a copy: no range() per copy (many leaves)
+            self._items = [(k, 0, c.dst, c.src, c.nbytes) for k, c in enumerate(copies)]
+        else:
+            self._items = [(k, off, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
+                           for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
         self._leaf = [c.leaf for c in copies]  # not the copies: they hold the tensors
         self._crc = crc
         self._sums: list[int | None] = [None] * len(self._items)

@@ -10,12 +10,12 @@ engine, a few layouts, no tensors held) and a later save only checks that it sti
   called as always; scalars and leaves other than plain tensors are flattened as usual and must
   give the recorded leaves; a dict of plain tensors is one comparison of its keys;
 * every tensor leaf is then checked in bulk, one list comprehension per property compared with the
-  recorded list in C: its type, dtype, shape, device, data pointer and contiguity (a tensor of no
-  bytes is also checked as :func:`zerostall.tree.add_torch_leaf` checks it);
+  recorded list in C: its type, dtype, shape, data pointer (which also fixes its device) and
+  contiguity (a tensor of no bytes is also checked as :func:`zerostall.tree.add_torch_leaf` does);
 * the deferral (which leaves an optimizer owns) is reused while the optimizers are the same
   objects, in the same order (those found in the tree, then those seen stepping), with the same
-  parameters (identity and data pointer of each) and the same ``capturable`` setting, and the
-  deferred leaves still have a version counter.
+  parameters (by identity) and the same ``capturable`` setting, and the deferred leaves still
+  have a version counter.
 
 What counts as changed, and makes that save take the full path (flatten, plan lookup, ownership),
 after which its layout is the one kept: a new or removed parameter, buffer or optimizer state key;
@@ -71,7 +71,6 @@ class _Entry:
         self.types = list(map(type, tv))
         self.dtypes = [t.dtype for t in tv]
         self.shapes = [t.shape for t in tv]
-        self.devices = [t.get_device() for t in tv]
         self.ptrs = [t.data_ptr() for t in tv]
         self.contiguous = [t.is_contiguous() for t in tv]
         #: plain tensors of no bytes: their pointer says nothing, so they are checked one by one
@@ -111,6 +110,9 @@ class LayoutCache:
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        #: saves that reused a kept layout, and those that did not (tests and benchmarks read them)
+        self.hits = 0
+        self.misses = 0
 
     def clear(self) -> None:
         self._entries.clear()
@@ -129,14 +131,12 @@ class LayoutCache:
             UnsupportedLeafError: a leaf flattened as usual cannot be saved (as :func:`flatten`).
         """
         entry = self._entries.get(key)
-        if entry is None or entry.rank != rank:
-            return None
-        walked = entry.layout.rewalk(items, states)
-        if walked is None:
+        walked = entry.layout.rewalk(items, states) if entry is not None and entry.rank == rank else None
+        if entry is None or walked is None or not _same_tensors(entry, walked[1]):
+            self.misses += 1
             return None
         nodes, values, others = walked
-        if not _same_tensors(entry, values):
-            return None
+        self.hits += 1
         self._entries.move_to_end(key)
         return Reused(entry.layout.flat(nodes, values, others), entry.plan, entry.rows, entry)
 
@@ -194,13 +194,15 @@ class LayoutCache:
 
 
 def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
-    """Whether the tensor leaves in ``values`` have the recorded type, dtype, shape, device, data
-    pointer and contiguity (each one list comprehension, compared in C)."""
+    """Whether the tensor leaves in ``values`` have the recorded type, dtype, shape, data pointer
+    and contiguity (each one list comprehension, compared in C). The pointer also fixes the
+    device: CPU and CUDA memory share one virtual address space (CUDA's unified addressing), so
+    no two devices' live allocations have the same address."""
     tv = values if entry.torch_idx is None else [values[i] for i in entry.torch_idx]
     try:
         if list(map(type, tv)) != entry.types or [t.dtype for t in tv] != entry.dtypes \
                 or [t.shape for t in tv] != entry.shapes or [t.data_ptr() for t in tv] != entry.ptrs \
-                or [t.get_device() for t in tv] != entry.devices or [t.is_contiguous() for t in tv] != entry.contiguous:
+                or [t.is_contiguous() for t in tv] != entry.contiguous:
             return False
         for i in entry.empty:
             leaf = entry.layout.leaves[i]
@@ -211,18 +213,21 @@ def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
 
 
 def _fingerprint(optimizers: list[Any]) -> list[Any] | None:
-    """What the ownership of leaves depends on, per optimizer: its identity, its ``capturable``
-    setting, its parameters' identities and data pointers (a DTensor's local shard's); None if
-    an optimizer's parameters cannot be listed."""
+    """What the ownership of leaves depends on besides the leaves' own memory (checked by
+    :func:`_same_tensors`), per optimizer: its identity, its param groups' sizes and
+    ``capturable`` settings, its parameters' identities; None if they cannot be listed.
+
+    A parameter's ``.data`` swap needs no check here: the ownership of a leaf is decided by its
+    bytes lying inside an optimizer's tensor, and a leaf that aliases the parameter moves with it.
+    """
     out: list[Any] = []
     try:
         for o in optimizers:
-            params = [p for g in o.param_groups for p in g["params"]]
+            groups = o.param_groups
             out.append(id(o))
-            out.append([len(g["params"]) for g in o.param_groups])
-            out.append(any(bool(g.get("capturable", False)) for g in o.param_groups))
-            out.append(list(map(id, params)))
-            out.append([getattr(p, "_local_tensor", p).data_ptr() for p in params])
+            out.append([len(g["params"]) for g in groups])
+            out.append([bool(g.get("capturable", False)) for g in groups])
+            out.append([id(p) for g in groups for p in g["params"]])
     except Exception:  # noqa: BLE001 - a foreign optimizer-like object: computed every save
         return None
     return out
