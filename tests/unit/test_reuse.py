@@ -136,36 +136,37 @@ def _trained_in_place(model: torch.nn.Module, opt: torch.optim.Optimizer, tree: 
     _step(model, opt)
 
 
-CHANGES: dict[str, tuple[Callable[..., None], bool]] = {
-    # name: (change, whether the save after it reuses the layout)
-    "new parameter": (_new_parameter, False),
-    ".data swap": (_data_swap, False),
-    ".data swap to another shape": (_data_swap_new_shape, False),
-    "another dtype": (_new_dtype, False),
-    "resized state tensor": (_resized_state, False),
-    "new optimizer state key": (_new_state_key, False),
-    "strides changed in place": (_strided_in_place, False),
-    "scalar became a tensor": (_scalar_became_tensor, False),
-    "changed scalars": (_changed_scalars, True),
-    "values changed in place": (_trained_in_place, True),
+CHANGES: dict[str, tuple[Callable[..., None], bool, bool]] = {
+    # name: (change, whether the save after it reuses the layout, and the deferral)
+    "new parameter": (_new_parameter, False, False),
+    ".data swap": (_data_swap, True, False),
+    ".data swap to another shape": (_data_swap_new_shape, False, False),
+    "another dtype": (_new_dtype, False, False),
+    "resized state tensor": (_resized_state, False, False),
+    "new optimizer state key": (_new_state_key, False, False),
+    "strides changed in place": (_strided_in_place, True, False),
+    "scalar became a tensor": (_scalar_became_tensor, False, False),
+    "changed scalars": (_changed_scalars, True, True),
+    "values changed in place": (_trained_in_place, True, True),
 }
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
 def test_each_kind_of_change_is_detected_and_saved(tmp_path, name):
-    change, reused = CHANGES[name]
+    change, reused, deferral = CHANGES[name]
     model, opt = _trained()
     tree: dict[str, Any] = {"model": model, "optim": opt, "step": 1, "note": "x"}
     with Checkpointer(tmp_path, save_options=THREAD) as ck:
+        cache = _reuse(ck)
         ck.save_pytree(1, tree)
         ck.save_pytree(2, tree)  # unchanged: reused
-        assert (_reuse(ck).hits, _reuse(ck).misses) == (1, 1)
+        assert (cache.hits, cache.misses, cache.deferrals_reused) == (1, 1, 1)
         change(model, opt, tree)
         ck.save_pytree(3, tree)
-        assert _reuse(ck).hits == (2 if reused else 1), name
+        assert (cache.hits, cache.deferrals_reused) == (1 + reused, 1 + deferral), name
         _expect_saved(ck, 3, model, opt, {"step": tree["step"], "note": tree["note"]})
-        ck.save_pytree(4, tree)  # the changed layout is the one kept now
-        assert _reuse(ck).hits == (3 if reused else 2), name
+        ck.save_pytree(4, tree)  # the changed layout (and deferral) is the one kept now
+        assert (cache.hits, cache.deferrals_reused) == (2 + reused, 2 + deferral), name
         _expect_saved(ck, 4, model, opt, {"step": tree["step"], "note": tree["note"]})
 
 
@@ -195,6 +196,18 @@ def test_a_changed_layout_calls_state_dict_once_per_save(tmp_path):
         assert _reuse(ck).hits == 1
         got = ck.load_pytree(3)
         assert torch.equal(got["obj"]["b"], torch.ones(2)) and got["obj"]["n"] == 1
+
+
+def test_new_tensor_objects_of_the_same_layout_reuse_it(tmp_path):
+    model, opt = _trained()
+    saved = {}
+    with Checkpointer(tmp_path, save_options=THREAD) as ck:
+        for step in (1, 2, 3):
+            saved[step] = torch.randint(0, 1 << 30, (17,))  # a new tensor at each save, as an RNG state
+            ck.save_pytree(step, {"model": model, "optim": opt, "rng": saved[step]})
+        assert _reuse(ck).hits == 2
+        for step in (2, 3):
+            assert torch.equal(ck.load_pytree(step)["rng"], saved[step])
 
 
 def test_kept_layouts_hold_no_tensor(tmp_path):

@@ -10,25 +10,30 @@ engine, a few layouts, no tensors held) and a later save only checks that it sti
   called as always; scalars and leaves other than plain tensors are flattened as usual and must
   give the recorded leaves; a dict of plain tensors is one comparison of its keys;
 * every tensor leaf is then checked in bulk, one list comprehension per property compared with the
-  recorded list in C: its type, dtype, shape, data pointer (which also fixes its device) and
-  contiguity (a tensor of no bytes is also checked as :func:`zerostall.tree.add_torch_leaf` does);
-* the deferral (which leaves an optimizer owns) is reused while the optimizers are the same
-  objects, in the same order (those found in the tree, then those seen stepping), with the same
-  parameters (by identity) and the same ``capturable`` setting, and the deferred leaves still
-  have a version counter.
+  recorded list in C: its type, dtype and shape (a tensor of no bytes is also checked as
+  :func:`zerostall.tree.add_torch_leaf` does). That is all the plan, the leaf rows and the staging
+  views depend on; where the bytes are is read by the stager at every save;
+* the deferral (which leaves an optimizer owns: those are copied after the call returns) is
+  reused while the optimizers are the same objects, in the same order (those found in the tree,
+  then those seen stepping), with the same parameters (by identity), param groups and
+  ``capturable`` settings, and the deferred leaves keep their data pointers and contiguity and
+  still have a version counter. Ownership is decided by memory, so these fix it.
 
 What counts as changed, and makes that save take the full path (flatten, plan lookup, ownership),
 after which its layout is the one kept: a new or removed parameter, buffer or optimizer state key;
-a ``.data`` swap or any reallocation (the data pointer moves); a resized, re-typed or moved
-tensor; a tensor made non-contiguous in place; another optimizer object or a changed param group;
-a scalar or string that became a tensor (or the reverse); a different container type or key type;
-a registered handler or flattener added or removed. A changed scalar value (a step count, a
-learning rate) changes only the manifest's nodes, not the layout: the cached save records it.
-Not checked: a tensor turned, in place and at the same address, into a lazy conjugate or
-negative view (no public API does that; layouts with complex tensors are never cached).
+a resized or re-typed tensor; a scalar or string that became a tensor (or the reverse); a
+different container type or key type; a registered handler or flattener added or removed. What
+changes only the deferral (recomputed for that save, the layout still reused): a ``.data`` swap
+or any reallocation of a deferred leaf (its data pointer moves), a tensor made non-contiguous in
+place, another optimizer object, a parameter added to or removed from a param group, a changed
+``capturable``. A changed scalar value (a step count, a learning rate) changes only the
+manifest's nodes: the reused save records it, as do new tensor objects of the same type, dtype
+and shape (an RNG state taken at each save). Not checked: a tensor turned, in place and at the
+same address, into a lazy conjugate or negative view (no public API does that; layouts with
+complex tensors are never kept).
 
-The checks read a handful of attributes per tensor (about 0.1 us each here); everything else costs
-per container or per optimizer parameter, not per leaf. A cached save and a full save of the same
+The checks read a few attributes per tensor (about 0.1 us each here); everything else costs per
+container or per optimizer parameter, not per leaf. A cached save and a full save of the same
 state stage the same bytes under the same plan: the checkpoints are identical
 (tests/unit/test_reuse.py).
 """
@@ -71,15 +76,16 @@ class _Entry:
         self.types = list(map(type, tv))
         self.dtypes = [t.dtype for t in tv]
         self.shapes = [t.shape for t in tv]
-        self.ptrs = [t.data_ptr() for t in tv]
-        self.contiguous = [t.is_contiguous() for t in tv]
-        #: plain tensors of no bytes: their pointer says nothing, so they are checked one by one
+        #: plain tensors of no bytes: checked one by one as a flatten would (a meta tensor...)
         self.empty = [i for i in idx if leaves[i].nbytes == 0 and layout.fast[i]]
-        #: the deferral, while the optimizers' fingerprint is ``fingerprint``
+        #: the deferral, while the optimizers' fingerprint is ``fingerprint`` and the deferred
+        #: leaves keep their data pointers and contiguity
         self.fingerprint: list[Any] | None = None
         self.defer: list[bool] | None = None
         self.owners: list[int] = []
         self.deferred: list[int] = []
+        self.deferred_ptrs: list[int] = []
+        self.deferred_contiguous: list[bool] = []
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class LayoutCache:
         #: saves that reused a kept layout, and those that did not (tests and benchmarks read them)
         self.hits = 0
         self.misses = 0
+        #: saves whose deferral was reused (a subset of ``hits``)
+        self.deferrals_reused = 0
 
     def clear(self) -> None:
         self._entries.clear()
@@ -171,15 +179,20 @@ class LayoutCache:
         fp = _fingerprint(optimizers)
         if fp is not None and fp == entry.fingerprint:
             try:
-                for i in entry.deferred:
-                    leaves[i].value._version  # noqa: B018 - raises for an inference tensor
+                deferred = [leaves[i].value for i in entry.deferred]
+                same = [t.data_ptr() for t in deferred] == entry.deferred_ptrs \
+                    and [t.is_contiguous() for t in deferred] == entry.deferred_contiguous
+                for t in deferred:
+                    t._version  # noqa: B018 - raises for an inference tensor (no version counter)
             except RuntimeError:
-                return compute(items, leaves)
-            for o in found:
-                note_optimizer(o)
-            if entry.defer is None:
-                return None
-            return entry.defer, [optimizers[i] for i in entry.owners]
+                same = False
+            if same:
+                for o in found:
+                    note_optimizer(o)
+                self.deferrals_reused += 1
+                if entry.defer is None:
+                    return None
+                return entry.defer, [optimizers[i] for i in entry.owners]
         split = compute(items, leaves)
         entry.fingerprint = None
         position = {id(o): i for i, o in enumerate(optimizers)}
@@ -189,20 +202,22 @@ class LayoutCache:
         entry.defer = split[0] if split is not None else None
         entry.owners = [i for i in owners if i is not None]
         entry.deferred = [i for i, d in enumerate(split[0]) if d] if split is not None else []
+        deferred = [leaves[i].value for i in entry.deferred]
+        entry.deferred_ptrs = [t.data_ptr() for t in deferred]
+        entry.deferred_contiguous = [t.is_contiguous() for t in deferred]
         entry.fingerprint = fp
         return split
 
 
 def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
-    """Whether the tensor leaves in ``values`` have the recorded type, dtype, shape, data pointer
-    and contiguity (each one list comprehension, compared in C). The pointer also fixes the
-    device: CPU and CUDA memory share one virtual address space (CUDA's unified addressing), so
-    no two devices' live allocations have the same address."""
+    """Whether the tensor leaves in ``values`` have the recorded type, dtype and shape (each one
+    list comprehension, compared in C): what the plan, the rows and the staging views depend on.
+    Where the bytes are (device, address, strides) is read by the stager at every save and
+    checked by :meth:`LayoutCache.deferral` for the leaves copied after the call."""
     tv = values if entry.torch_idx is None else [values[i] for i in entry.torch_idx]
     try:
         if list(map(type, tv)) != entry.types or [t.dtype for t in tv] != entry.dtypes \
-                or [t.shape for t in tv] != entry.shapes or [t.data_ptr() for t in tv] != entry.ptrs \
-                or [t.is_contiguous() for t in tv] != entry.contiguous:
+                or [t.shape for t in tv] != entry.shapes:
             return False
         for i in entry.empty:
             leaf = entry.layout.leaves[i]
