@@ -167,7 +167,9 @@ class Engine:
         Returns the bytes allocated. Saves of the same layout then only copy. Nothing is saved.
         """
         rank = self._coordinator.rank if self._coordinator is not None and self._collective() else 0
-        _, flat, plan, _ = self._layout(items, rank)
+        reused, flat, plan, _ = self._layout(items, rank)
+        if reused is not None:
+            reused.layout.release(flat)  # only the layout is needed below (headers and views)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
         if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
@@ -227,6 +229,17 @@ class Engine:
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise exists_error(storage, name, path)
         reused, flat, plan, rows = self._layout(items, info.rank if info is not None else 0)
+        try:
+            return self._stage_async(root_url, name, path, items, t0, info, metadata, step, retention, reused, flat,
+                                     plan, rows, memory=memory, persist=persist)
+        finally:
+            if reused is not None:
+                reused.layout.release(flat)  # nothing after the call reads the leaves
+
+    def _stage_async(self, root_url: str, name: str, path: str, items: dict[str, Any], t0: float,
+                     info: Collective | None, metadata: dict[str, Any] | None, step: int | None,
+                     retention: RetentionPolicy | None, reused: Any, flat: FlatState, plan: Plan,
+                     rows: tuple[LeafRow, ...], *, memory: bool, persist: bool) -> Response:
         sync_all()  # copies in flight are judged before this thread stages again (stage.overlap)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
         split = (self._layouts.deferral(reused, items, flat.leaves, deferrable_any)

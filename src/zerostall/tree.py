@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import random
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -634,6 +636,11 @@ class Layout:
         #: per leaf: a plain tensor reached through dicts, lists and tuples (checked by the caller)
         self.fast = [leaf.kind == "torch" and type(leaf.value) in plain for leaf in flat.leaves]
         self._ops = [_compile(flat.items[name], self.fast) for name in self.names]
+        #: leaf objects lent to one save at a time (see :meth:`flat`), and their attribute dicts
+        self._live = [_with_value(leaf, None) for leaf in self.leaves]
+        self._dicts = [leaf.__dict__ for leaf in self._live]
+        self._lock = threading.Lock()
+        self._in_use = False
 
     def rewalk(self, items: dict[str, Any], states: dict[int, tuple[Any, Any]]
                ) -> tuple[dict[str, Node], list[Any], dict[int, ArrayLeaf]] | None:
@@ -740,11 +747,35 @@ class Layout:
         return op.node if node == op.node else node
 
     def flat(self, nodes: dict[str, Node], values: list[Any], others: dict[int, ArrayLeaf]) -> FlatState:
-        """The :class:`FlatState` of a re-walked state (:meth:`rewalk`'s results)."""
-        leaves = [_with_value(leaf, v) for leaf, v in zip(self.leaves, values, strict=True)]
-        for i, leaf in others.items():
-            leaves[i] = leaf
-        return FlatState(items=nodes, leaves=leaves)
+        """The :class:`FlatState` of a re-walked state (:meth:`rewalk`'s results).
+
+        Its leaves are this layout's own leaf objects with the values filled in (one C-level
+        pass, not an object per leaf: ~0.5 us a leaf at 20,000 leaves); :meth:`release` empties
+        them again once the save no longer reads them, so no tensor stays referenced. While they
+        are in use (a save on another thread), copies are made instead.
+        """
+        with self._lock:
+            mine = not self._in_use
+            self._in_use = self._in_use or mine
+        if not mine:
+            leaves = [_with_value(leaf, v) for leaf, v in zip(self.leaves, values, strict=True)]
+            for i, leaf in others.items():
+                leaves[i] = leaf
+            return FlatState(items=nodes, leaves=leaves)
+        if len(values) != len(self._dicts):  # pragma: no cover - rewalk counted them
+            raise AssertionError("re-walked values do not match the layout")
+        for _ in map(operator.setitem, self._dicts, repeat("value"), values):
+            pass
+        return FlatState(items=nodes, leaves=self._live)
+
+    def release(self, flat: FlatState) -> None:
+        """Empty the leaf objects :meth:`flat` lent to ``flat`` (no-op for copies)."""
+        if flat.leaves is not self._live:
+            return
+        for _ in map(operator.setitem, self._dicts, repeat("value"), repeat(None, len(self._dicts))):
+            pass
+        with self._lock:
+            self._in_use = False
 
 
 def _with_value(leaf: ArrayLeaf, value: Any) -> ArrayLeaf:

@@ -8,6 +8,8 @@ copy itself (no ``.contiguous()`` temporary), device tensors are copied device-t
 from __future__ import annotations
 
 import sys
+from itertools import compress, count
+from operator import attrgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -133,6 +135,9 @@ class CudaCopyEngine:
         return {}
 
 
+_IS_CUDA = attrgetter("is_cuda")
+
+
 def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None, crc: bool = False) -> CopyEngine:
     """The CUDA engine when any leaf lives on a CUDA device and CUDA works, else the CPU one
     (which checksums its streamed copies with ``crc``)."""
@@ -141,14 +146,16 @@ def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None
         return CpuCopyEngine(crc)
     # ``is_cuda`` rather than ``device.type``: this scans every leaf at every save, and building
     # a device object costs ~0.5 us a leaf
-    cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.is_cuda), None)
-    if cuda_leaf is None:
+    values = [leaf.value for leaf in leaves if leaf.kind == "torch"]
+    cuda_at = next(compress(count(), map(_IS_CUDA, values)), None)  # one C loop over the tensors
+    if cuda_at is None:
         return CpuCopyEngine(crc)
+    cuda_leaf = values[cuda_at]
     if cuda_available is None:
         cuda_available = bool(torch.cuda.is_available())
     if not cuda_available:
         return CpuCopyEngine(crc)
-    return CudaCopyEngine(torch, cuda_leaf.value.device)
+    return CudaCopyEngine(torch, cuda_leaf.device)
 
 
 def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
