@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import zerostall
+from benchmarks.measure import emit
 from benchmarks.state import parse_size
 
 #: the 20,000-leaf save call (median of 5, ``--leaves 20000 --big 0 --model-layers 0``) at commit
@@ -184,32 +185,41 @@ def measure_gpt(repeats: int, base: str | None) -> dict[str, Any]:
     return out
 
 
-def targets(repeats: int, saves: int, base: str | None) -> bool:
-    """Measure and judge the save-call targets (see the module docstring); True if all are met."""
+def targets(repeats: int, saves: int, base: str | None) -> dict[str, Any]:
+    """Measure and judge the save-call targets (see the module docstring); prints and returns
+    the report (``lines``, ``met``, and the figures)."""
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
     g = measure_gpt(repeats, base)
-    ok = True
-    print(f"GPT tree (26 blocks, d=64, AdamW), {g['leaves']} leaves, {repeats} alternated repeats, medians "
-          "(wall [min-max]; the calling thread's CPU time):")
+    met_all = True
+    say(f"GPT tree (26 blocks, d=64, AdamW), {g['leaves']} leaves, {repeats} alternated repeats, medians "
+        "(wall [min-max]; the calling thread's CPU time):")
+    ratios: dict[str, float] = {}
     for label, key in (("floor (state_dict x2 + one _foreach_copy_)", "floor"),
                        ("Checkpointer.save_pytree_async", "call"), ("save_pytree_async (free)", "free")):
         w = g["samples"][key]
         line = (f"  {label:<42} {g[key] * 1e3:7.2f} ms [{min(w) * 1e3:.2f}-{max(w) * 1e3:.2f}]  "
                 f"cpu {g[key + '_cpu'] * 1e3:6.2f} ms")
         if key != "floor":
-            ratio = g[key] / g["floor"]
+            ratios[key] = ratio = g[key] / g["floor"]
             met = ratio <= GPT_CALL_TARGET
-            ok &= met
+            met_all &= met
             line += (f"  {ratio:5.2f}x floor (cpu {g[key + '_cpu'] / g['floor_cpu']:4.2f}x; target <= "
                      f"{GPT_CALL_TARGET}x wall): {'met' if met else 'NOT MET'}")
-        print(line)
+        say(line)
     m = measure(20000, 0, saves, 0, base)
     speedup = BASELINE_20K_CALL_S / m["call"]
     met = speedup >= MANY_LEAVES_SPEEDUP_TARGET
-    ok &= met
-    print(f"20,000 x 12B call {m['call'] * 1e3:7.2f} ms (median of {saves}); 49eb665: "
-          f"{BASELINE_20K_CALL_S * 1e3:.2f} ms; {speedup:.2f}x faster (target >= {MANY_LEAVES_SPEEDUP_TARGET}x): "
-          f"{'met' if met else 'NOT MET'}", flush=True)
-    return ok
+    met_all &= met
+    say(f"20,000 x 12B call {m['call'] * 1e3:7.2f} ms (median of {saves}); 49eb665: "
+        f"{BASELINE_20K_CALL_S * 1e3:.2f} ms; {speedup:.2f}x faster (target >= {MANY_LEAVES_SPEEDUP_TARGET}x): "
+        f"{'met' if met else 'NOT MET'}")
+    return {"lines": lines, "met": met_all, "gpt": {k: v for k, v in g.items() if k != "samples"},
+            "gpt_samples": g["samples"], "ratios": ratios, "call_20k_s": m["call"], "speedup_20k": speedup}
 
 
 def template_of(state: dict[str, Any]) -> Any:
@@ -309,7 +319,7 @@ def main() -> None:
         return
     if args.targets:
         print(f"loadavg {open('/proc/loadavg').read().split()[:3]}  cpus {len(os.sched_getaffinity(0))}")
-        targets(args.repeats, args.saves, args.dir)
+        emit(targets(args.repeats, args.saves, args.dir))
         return
     print(f"zerostall {zerostall.__file__}  loadavg {open('/proc/loadavg').read().split()[:3]}  "
           f"cpus {len(os.sched_getaffinity(0))}")

@@ -41,6 +41,7 @@ state stage the same bytes under the same plan: the checkpoints are identical
 from __future__ import annotations
 
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,14 +79,21 @@ class _Entry:
         self.shapes = [t.shape for t in tv]
         #: plain tensors of no bytes: checked one by one as a flatten would (a meta tensor...)
         self.empty = [i for i in idx if leaves[i].nbytes == 0 and layout.fast[i]]
-        #: the deferral, while the optimizers' fingerprint is ``fingerprint`` and the deferred
-        #: leaves keep their data pointers and contiguity
-        self.fingerprint: list[Any] | None = None
-        self.defer: list[bool] | None = None
-        self.owners: list[int] = []
-        self.deferred: list[int] = []
-        self.deferred_ptrs: list[int] = []
-        self.deferred_contiguous: list[bool] = []
+        #: the deferral kept, replaced whole (saves on two threads may race): see :class:`_Deferral`
+        self.deferral: _Deferral | None = None
+
+
+@dataclass(frozen=True)
+class _Deferral:
+    """A deferral (``defer`` None: no leaf deferred), valid while the optimizers' fingerprint is
+    ``fingerprint`` and the ``deferred`` leaves keep their data pointers and contiguity."""
+
+    fingerprint: list[Any]
+    defer: list[bool] | None
+    owners: list[int]  # positions among the optimizers listed (found in the tree, then known)
+    deferred: list[int]
+    ptrs: list[int]
+    contiguous: list[bool]
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class LayoutCache:
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()
+        self._lock = threading.Lock()  # saves may run on several threads
         #: saves that reused a kept layout, and those that did not (tests and benchmarks read them)
         self.hits = 0
         self.misses = 0
@@ -123,7 +132,8 @@ class LayoutCache:
         self.deferrals_reused = 0
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -138,14 +148,17 @@ class LayoutCache:
         Raises:
             UnsupportedLeafError: a leaf flattened as usual cannot be saved (as :func:`flatten`).
         """
-        entry = self._entries.get(key)
+        with self._lock:
+            entry = self._entries.get(key)
         walked = entry.layout.rewalk(items, states) if entry is not None and entry.rank == rank else None
         if entry is None or walked is None or not _same_tensors(entry, walked[1]):
             self.misses += 1
             return None
         nodes, values, others = walked
-        self.hits += 1
-        self._entries.move_to_end(key)
+        with self._lock:
+            self.hits += 1
+            if key in self._entries:
+                self._entries.move_to_end(key)
         return Reused(entry.layout.flat(nodes, values, others), entry.plan, entry.rows, entry)
 
     def remember(self, key: tuple[Any, ...], flat: FlatState, plan: Plan, rows: tuple[LeafRow, ...], rank: int,
@@ -153,18 +166,20 @@ class LayoutCache:
         """Keep ``flat``'s layout (just saved the full way) for the saves that follow; None when
         it is not kept (a complex tensor: see the module docstring)."""
         torch = sys.modules.get("torch")
-        if torch is None or any(leaf.kind == "torch" and leaf.value.is_complex() for leaf in flat.leaves):
-            self._entries.pop(key, None)
-            return None
-        try:
-            entry = _Entry(Layout(flat, generation), plan, rows, rank, flat.leaves)
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # a tensor without a pointer
-            self._entries.pop(key, None)
-            return None
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
+        entry: _Entry | None = None
+        if torch is not None and not any(leaf.kind == "torch" and leaf.value.is_complex() for leaf in flat.leaves):
+            try:
+                entry = _Entry(Layout(flat, generation), plan, rows, rank, flat.leaves)
+            except (RuntimeError, NotImplementedError, AttributeError, TypeError):  # a tensor without metadata
+                entry = None
+        with self._lock:
+            if entry is None:
+                self._entries.pop(key, None)
+                return None
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
         return entry
 
     def deferral(self, entry: _Entry | None, items: Any, leaves: list[ArrayLeaf], compute: Compute) -> Split:
@@ -177,11 +192,12 @@ class LayoutCache:
         ids = {id(o) for o in found}
         optimizers = found + [o for o in known_optimizers() if id(o) not in ids]
         fp = _fingerprint(optimizers)
-        if fp is not None and fp == entry.fingerprint:
+        kept = entry.deferral
+        if fp is not None and kept is not None and fp == kept.fingerprint:
             try:
-                deferred = [leaves[i].value for i in entry.deferred]
-                same = [t.data_ptr() for t in deferred] == entry.deferred_ptrs \
-                    and [t.is_contiguous() for t in deferred] == entry.deferred_contiguous
+                deferred = [leaves[i].value for i in kept.deferred]
+                same = [t.data_ptr() for t in deferred] == kept.ptrs \
+                    and [t.is_contiguous() for t in deferred] == kept.contiguous
                 for t in deferred:
                     t._version  # noqa: B018 - raises for an inference tensor (no version counter)
             except RuntimeError:
@@ -190,22 +206,19 @@ class LayoutCache:
                 for o in found:
                     note_optimizer(o)
                 self.deferrals_reused += 1
-                if entry.defer is None:
+                if kept.defer is None:
                     return None
-                return entry.defer, [optimizers[i] for i in entry.owners]
+                return kept.defer, [optimizers[i] for i in kept.owners]
         split = compute(items, leaves)
-        entry.fingerprint = None
+        entry.deferral = None
         position = {id(o): i for i, o in enumerate(optimizers)}
         owners = [position.get(id(o)) for o in split[1]] if split is not None else []
         if fp is None or any(i is None for i in owners):
             return split  # an owner not among those listed here (noted meanwhile): not kept
-        entry.defer = split[0] if split is not None else None
-        entry.owners = [i for i in owners if i is not None]
-        entry.deferred = [i for i, d in enumerate(split[0]) if d] if split is not None else []
-        deferred = [leaves[i].value for i in entry.deferred]
-        entry.deferred_ptrs = [t.data_ptr() for t in deferred]
-        entry.deferred_contiguous = [t.is_contiguous() for t in deferred]
-        entry.fingerprint = fp
+        picked = [i for i, d in enumerate(split[0]) if d] if split is not None else []
+        deferred = [leaves[i].value for i in picked]
+        entry.deferral = _Deferral(fp, split[0] if split is not None else None, [i for i in owners if i is not None],
+                                   picked, [t.data_ptr() for t in deferred], [t.is_contiguous() for t in deferred])
         return split
 
 
