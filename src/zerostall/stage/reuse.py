@@ -14,8 +14,8 @@ engine, a few layouts, no tensors held) and a later save only checks that it sti
   :func:`zerostall.tree.add_torch_leaf` does). That is all the plan, the leaf rows and the staging
   views depend on; where the bytes are is read by the stager at every save;
 * the deferral (which leaves an optimizer owns: those are copied after the call returns) is
-  reused while the optimizers are the same objects, in the same order (those found in the tree,
-  then those seen stepping), with the same parameters (by identity), param groups and
+  reused while the optimizers found in the tree are the same objects in the same order, its
+  owners are still known, both keep their parameters (by identity), param groups and
   ``capturable`` settings, and the deferred leaves keep their data pointers and contiguity and
   still have a version counter. Ownership is decided by memory, so these fix it.
 
@@ -85,12 +85,18 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Deferral:
-    """A deferral (``defer`` None: no leaf deferred), valid while the optimizers' fingerprint is
-    ``fingerprint`` and the ``deferred`` leaves keep their data pointers and contiguity."""
+    """A deferral (``defer`` None: no leaf deferred), valid while the optimizers found in the tree
+    are ``found`` (ids, in order), the owners are still known, the fingerprint of both is
+    ``fingerprint``, and the ``deferred`` leaves keep their data pointers and contiguity.
 
+    Other optimizers seen stepping may come and go: one that now owns a leaf the kept deferral
+    copies in the call costs time, not safety; one over a deferred leaf's memory is ordered after
+    the copy by the guard, which judges optimizers that are not owners by memory."""
+
+    found: list[int]
+    owners: list[int]  # ids of the owning optimizers, in the deferral's order
     fingerprint: list[Any]
     defer: list[bool] | None
-    owners: list[int]  # positions among the optimizers listed (found in the tree, then known)
     deferred: list[int]
     ptrs: list[int]
     contiguous: list[bool]
@@ -191,12 +197,14 @@ class LayoutCache:
         found = find_optimizers(items)
         ids = {id(o) for o in found}
         optimizers = found + [o for o in known_optimizers() if id(o) not in ids]
-        fp = _fingerprint(optimizers)
+        by_id = {id(o): o for o in optimizers}
         kept = entry.deferral
-        if fp is not None and kept is not None and fp == kept.fingerprint:
+        if kept is not None and [id(o) for o in found] == kept.found and all(i in by_id for i in kept.owners):
+            owners = [by_id[i] for i in kept.owners]
             try:
                 deferred = [leaves[i].value for i in kept.deferred]
-                same = [t.data_ptr() for t in deferred] == kept.ptrs \
+                same = _fingerprint(found + owners) == kept.fingerprint \
+                    and [t.data_ptr() for t in deferred] == kept.ptrs \
                     and [t.is_contiguous() for t in deferred] == kept.contiguous
                 for t in deferred:
                     t._version  # noqa: B018 - raises for an inference tensor (no version counter)
@@ -206,18 +214,16 @@ class LayoutCache:
                 for o in found:
                     note_optimizer(o)
                 self.deferrals_reused += 1
-                if kept.defer is None:
-                    return None
-                return kept.defer, [optimizers[i] for i in kept.owners]
+                return (kept.defer, owners) if kept.defer is not None else None
         split = compute(items, leaves)
         entry.deferral = None
-        position = {id(o): i for i, o in enumerate(optimizers)}
-        owners = [position.get(id(o)) for o in split[1]] if split is not None else []
-        if fp is None or any(i is None for i in owners):
-            return split  # an owner not among those listed here (noted meanwhile): not kept
+        owner_ids = [id(o) for o in split[1]] if split is not None else []
+        fp = _fingerprint(found + (split[1] if split is not None else []))
+        if fp is None:
+            return split
         picked = [i for i, d in enumerate(split[0]) if d] if split is not None else []
         deferred = [leaves[i].value for i in picked]
-        entry.deferral = _Deferral(fp, split[0] if split is not None else None, [i for i in owners if i is not None],
+        entry.deferral = _Deferral([id(o) for o in found], owner_ids, fp, split[0] if split is not None else None,
                                    picked, [t.data_ptr() for t in deferred], [t.is_contiguous() for t in deferred])
         return split
 
