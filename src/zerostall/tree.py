@@ -624,7 +624,6 @@ class Layout:
     def __init__(self, flat: FlatState, generation: int) -> None:
         self.generation = generation
         self.names = list(flat.items)
-        self.items = flat.items
         self.count = len(flat.leaves)
         #: the leaves as flattened, without their values (the plan's identity only)
         self.leaves = [_array_leaf(leaf.key, leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, None, leaf.shared)

@@ -256,3 +256,21 @@ def test_free_function_saves_reuse_the_layout(tmp_path):
             assert torch.equal(got["model"][k], v), k
     finally:
         zerostall.release_buffers()
+
+
+def test_a_layout_lends_its_leaves_to_one_save_at_a_time():
+    from zerostall.tree import Layout, flatten, registry_generation
+
+    state = {"a": torch.arange(3.0), "b": {"c": torch.ones(2, 2), "n": 4}}
+    layout = Layout(flatten({"t": state}), registry_generation())
+    walked = layout.rewalk({"t": state}, {})
+    assert walked is not None
+    first = layout.flat(*walked)
+    second = layout.flat(*walked)  # another save while the first holds the leaves: copies
+    assert first.leaves is not second.leaves
+    assert [leaf.value for leaf in second.leaves] == [state["a"], state["b"]["c"]]
+    layout.release(first)
+    assert [leaf.value for leaf in first.leaves] == [None, None]  # no tensor kept once released
+    assert [leaf.value for leaf in second.leaves] == [state["a"], state["b"]["c"]]
+    third = layout.flat(*walked)
+    assert third.leaves is first.leaves  # lent again
