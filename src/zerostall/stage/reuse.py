@@ -14,8 +14,9 @@ engine, a few layouts, no tensors held) and a later save only checks that it sti
   :func:`zerostall.tree.add_torch_leaf` does). That is all the plan, the leaf rows and the staging
   views depend on; where the bytes are is read by the stager at every save;
 * the deferral (which leaves an optimizer owns: those are copied after the call returns) is
-  reused while the optimizers found in the tree are the same objects in the same order, its
-  owners are still known, both keep their parameters (by identity), param groups and
+  reused while the optimizers found in the tree are the same objects in the same order, no
+  optimizer has been seen stepping since (one that is gone changes nothing unless it was an
+  owner), its owners are still known, these keep their parameters (by identity), param groups and
   ``capturable`` settings, and the deferred leaves keep their data pointers and contiguity and
   still have a version counter. Ownership is decided by memory, so these fix it.
 
@@ -86,14 +87,15 @@ class _Entry:
 @dataclass(frozen=True)
 class _Deferral:
     """A deferral (``defer`` None: no leaf deferred), valid while the optimizers found in the tree
-    are ``found`` (ids, in order), the owners are still known, the fingerprint of both is
-    ``fingerprint``, and the ``deferred`` leaves keep their data pointers and contiguity.
+    are ``found`` (ids, in order), no optimizer outside ``listed`` is known, the owners are still
+    known, the fingerprint of the found ones and the owners is ``fingerprint``, and the
+    ``deferred`` leaves keep their data pointers and contiguity.
 
-    Other optimizers seen stepping may come and go: one that now owns a leaf the kept deferral
-    copies in the call costs time, not safety; one over a deferred leaf's memory is ordered after
-    the copy by the guard, which judges optimizers that are not owners by memory."""
+    An optimizer seen stepping for the first time may own leaves: the deferral is recomputed. One
+    that is gone (collected) changes nothing unless it was an owner."""
 
     found: list[int]
+    listed: frozenset[int]
     owners: list[int]  # ids of the owning optimizers, in the deferral's order
     fingerprint: list[Any]
     defer: list[bool] | None
@@ -199,7 +201,8 @@ class LayoutCache:
         optimizers = found + [o for o in known_optimizers() if id(o) not in ids]
         by_id = {id(o): o for o in optimizers}
         kept = entry.deferral
-        if kept is not None and [id(o) for o in found] == kept.found and all(i in by_id for i in kept.owners):
+        if kept is not None and [id(o) for o in found] == kept.found and kept.listed.issuperset(by_id) \
+                and all(i in by_id for i in kept.owners):
             owners = [by_id[i] for i in kept.owners]
             try:
                 deferred = [leaves[i].value for i in kept.deferred]
@@ -223,7 +226,8 @@ class LayoutCache:
             return split
         picked = [i for i, d in enumerate(split[0]) if d] if split is not None else []
         deferred = [leaves[i].value for i in picked]
-        entry.deferral = _Deferral([id(o) for o in found], owner_ids, fp, split[0] if split is not None else None,
+        entry.deferral = _Deferral([id(o) for o in found], frozenset(by_id), owner_ids, fp,
+                                   split[0] if split is not None else None,
                                    picked, [t.data_ptr() for t in deferred], [t.is_contiguous() for t in deferred])
         return split
 
