@@ -46,6 +46,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from zerostall.messages import LeafRow
@@ -232,6 +233,10 @@ class LayoutCache:
         return split
 
 
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+
+
 def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
     """Whether the tensor leaves in ``values`` have the recorded type, dtype and shape (each one
     list comprehension, compared in C): what the plan, the rows and the staging views depend on.
@@ -239,8 +244,8 @@ def _same_tensors(entry: _Entry, values: list[Any]) -> bool:
     checked by :meth:`LayoutCache.deferral` for the leaves copied after the call."""
     tv = values if entry.torch_idx is None else [values[i] for i in entry.torch_idx]
     try:
-        if list(map(type, tv)) != entry.types or [t.dtype for t in tv] != entry.dtypes \
-                or [t.shape for t in tv] != entry.shapes:
+        if list(map(type, tv)) != entry.types or list(map(_DTYPE, tv)) != entry.dtypes \
+                or list(map(_SHAPE, tv)) != entry.shapes:
             return False
         for i in entry.empty:
             leaf = entry.layout.leaves[i]
