@@ -15,6 +15,7 @@ import atexit
 import dataclasses
 import errno
 import logging
+import operator
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ __all__ = ["Engine", "Coordinator"]
 
 log = logging.getLogger("zerostall")
 _PLAN_CACHE = 8
+_KIND = operator.attrgetter("kind")
 
 
 class Coordinator(Protocol):
@@ -255,7 +257,7 @@ class Engine:
             if split is not None:
                 task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1],
                                   crc=crcs is not None)
-            elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
+            elif self.options.staging is Staging.OVERLAP and "torch" in map(_KIND, flat.leaves):  # one C loop
                 GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy
         except BaseException:
