@@ -170,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             res["floors"].append(run_child("floors", common, a.timeout))
             out.mkdir(parents=True, exist_ok=True)
             (out / "results.partial.json").write_text(json.dumps(results, indent=1))
+        if not a.no_zerostall and not a.only_dip:
+            # the save call of an unchanged tree of many leaves against the work any checkpointer
+            # must do (benchmarks/many_leaves.py --targets): printed, and kept in results.json
+            log("== save call of an unchanged tree (many_leaves --targets)")
+            res_leaves = run_child("many_leaves", ["--targets", "--dir", str(scratch)], a.timeout)
+            results["leaf_call"] = res_leaves
+            for line in res_leaves.get("lines", [f"no result: {res_leaves.get('error')}"]):
+                log(line)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

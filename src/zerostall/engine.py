@@ -15,6 +15,7 @@ import atexit
 import dataclasses
 import errno
 import logging
+import operator
 import sys
 import threading
 import time
@@ -36,14 +37,16 @@ from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
 from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
+from zerostall.stage.reuse import LayoutCache, Reused, layout_key
 from zerostall.stage.stager import prepare_slot, staging_checksums
 from zerostall.storage import open_storage, scheme_reference
-from zerostall.tree import FlatState, flatten
+from zerostall.tree import FlatState, flatten, registry_generation
 
 __all__ = ["Engine", "Coordinator"]
 
 log = logging.getLogger("zerostall")
 _PLAN_CACHE = 8
+_KIND = operator.attrgetter("kind")
 
 
 class Coordinator(Protocol):
@@ -93,6 +96,8 @@ class Engine:
         self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
+        #: the previous saves' work per layout, reused while it still holds (stage.reuse)
+        self._layouts = LayoutCache(_PLAN_CACHE)
         self._inflight: set[Response] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -124,6 +129,7 @@ class Engine:
         with self._lock:
             if rank != self._rank:  # plans name the rank's file
                 self._plans.clear()
+                self._layouts.clear()
                 self._rank = rank
             sig = flat.signature
             hit = self._plans.get(sig)
@@ -141,6 +147,19 @@ class Engine:
                 self._plans.popitem(last=False)
             return plan, rows
 
+    def _layout(self, items: dict[str, Any], rank: int) -> tuple[Any, FlatState, Plan, tuple[LeafRow, ...]]:
+        """The flattened state, plan and rows of ``items``: the previous save's where its layout
+        still holds (stage.reuse), else flattened and planned, and kept for the next save."""
+        key = layout_key(items)
+        states: dict[int, tuple[Any, Any]] = {}
+        hit: Reused | None = self._layouts.lookup(key, items, rank, states)
+        if hit is not None:
+            return hit.entry, hit.flat, hit.plan, hit.rows
+        generation = registry_generation()
+        flat = flatten(items, states=states)
+        plan, rows = self._plan(flat, rank)
+        return self._layouts.remember(key, flat, plan, rows, rank, generation), flat, plan, rows
+
     def _collective(self) -> bool:
         return self._coordinator is not None and self._coordinator.active()
 
@@ -149,9 +168,10 @@ class Engine:
 
         Returns the bytes allocated. Saves of the same layout then only copy. Nothing is saved.
         """
-        flat = flatten(items)
         rank = self._coordinator.rank if self._coordinator is not None and self._collective() else 0
-        plan, _ = self._plan(flat, rank)
+        reused, flat, plan, _ = self._layout(items, rank)
+        if reused is not None:
+            reused.layout.release(flat)  # only the layout is needed below (headers and views)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
         if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
@@ -210,11 +230,22 @@ class Engine:
         storage = open_storage(root_url)
         if storage.atomic_rename and storage.exists(name):  # a cheap local check; the writer re-checks
             raise exists_error(storage, name, path)
-        flat = flatten(items)
-        plan, rows = self._plan(flat, info.rank if info is not None else 0)
+        reused, flat, plan, rows = self._layout(items, info.rank if info is not None else 0)
+        try:
+            return self._stage_async(root_url, name, path, items, t0, info, metadata, step, retention, reused, flat,
+                                     plan, rows, memory=memory, persist=persist)
+        finally:
+            if reused is not None:
+                reused.layout.release(flat)  # nothing after the call reads the leaves
+
+    def _stage_async(self, root_url: str, name: str, path: str, items: dict[str, Any], t0: float,
+                     info: Collective | None, metadata: dict[str, Any] | None, step: int | None,
+                     retention: RetentionPolicy | None, reused: Any, flat: FlatState, plan: Plan,
+                     rows: tuple[LeafRow, ...], *, memory: bool, persist: bool) -> Response:
         sync_all()  # copies in flight are judged before this thread stages again (stage.overlap)
         GUARD.tidy()  # the training thread, outside any step: a finished save's hook may go
-        split = deferrable_any(items, flat.leaves) if self.options.staging is Staging.OVERLAP else None
+        split = (self._layouts.deferral(reused, items, flat.leaves, deferrable_any)
+                 if self.options.staging is Staging.OVERLAP else None)
         defer = split[0] if split is not None else None
         slot = self.pool.acquire()
         task: OverlapTask | None = None
@@ -226,7 +257,7 @@ class Engine:
             if split is not None:
                 task = build_task(path, flat.leaves, views, split[0], self._streams, owners=split[1],
                                   crc=crcs is not None)
-            elif self.options.staging is Staging.OVERLAP and any(leaf.kind == "torch" for leaf in flat.leaves):
+            elif self.options.staging is Staging.OVERLAP and "torch" in map(_KIND, flat.leaves):  # one C loop
                 GUARD.learn()  # an optimizer outside the tree is known by the next save
             copy_s = time.perf_counter() - t_copy
         except BaseException:

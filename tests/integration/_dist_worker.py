@@ -465,6 +465,63 @@ def scenario_atomic_device(rank: int, world: int, d: str) -> dict:
         plan.DEVICE_TYPES.discard("cpu")
 
 
+def scenario_reuse(rank: int, world: int, d: str) -> dict:
+    """Collective saves of an unchanged layout (a DDP model, its AdamW, DTensor shards) reuse the
+    previous save's work on every rank and save what a full save does; a resharded DTensor and a
+    new optimizer state key take the full path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _dtensor_globals()
+    model, opt = ddp_model()
+    train_step(model, opt, 1)
+    dts = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+           "rep": distribute_tensor(full["rep"], mesh, [Replicate()])}
+    mine = per_rank(rank, 1)
+    tree = {"model": model, "optim": opt, "dt": dts, "rank_state": mine}
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=60))
+
+    def check(ck: Checkpointer, step: int, rows: torch.Tensor) -> None:
+        fresh, fopt = ddp_model()
+        tmpl = {"model": fresh, "optim": fopt, "rank_state": per_rank(rank, 0),
+                "dt": {"rows": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]),
+                       "rep": distribute_tensor(torch.zeros(33, dtype=torch.float64), mesh, [Replicate()])}}
+        ck.load_pytree(step, template=tmpl)
+        for k, v in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), (step, k)
+        assert torch.equal(tmpl["rank_state"]["rng"], mine["rng"]), step
+        assert torch.equal(tmpl["dt"]["rows"].full_tensor(), rows), step
+        want, got = opt.state_dict()["state"], fopt.state_dict()["state"]
+        for pid, st in want.items():
+            for k, v in st.items():
+                assert torch.equal(got[pid][k], v), (step, pid, k)
+
+    with Checkpointer(f"{d}/ck", keep_last=4, save_options=opts) as ck:
+        cache = ck._engine._layouts
+        ck.save_pytree(1, tree)
+        train_step(model, opt, 2)
+        mine["rng"].add_(1)
+        mine["step"] = 2
+        dts["rows"].to_local().add_(100)  # in place: the same shard
+        ck.save_pytree(2, tree)
+        assert (cache.hits, cache.deferrals_reused) == (1, 1), (cache.hits, cache.deferrals_reused)
+        check(ck, 2, full["rows"] + 100)
+        # resharded: each rank's box changes (Shard(0) -> Replicate)
+        dts["rows"] = dts["rows"].redistribute(mesh, [Replicate()])
+        ck.save_pytree(3, tree)
+        assert cache.hits == 1
+        check(ck, 3, full["rows"] + 100)
+        opt.state[next(iter(model.parameters()))]["extra"] = torch.full((3,), float(rank == 0))
+        ck.save_pytree(4, tree)
+        assert cache.hits == 1
+        assert torch.equal(ck.load_pytree(4)["optim"]["state"][0]["extra"], torch.full((3,), float(rank == 0)))
+        ck.save_pytree(5, tree)
+        assert cache.hits == 2
+        check(ck, 5, full["rows"] + 100)
+    return {"hits": cache.hits, "misses": cache.misses}
+
+
 def launch(scenarios: list[str], world: int, d: str, env: dict | None = None, timeout: float = 240,
            script: str | None = None) -> list[dict]:
     """Run ``scenarios`` in ``world`` real processes (gloo); return each rank's results.

@@ -208,3 +208,11 @@ def test_corrupt_leaf_on_one_rank_leaves_every_rank_untouched_and_fallback_agree
         got = {k: res[k] for k in ("error", "untouched", "streamed", "loaded", "good", "valid")}
         assert got == {"error": "ChecksumMismatchError", "untouched": True, "streamed": "ChecksumMismatchError",
                        "loaded": 1, "good": True, "valid": 1}
+
+
+def test_collective_saves_of_an_unchanged_layout_reuse_it(tmp_path):
+    """DDP model, AdamW and DTensor shards on 2 ranks: saves of an unchanged layout reuse the
+    previous save's work on every rank and load back as saved; resharding and a new optimizer
+    state key take the full path (scenario_reuse)."""
+    got = _ok(worker.launch(["reuse"], 2, str(tmp_path)), "reuse")
+    assert [g["hits"] for g in got] == [2, 2]

@@ -110,8 +110,11 @@ class _Pieces:
     """
 
     def __init__(self, copies: list[_CpuCopy], crc: bool = False) -> None:
-        self._items = [(k, off, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
-                       for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
+        if max((c.nbytes for c in copies), default=0) <= CHUNK:  # one piece a copy: no range() per copy
+            self._items = [(k, 0, c.dst, c.src, c.nbytes) for k, c in enumerate(copies)]
+        else:
+            self._items = [(k, off, c.dst + off, c.src + off, min(CHUNK, c.nbytes - off))
+                           for k, c in enumerate(copies) for off in range(0, c.nbytes, CHUNK)]
         self._leaf = [c.leaf for c in copies]  # not the copies: they hold the tensors
         self._crc = crc
         self._sums: list[int | None] = [None] * len(self._items)
@@ -495,6 +498,23 @@ def _moved(path: str, entries: list[tuple[str, Any, int]]) -> TornSnapshotError 
     return None
 
 
+def _list_host_copies(task: OverlapTask, leaves: list[Any], views: list[Any], defer: list[bool]) -> bool:
+    """List the copies of ``task`` in bulk, one comprehension a field, when every deferred leaf is
+    a host tensor (no background source, nothing on CUDA): a state of many leaves paid ~1 us a
+    leaf in the general loop of :func:`build_task`. False (nothing done) otherwise."""
+    if _SOURCES:
+        return False
+    picked = [li for li, (dst, d) in enumerate(zip(views, defer, strict=True)) if d and dst is not None]
+    ts = [leaves[li].value for li in picked]
+    if any(t.is_cuda for t in ts):
+        return False
+    task.span_tensors = ts
+    task.cpu = list(map(_CpuCopy, [leaves[li].key for li in picked], ts, [t.untyped_storage() for t in ts],
+                        [t.data_ptr() for t in ts], [views[li].data_ptr() for li in picked],
+                        [leaves[li].nbytes for li in picked], [t._version for t in ts], picked))
+    return True
+
+
 def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool],
                streams: dict[Any, Any] | None = None, owners: list[Any] | None = None, *,
                crc: bool = False) -> OverlapTask:
@@ -507,7 +527,8 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
     """
     task = OverlapTask(path, owners={id(o) for o in owners or ()}, crc=crc)
     by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
-    for li, (leaf, dst, d) in enumerate(zip(leaves, views, defer, strict=True)):
+    listed = _list_host_copies(task, leaves, views, defer)
+    for li, (leaf, dst, d) in enumerate(() if listed else zip(leaves, views, defer, strict=True)):
         if not d or dst is None:
             continue
         if _SOURCES and isinstance(leaf.value, _SOURCES):

@@ -58,10 +58,12 @@ def find_optimizers(items: Any) -> list[Any]:
         seen += 1
         if type(obj) in plain:
             continue
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
+        if isinstance(obj, (dict, list, tuple)):
+            values = obj.values() if isinstance(obj, dict) else obj
+            # a dict of plain tensors (a state_dict): one pass over its types, not a step per leaf
+            if len(values) > 16 and set(map(type, values)) <= plain:
+                continue
+            stack.extend(values)
         elif isinstance(obj, optimizer_type):
             found.append(obj)
     return found

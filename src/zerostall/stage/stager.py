@@ -8,6 +8,8 @@ copy itself (no ``.contiguous()`` temporary), device tensors are copied device-t
 from __future__ import annotations
 
 import sys
+from itertools import compress, count, repeat
+from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -128,6 +130,9 @@ class CudaCopyEngine:
         return {}
 
 
+_VALUE = attrgetter("value")
+
+
 def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None, crc: bool = False) -> CopyEngine:
     """The CUDA engine when any leaf lives on a CUDA device and CUDA works, else the CPU one
     (which checksums its streamed copies with ``crc``)."""
@@ -136,14 +141,16 @@ def select_engine(leaves: list[ArrayLeaf], *, cuda_available: bool | None = None
         return CpuCopyEngine(crc)
     # ``is_cuda`` rather than ``device.type``: this scans every leaf at every save, and building
     # a device object costs ~0.5 us a leaf
-    cuda_leaf = next((leaf for leaf in leaves if leaf.kind == "torch" and leaf.value.is_cuda), None)
+    # one C-level loop over the leaves' values; only a torch leaf's ``is_cuda`` counts
+    flags = map(getattr, map(_VALUE, leaves), repeat("is_cuda"), repeat(False))
+    cuda_leaf = next((leaves[i].value for i in compress(count(), flags) if leaves[i].kind == "torch"), None)
     if cuda_leaf is None:
         return CpuCopyEngine(crc)
     if cuda_available is None:
         cuda_available = bool(torch.cuda.is_available())
     if not cuda_available:
         return CpuCopyEngine(crc)
-    return CudaCopyEngine(torch, cuda_leaf.value.device)
+    return CudaCopyEngine(torch, cuda_leaf.device)
 
 
 def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
@@ -238,7 +245,9 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
             leaves = flat.leaves
             for k in range(0, len(small), _BATCH_LEN):
                 part = small[k:k + _BATCH_LEN]
-                batch([views[i] for i in part], [leaves[i].value for i in part])
+                # C-level gathers (itemgetter, map): a Python step per leaf cost ~0.25 us
+                pick = itemgetter(*part) if len(part) > 1 else (lambda seq, i=part[0]: (seq[i],))
+                batch(list(pick(views)), list(map(_VALUE, pick(leaves))))
             order = ((i, (leaves[i], views[i])) for i in rest)
         for i, (leaf, dst) in order:
             if dst is None or (skip is not None and skip[i]):
