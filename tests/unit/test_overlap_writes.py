@@ -216,7 +216,7 @@ def test_zerostalls_own_threads_are_not_ordered_by_a_data_access(ckdir):
     seen: list[int] = []
     with Checkpointer(ckdir, save_options=THREAD) as ckpt:
         copier = ckpt._engine._copier
-        opened = threading.Event()
+        opened, probed = threading.Event(), threading.Event()
 
         def probe() -> None:  # runs on the copier thread, before the save's own copy
             opened.wait(60)
@@ -224,10 +224,13 @@ def test_zerostalls_own_threads_are_not_ordered_by_a_data_access(ckdir):
             assert task.pieces is not None
             _ = case.model[0].weight.data
             seen.append(task.pieces.left)
+            probed.set()
 
         copier._put(probe)
         r = ckpt.save_pytree_async(0, case.tree())
         opened.set()
+        # result() helps the copy on this thread: only once the probe has looked at what is left
+        assert probed.wait(60)
         r.result()
     assert seen and seen[0] > 0  # the access left every piece to the copy
 
