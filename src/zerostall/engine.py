@@ -459,7 +459,7 @@ _FIT_HINTS = {
 
 
 def fit_slot(pool: BufferPool, slot: Slot, plan: Plan, path: str | None) -> None:
-    """``pool.fit`` with the operating system's refusal named (newcomer round 5).
+    """``pool.fit`` with the operating system's refusal named.
 
     The staging buffers are memfd files, so a file-size limit (``ulimit -f``) refuses them with a
     bare ``OSError: [Errno 27] File too large`` that names no checkpoint and says nothing of what

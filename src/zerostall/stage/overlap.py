@@ -78,8 +78,8 @@ CHUNK = 64 << 20
 #: round differently, and a resumed run is no longer bit for bit an uninterrupted one. In
 #: every case the guard copies the pieces nobody has started. ``"normal"`` is the default because two
 #: consecutive quiet-machine runs showed no gain in training lost per save for ``"idle"`` and it
-#: leaves the whole copy to the guard when the trainer uses every core (docs/performance.md,
-#: "Third round"); benchmarks/overlap.py measures each.
+#: leaves the whole copy to the guard when the trainer uses every core (measured with an A/B
+#: script now in git history).
 COPIER_POLICY: Literal["auto", "idle", "normal", "yield"] = "normal"
 #: Seconds the copier waits after a CPU copy for a thread that may modify the tensors to judge it
 #: (:meth:`OverlapTask.sync`: the next guarded ``step()``, save, ``wait_staged()``, ``result()``,
@@ -545,7 +545,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         version = int(t._version)
         storage = t.untyped_storage()
         task.span_tensors.append(t)
-        if t.is_cuda:  # not device.type, nor a device object as the key: ~0.5 us a leaf (r5leaves)
+        if t.is_cuda:  # not device.type, nor a device object as the key: ~0.5 us a leaf
             by_device.setdefault(t.get_device(), []).append((leaf.key, t, storage, version, dst))
         else:
             task.cpu.append(_CpuCopy(leaf.key, t, storage, int(t.data_ptr()), int(dst.data_ptr()), leaf.nbytes,

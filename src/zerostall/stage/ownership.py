@@ -255,7 +255,7 @@ def _graph_capturable(optimizer: Any) -> bool:
 
 
 def _copyable(t: Any) -> bool:
-    # is_cuda / is_cpu rather than device.type: no device object per leaf (~0.5 us each, r5leaves)
+    # is_cuda / is_cpu rather than device.type: no device object per leaf (~0.5 us each)
     if t.is_cuda:
         return True
     return bool(t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg())
