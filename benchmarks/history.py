@@ -94,6 +94,26 @@ def cpu_figures(summary: Mapping[str, Any]) -> list[tuple[str, float]]:
     return out
 
 
+def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """``(figure, value)`` of the benchmarks ``make bench`` runs once, not per size: the save call of
+    an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``) and a Hugging Face
+    Trainer's checkpoint stall (``benchmarks/hf_trainer.py``). A benchmark that failed adds none."""
+    out: list[tuple[str, float]] = []
+    leaves = results.get("leaf_call") or {}
+    for key, name in (("call", "leaf_call_x_floor_checkpointer"), ("free", "leaf_call_x_floor_free")):
+        value = (leaves.get("ratios") or {}).get(key)
+        if _ok(value):
+            out.append((name, float(value)))
+    if _ok(leaves.get("speedup_20k")):
+        out.append(("leaf_call_20k_speedup", float(leaves["speedup_20k"])))
+    hf = (results.get("hf_trainer") or {}).get("summary") or {}
+    if _ok(hf.get("stall_ratio")):
+        out.append(("hf_trainer_stall_zerostall_x_hf", float(hf["stall_ratio"])))
+    if _ok(hf.get("zerostall_stall_s")) and _ok(hf.get("floor_memcpy_s")) and hf["floor_memcpy_s"] > 0:
+        out.append(("hf_trainer_stall_zerostall_x_memcpy", float(hf["zerostall_stall_s"]) / float(hf["floor_memcpy_s"])))
+    return out
+
+
 def gpu_figures(save: Mapping[str, Any] | None, restore: Mapping[str, Any] | None) -> list[tuple[str, float]]:
     """``(figure, value)`` for one ``make bench-gpu`` run: ``benchmarks/gpu.py``'s and
     ``benchmarks/gpu_restore.py``'s ``--out`` JSON (either may be None).

@@ -66,6 +66,21 @@ def run_child(module: str, args: list[str], timeout: float) -> dict[str, Any]:
     return res
 
 
+def run_hf_trainer(out: Path, scratch: Path, timeout: float) -> dict[str, Any]:
+    """``benchmarks/hf_trainer.py`` in its own process: its summary and printed lines, or an error."""
+    out.mkdir(parents=True, exist_ok=True)
+    dest = out / "hf_trainer.json"
+    cmd = [sys.executable, "-m", "benchmarks.hf_trainer", "--out", str(dest), "--dir", str(scratch / "hf")]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s", "cmd": cmd}
+    if p.returncode != 0 or not dest.exists():
+        return {"error": f"exited {p.returncode} without a result", "cmd": cmd, "stdout_tail": p.stdout[-2000:]}
+    summary = json.loads(dest.read_text())["summary"]
+    return {"summary": summary, "lines": p.stdout.strip().splitlines()}
+
+
 def machine() -> dict[str, Any]:
     import psutil
 
@@ -113,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"control; all: {','.join(dip.SYSTEMS)}); empty string skips the dip")
     p.add_argument("--no-zerostall", action="store_true", help="skip zerostall (e.g. before it is importable)")
     p.add_argument("--only-dip", action="store_true", help="floors and the training dip only (no save/restore runs)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Trainer benchmark")
     p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
     p.add_argument("--history", default=str(HISTORY),
                    help="CSV the run's figures are appended to (default benchmarks/reference/history.csv; "
@@ -178,6 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             results["leaf_call"] = res_leaves
             for line in res_leaves.get("lines", [f"no result: {res_leaves.get('error')}"]):
                 log(line)
+        if not a.no_zerostall and not a.only_dip and not a.no_hf:
+            # a Hugging Face Trainer's checkpoint stall, HF's own save against zerostall's, with the
+            # memcpy floor of the same bytes in the same run (benchmarks/hf_trainer.py)
+            log("== Hugging Face Trainer: HF's own save vs zerostall's")
+            results["hf_trainer"] = run_hf_trainer(out, scratch, a.timeout)
+            for line in results["hf_trainer"].get("lines", [f"no result: {results['hf_trainer'].get('error')}"]):
+                log(line)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -188,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = results["meta"]
         n = history.append(Path(a.history), history.rows(meta["started"], meta["git"],
                                                          history.machine_label(meta["machine"]),
-                                                         history.cpu_figures(summary)))
+                                                         history.cpu_figures(summary)
+                                                         + history.extra_figures(results)))
         log(f"{n} figures appended to {a.history}")
     return 0
 

@@ -121,3 +121,12 @@ def test_the_reference_history_holds_the_figures_the_docs_quote() -> None:
     assert latest["lost_x_best_peer@4G"] == "0.2357" and latest["warm_safetensors_x_zerostall@4G"] == "1.226"
     gpu = [r for r in rows if r["figure"] == "gpu_host_blocked_x_d2h[zerostall_overlap]" and r["commit"] == "0e6ae43"]
     assert sorted(r["value"] for r in gpu) == ["0.1982", "0.2398"]
+
+
+def test_the_once_per_run_benchmarks_add_their_figures_and_a_failed_one_adds_none():
+    results = {"leaf_call": {"ratios": {"call": 1.2, "free": 1.4}, "speedup_20k": 2.5},
+               "hf_trainer": {"summary": {"stall_ratio": 0.02, "zerostall_stall_s": 0.07, "floor_memcpy_s": 0.5}}}
+    assert dict(history.extra_figures(results)) == {
+        "leaf_call_x_floor_checkpointer": 1.2, "leaf_call_x_floor_free": 1.4, "leaf_call_20k_speedup": 2.5,
+        "hf_trainer_stall_zerostall_x_hf": 0.02, "hf_trainer_stall_zerostall_x_memcpy": 0.07 / 0.5}
+    assert history.extra_figures({"leaf_call": {"error": "timed out"}, "hf_trainer": {"error": "exited 1"}}) == []
