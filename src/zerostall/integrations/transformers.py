@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 import types
@@ -51,6 +50,7 @@ import numpy as np
 
 import zerostall
 from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, MissingDependencyError
+from zerostall.format.layout import STEP_RE
 
 try:
     import torch
@@ -74,7 +74,6 @@ MIN_TRANSFORMERS = "5.24.0"
 MIN_TRL = "1.16.0"
 #: the subdirectory of ``args.output_dir`` that holds the zerostall checkpoints by default
 SUBDIR = "zerostall"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _RESUME_PREFIX = "zerostall-hf-resume-"
 
 
@@ -233,7 +232,7 @@ class ZerostallCheckpointing:
             return self.open().latest_step()
         if isinstance(resume, (str, os.PathLike)):
             path = os.path.abspath(os.fspath(resume))
-            m = _STEP_DIR.match(os.path.basename(path))
+            m = STEP_RE.match(os.path.basename(path))
             if m is not None and os.path.dirname(path) == os.path.abspath(self.directory):
                 return int(m.group(1))
         return None
@@ -382,7 +381,7 @@ class ZerostallCheckpointing:
 
     def _hf_load_best_model(self) -> None:
         best = self.trainer.state.best_model_checkpoint
-        m = _STEP_DIR.match(os.path.basename(best or ""))
+        m = STEP_RE.match(os.path.basename(best or ""))
         if best is None or m is None or os.path.dirname(os.path.abspath(best)) != os.path.abspath(self.directory):
             self._originals["_load_best_model"]()
             return
