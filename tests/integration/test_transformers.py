@@ -311,3 +311,33 @@ def test_an_old_transformers_version_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"transformers >= 5\.24\.0; found transformers 4\.57\.1"):
         ZerostallCheckpointing(trainer)
     assert not os.path.exists(tmp_path / "run" / "zerostall")
+
+
+def test_an_installed_transformers_too_old_for_the_integration_names_its_version():
+    code = ("import transformers.trainer_callback as tc\n"
+            "del tc.ExportableState  # a name releases before the supported ones lack\n"
+            "from zerostall.errors import MissingDependencyError\n"
+            "try:\n    import zerostall.integrations.transformers\n"
+            "except MissingDependencyError as e:\n    print('MDE', e.name, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(ENV, PYTHONPATH=SRC), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import transformers
+
+    assert r.stdout.startswith("MDE transformers"), r.stdout
+    assert f"found {transformers.__version__}" in r.stdout and "not installed" not in r.stdout
+
+
+def test_wrapping_a_trainer_that_is_already_training_is_refused(tmp_path):
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    trainer.is_in_train = True  # what Trainer.train() sets for its whole run
+    with pytest.raises(zerostall.InvalidArgumentError, match=r"before trainer\.train\(\)"):
+        ZerostallCheckpointing(trainer)
+
+
+def test_resuming_from_a_zerostall_step_of_another_directory_says_how(tmp_path):
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    ZerostallCheckpointing(trainer)
+    other = tmp_path / "elsewhere" / "zerostall" / "step_00000005"
+    with pytest.raises(zerostall.InvalidArgumentError, match="directory=") as e:
+        trainer.train(resume_from_checkpoint=str(other))
+    assert e.value.path == str(other)

@@ -60,9 +60,20 @@ try:
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import SaveStrategy
 except ImportError as exc:  # depends on the environment (tests/integration/test_transformers.py blocks it)
+    if isinstance(exc, ModuleNotFoundError):
+        raise MissingDependencyError(
+            "zerostall.integrations.transformers needs the `transformers` package (and `accelerate`), which is not "
+            "installed: pip install 'zerostall[transformers]'", name=(exc.name or "transformers").split(".")[0]) from exc
+    # installed, but a name this integration uses is missing: a release older than it supports
+    import importlib.metadata as _md
+
+    try:
+        _found = _md.version("transformers")
+    except _md.PackageNotFoundError:
+        _found = "unknown"
     raise MissingDependencyError(
-        "zerostall.integrations.transformers needs the `transformers` package (and `accelerate`), which is not "
-        "installed: pip install 'zerostall[transformers]'", name=(exc.name or "transformers").split(".")[0]) from exc
+        f"zerostall.integrations.transformers needs transformers >= 5.24.0, found {_found} ({exc}): "
+        "pip install -U 'zerostall[transformers]'", name="transformers") from exc
 
 __all__ = ["ZerostallCheckpointing", "MIN_TRANSFORMERS", "MIN_TRL"]
 
@@ -133,7 +144,9 @@ class ZerostallCheckpointing:
     Raises:
         MissingDependencyError: transformers (or trl) older than :data:`MIN_TRANSFORMERS`
             (:data:`MIN_TRL`), naming the version found.
-        InvalidArgumentError: ``trainer`` is not a ``transformers.Trainer``, or already has one.
+        InvalidArgumentError: ``trainer`` is not a ``transformers.Trainer``, already has one, or is
+            already training (wrap it before ``train()``: the running ``train()`` would never close
+            the checkpointer, nor raise a background save's failure).
     """
 
     def __init__(self, trainer: Any, *, directory: str | os.PathLike[str] | None = None,
@@ -145,6 +158,9 @@ class ZerostallCheckpointing:
         check_versions(trainer)
         if isinstance(getattr(trainer, "_zerostall", None), ZerostallCheckpointing):
             raise InvalidArgumentError("this trainer already checkpoints through zerostall", argument="trainer")
+        if getattr(trainer, "is_in_train", False):
+            raise InvalidArgumentError("this trainer is already training: call ZerostallCheckpointing(trainer) before "
+                                       "trainer.train()", argument="trainer")
         self.trainer: Any = cast(Any, trainer)  # typed loosely: Trainer subclasses differ, and HF annotates few attributes
         self.directory = os.fspath(directory) if directory is not None else os.path.join(
             self.trainer.args.output_dir, SUBDIR)
@@ -235,6 +251,11 @@ class ZerostallCheckpointing:
             m = STEP_RE.match(os.path.basename(path))
             if m is not None and os.path.dirname(path) == os.path.abspath(self.directory):
                 return int(m.group(1))
+            if m is not None:  # a zerostall step of another directory: HF's loader cannot read it
+                raise InvalidArgumentError(
+                    f"resume_from_checkpoint={os.fspath(resume)!r} is a zerostall step outside this trainer's "
+                    f"checkpoint directory {self.directory!r}: pass ZerostallCheckpointing(trainer, "
+                    f"directory={os.path.dirname(path)!r}) to resume from it", path=path, argument="resume_from_checkpoint")
         return None
 
     def _train_from(self, ck: zerostall.Checkpointer, step: int, train: Callable[..., Any], *args: Any,
