@@ -47,10 +47,13 @@ class SaveStats:
     staged_s: float | None = None
 
     def summary(self) -> str:
+        """One line: the stall of the save call, then the background persist, each rate named by
+        what it measures (the staging copy's speed; the writes' speed, over their own time only)."""
         mib = self.nbytes / (1 << 20)
-        s = f"{self.path}: {mib:.1f} MiB, stall {self.stall_s * 1e3:.1f} ms ({self.staging_gbps:.2f} GB/s)"
+        s = f"{self.path}: {mib:.1f} MiB, stall {self.stall_s * 1e3:.1f} ms (staging copy {self.staging_gbps:.2f} GB/s)"
         if self.persist_s is not None:
-            s += f", persist {self.persist_s:.2f} s ({self.persist_gbps or 0:.2f} GB/s), commit {self.commit_s or 0:.3f} s"
+            s += (f", persist {self.persist_s:.2f} s (writes {self.persist_gbps or 0:.2f} GB/s), "
+                  f"commit {self.commit_s or 0:.3f} s")
         return s
 
 
