@@ -6,14 +6,22 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench bench-gpu stress lint typecheck clean
 
-$(STAMP): pyproject.toml setup.py src/zerostall/_memcopy.c
+# The demo needs only zerostall, torch and matplotlib; the test suite needs the dev extra too
+# (jax, lightning, transformers, trl, ...), which takes minutes more to install.
+DEMO_STAMP := $(VENV)/.demo-installed
+
+$(DEMO_STAMP): pyproject.toml setup.py src/zerostall/_memcopy.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[torch]" "matplotlib>=3.8"
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[torch,dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
