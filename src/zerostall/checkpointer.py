@@ -132,8 +132,8 @@ class Checkpointer:
     failure; a ``with`` block that is already raising keeps its own exception and the failure
     is logged). ``on_error`` receives them instead. See docs/guarantees.md.
     With a memory tier, a failed persist of the keeper (of a step only memory held, after a
-    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`close`
-    raises the failure of the persist it asked for itself.
+    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`wait`
+    and :meth:`close` raise the failure of the persist they asked for themselves.
 
     Example::
 
@@ -646,14 +646,32 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight save has committed or failed.
 
+        With a memory tier, also until the newest step saved is on storage: if only this host's
+        memory holds it (a memory-only save, ``MemoryTier.persist_interval_steps``), the keeper
+        persists it now, and goes on serving this trainer (later saves go to memory as before).
+        Under torch.distributed that persist is collective, as at :meth:`close`: every rank
+        calls ``wait()``.
+
+        Args:
+            timeout: return after about this many seconds even if saves (or the keeper's
+                persist) have not finished; nothing is raised for them then.
+
         Raises:
             BackgroundSaveError: a save failed in the background and its response never raised
                 it (unless ``on_error`` took it); names the step and the cause.
+            KeeperPersistError: with a memory tier, the keeper could not persist the step only its
+                memory holds (``step`` names it, ``cause`` says why); the step is still in memory,
+                and :meth:`close` tries again (a collective step's persist is tried once).
+            KeeperLostError: with a memory tier, the keeper ended before that step reached
+                storage: the step is lost.
         """
         if timeout is not None:
             check_number("timeout", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._engine.wait(timeout)
         self._engine.raise_failures()
+        if self.memory_tier is not None and not self.read_only and not self._engine.closed and self._engine.idle():
+            self._engine.writer.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.

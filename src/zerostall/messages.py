@@ -34,12 +34,14 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
-    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
+    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy", "PersistHeld",
+    "Persisted",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
 #: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref, Adopt.instance (a
-#: keeper that ignored it would offer a deleted directory's step to a trainer of a new one) and Closed
+#: keeper that ignored it would offer a deleted directory's step to a trainer of a new one), Closed,
+#: PersistHeld and Persisted
 PROTOCOL = 6
 
 
@@ -196,6 +198,27 @@ class Closed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PersistHeld:
+    """The trainer's ``wait()``: persist the step the keeper holds now if only memory has it, then
+    answer :class:`Persisted`; the keeper goes on serving. Under torch.distributed a collective
+    step is persisted collectively, so every rank's trainer asks."""
+
+    #: the trainer's number for this request, repeated in the answer (an answer to a request the
+    #: trainer stopped waiting for is then not taken for a later one's)
+    request: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Persisted:
+    """The keeper's answer to :class:`PersistHeld`: the step it holds is on storage now (persisted
+    for this request, or before). ``step`` None: it holds none, or that persist failed (a
+    :class:`KeeperFailed` with ``closing`` came first)."""
+
+    request: int
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Released:
     """The writer no longer reads job ``job``'s buffers: they may be staged into again."""
 
@@ -282,7 +305,7 @@ class KeeperFailed:
     error: WireError
     #: the rank of the keeper (its directory and rank name it)
     rank: int = 0
-    #: the persist the trainer's clean close asked for failed (the keeper exits with the step)
+    #: the persist the live trainer asked for (its clean close, or its ``wait()``) failed
     closing: bool = False
 
 
@@ -302,12 +325,12 @@ class KeeperBusy:
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
-           | Image | KeeperFailed | KeeperBusy)
+           | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
-    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy,
+    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy, "persist": PersistHeld, "persisted": Persisted,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

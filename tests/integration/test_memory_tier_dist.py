@@ -153,6 +153,24 @@ def test_keepers_persist_the_memory_only_step_after_every_trainer_died(tmp_path:
         assert res["step"] == LAST and res["equal"], (r, res)
 
 
+def test_wait_on_every_rank_persists_the_memory_only_step_collectively(tmp_path: Path) -> None:
+    import json
+
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    procs = _start("persist", d, 0, 60, log)
+    for p in procs:
+        p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == 0, log.read_text()[-4000:]
+    for r in range(WORLD):
+        res = json.loads((d / f"persist-{r}.json").read_text())
+        # step 12 lived in memory only until every rank's wait(); the keepers then served on
+        assert res == {"after_wait": [10, LAST], "same_keeper": True, "held": LAST + 1,
+                       "after_close": [10, LAST, LAST + 1], "failures": []}, (r, res)
+    assert _storage(d) == sorted([step_name(10), step_name(LAST), step_name(LAST + 1)]
+                                 + [f"persist-{r}.json" for r in range(WORLD)]), log.read_text()[-4000:]
+    _assert_rank0(d, LAST)
+
+
 def test_keepers_holding_different_steps_commit_nothing(tmp_path: Path) -> None:
     d, log = tmp_path / "run", tmp_path / "stderr.log"
     # A collective timeout far beyond the test's deadline: the keepers must not need it, since each

@@ -735,14 +735,15 @@ class Keeper:
                 self._directory_gone("it was deleted")
 
     def persist_held(self, closing: bool = False) -> None:
-        """Write the held step to storage if only memory has it (its trainer closed or died).
+        """Write the held step to storage if only memory has it (its trainer closed, died, or asked
+        for it in ``wait()``).
 
         A collective step goes through the collective protocol under the attempt names every
         rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
         (or, at a clean close, writer) takes part, else it is aborted, bounded by the
         collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
 
-        At a clean close (``closing``) a persist after an earlier crash is waited for only if it
+        When the live trainer asks (``closing``: its clean close or its ``wait()``) a persist after an earlier crash is waited for only if it
         is of this very step; one of an older step (the dead run's, while this trainer saved
         newer ones) neither delays nor blocks this persist, and once this one has stored the
         newest step it is abandoned (:meth:`_abandon_dead_runs`).

@@ -27,6 +27,8 @@ from zerostall.messages import (
     ImageQuery,
     MapBuffer,
     Message,
+    Persisted,
+    PersistHeld,
     ProtocolMismatchError,
     Released,
     SaveJob,
@@ -111,6 +113,10 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
             elif keeper is not None and isinstance(msg, ImageQuery):
                 keeper.send_image(conn, lambda m: _send(conn, m))
                 keeper.report_failed(conn)
+            elif keeper is not None and isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
+                keeper.persist_held(closing=True)
+                keeper.report_failed(conn)
+                _send(conn, Persisted(request=msg.request, step=keeper.durable_step()))
             elif isinstance(msg, Close):
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
                     keeper.persist_held(closing=True)
