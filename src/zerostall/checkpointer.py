@@ -43,16 +43,16 @@ from zerostall.errors import (
     ZerostallWarning,
 )
 from zerostall.format.manifest import MANIFEST_NAME, parse_manifest
+from zerostall.memtier.image import ImageStorage, open_image
+from zerostall.memtier.instance import ensure_instance, read_instance
+from zerostall.memtier.keeperfail import take_markers
+from zerostall.memtier.premap import Premap
+from zerostall.memtier.spec import KeeperSpec
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
-from zerostall.persist.instance import ensure_instance, read_instance
-from zerostall.persist.keeper import KeeperSpec
-from zerostall.persist.keeperfail import take_markers
-from zerostall.persist.premap import Premap
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
-from zerostall.storage.image import ImageStorage, open_image
 from zerostall.validate import (
     check_bool,
     check_callable,
@@ -237,7 +237,7 @@ class Checkpointer:
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
         #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
-        #: (persist.premap); released by the next save or close()
+        #: (memtier.premap); released by the next save or close()
         self._premap: Premap | None = Premap(self._engine.writer) if self._engine.writer.adopted else None
 
     # -- saving ------------------------------------------------------------------------------
@@ -518,7 +518,7 @@ class Checkpointer:
         opts = self.load_options
         if img.verified:
             # The keeper checked every leaf after the trainer that staged them died, and nothing
-            # writes to them since (persist.keeper): only the copy is left, all or nothing
+            # writes to them since (memtier.keeper): only the copy is left, all or nothing
             # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a
             # key, shape or dtype the template does not match) is raised while planning, before
             # the first byte is copied.
@@ -906,7 +906,7 @@ def _check_cadence_args(*, memory_tier: object, save_interval: object, save_inte
 
 
 def _directory_instance(directory: str, *, create: bool) -> str:
-    """The directory's instance id (:mod:`zerostall.persist.instance`), its marker written first if
+    """The directory's instance id (:mod:`zerostall.memtier.instance`), its marker written first if
     ``create`` and it has none; empty when it has none (read-only).
 
     Raises:

@@ -247,7 +247,7 @@ class Adopt:
 
     root: str
     rank: int
-    #: the directory's instance id (:mod:`zerostall.persist.instance`): a keeper of another
+    #: the directory's instance id (:mod:`zerostall.memtier.instance`): a keeper of another
     #: instance (its directory was deleted since) gives up its name and exits instead of answering
     instance: str = ""
 
@@ -289,7 +289,7 @@ class Image:
     #: ``zerostall list`` then does not call a step that retention has since removed from storage
     #: "in memory only". A default for the same reason as ``verified``.
     persisted: bool = False
-    #: the instance id of the directory the step was saved into (:mod:`zerostall.persist.instance`):
+    #: the instance id of the directory the step was saved into (:mod:`zerostall.memtier.instance`):
     #: ``zerostall list`` shows a held step only if the directory still carries it
     instance: str = ""
 

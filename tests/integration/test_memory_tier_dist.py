@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch")
 
 from zerostall.commit import step_name
+from zerostall.memtier.instance import INSTANCE_KEY
+from zerostall.memtier.keeperfail import MARKER_PREFIX, read_markers
+from zerostall.memtier.spec import keeper_address
 from zerostall.persist.gc import collect_garbage
-from zerostall.persist.instance import INSTANCE_KEY
-from zerostall.persist.keeper import keeper_address
-from zerostall.persist.keeperfail import MARKER_PREFIX, read_markers
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -34,6 +34,8 @@ from zerostall.errors import (
     from_wire,
 )
 from zerostall.memcopy import settled_switches
+from zerostall.memtier.keeperfail import KeeperFailure, as_error, unadoptable_error
+from zerostall.memtier.spec import KeeperSpec, adopt, busy_error
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -58,8 +60,6 @@ from zerostall.messages import (
     encode,
 )
 from zerostall.options import WriterKind
-from zerostall.persist.keeper import KeeperSpec, adopt, busy_error
-from zerostall.persist.keeperfail import KeeperFailure, as_error, unadoptable_error
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
@@ -240,8 +240,8 @@ class WriterClient:
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice),
-                 self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
+                [sys.executable, "-m", "zerostall.persist.server" if self.keeper is None else "zerostall.memtier.keeper",
+                 str(child.fileno()), str(self.nice), self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
