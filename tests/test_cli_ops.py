@@ -125,8 +125,8 @@ def test_cli_list_and_verify_show_an_unreadable_step_instead_of_calling_it_parti
 def _failure(d: Path, step: int, rank: int) -> object:
     from zerostall.commit import step_name
     from zerostall.errors import StorageError
+    from zerostall.memtier.keeperfail import KeeperFailure
     from zerostall.messages import to_wire
-    from zerostall.persist.keeperfail import KeeperFailure
 
     return KeeperFailure(step=step, path=f"{d}/{step_name(step)}", rank=rank, time=1.0,
                          error=to_wire(StorageError("No space left on device", errno=28, path=str(d))))
@@ -135,7 +135,7 @@ def _failure(d: Path, step: int, rank: int) -> object:
 def test_list_says_where_a_keeper_failure_is_recorded_and_what_clears_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from zerostall.cli import main as cli_main
-    from zerostall.persist.keeperfail import marker_key, write_marker
+    from zerostall.memtier.keeperfail import marker_key, write_marker
     from zerostall.storage import open_storage
 
     d = tmp_path / "run"
@@ -153,7 +153,7 @@ def test_list_says_where_a_keeper_failure_is_recorded_and_what_clears_it(
 def test_list_names_this_hosts_fallback_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     from zerostall.cli import main as cli_main
-    from zerostall.persist.keeperfail import local_marker, marker_key, write_marker
+    from zerostall.memtier.keeperfail import local_marker, marker_key, write_marker
     from zerostall.storage import open_storage
 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))

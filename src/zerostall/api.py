@@ -35,8 +35,8 @@ from zerostall.errors import (
     MissingKeyError,
     NoValidCheckpointError,
 )
+from zerostall.memtier.spec import held_steps
 from zerostall.options import LoadOptions, SaveOptions, WriterKind
-from zerostall.persist.keeper import held_steps
 from zerostall.response import Response
 from zerostall.restore import ReadPlanner, Thunk, read_manifest, register_node_reader
 from zerostall.storage import open_storage, split_url

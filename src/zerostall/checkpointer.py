@@ -7,7 +7,6 @@ import errno
 import logging
 import os
 import sys
-import threading
 import time
 import warnings
 from collections import deque
@@ -17,14 +16,13 @@ from typing import Any, Literal
 from zerostall.advice import (
     DEFAULT_MEMORY_FRACTION,
     Advice,
-    AutoInterval,
-    CadenceEstimator,
     MeasuredCosts,
     Model,
     SaveKind,
     advise,
 )
 from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, hint_item_layout, load_newest_valid
+from zerostall.cadence import Cadence
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
 from zerostall.distributed.load import gather_objects, raise_together
@@ -45,16 +43,16 @@ from zerostall.errors import (
     ZerostallWarning,
 )
 from zerostall.format.manifest import MANIFEST_NAME, parse_manifest
+from zerostall.memtier.image import ImageStorage, open_image
+from zerostall.memtier.instance import ensure_instance, read_instance
+from zerostall.memtier.keeperfail import take_markers
+from zerostall.memtier.premap import Premap
+from zerostall.memtier.spec import KeeperSpec
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
-from zerostall.persist.instance import ensure_instance, read_instance
-from zerostall.persist.keeper import KeeperSpec
-from zerostall.persist.keeperfail import take_markers
-from zerostall.persist.premap import Premap
 from zerostall.response import Response, SaveStats
 from zerostall.restore import load_items, read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
-from zerostall.storage.image import ImageStorage, open_image
 from zerostall.validate import (
     check_bool,
     check_callable,
@@ -132,8 +130,8 @@ class Checkpointer:
     failure; a ``with`` block that is already raising keeps its own exception and the failure
     is logged). ``on_error`` receives them instead. See docs/guarantees.md.
     With a memory tier, a failed persist of the keeper (of a step only memory held, after a
-    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`close`
-    raises the failure of the persist it asked for itself.
+    crash) is logged at WARNING and listed in :attr:`keeper_failures`, not raised; :meth:`wait`
+    and :meth:`close` raise the failure of the persist they asked for themselves.
 
     Example::
 
@@ -181,8 +179,8 @@ class Checkpointer:
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
         so0 = save_options or SaveOptions()
-        self._cadence = _Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
-                                 memory_tier=memory_tier is not None)
+        self._cadence = Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
+                                memory_tier=memory_tier is not None)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -239,7 +237,7 @@ class Checkpointer:
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
         #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
-        #: (persist.premap); released by the next save or close()
+        #: (memtier.premap); released by the next save or close()
         self._premap: Premap | None = Premap(self._engine.writer) if self._engine.writer.adopted else None
 
     # -- saving ------------------------------------------------------------------------------
@@ -520,7 +518,7 @@ class Checkpointer:
         opts = self.load_options
         if img.verified:
             # The keeper checked every leaf after the trainer that staged them died, and nothing
-            # writes to them since (persist.keeper): only the copy is left, all or nothing
+            # writes to them since (memtier.keeper): only the copy is left, all or nothing
             # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a
             # key, shape or dtype the template does not match) is raised while planning, before
             # the first byte is copied.
@@ -646,14 +644,32 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every in-flight save has committed or failed.
 
+        With a memory tier, also until the newest step saved is on storage: if only this host's
+        memory holds it (a memory-only save, ``MemoryTier.persist_interval_steps``), the keeper
+        persists it now, and goes on serving this trainer (later saves go to memory as before).
+        Under torch.distributed that persist is collective, as at :meth:`close`: every rank
+        calls ``wait()``.
+
+        Args:
+            timeout: return after about this many seconds even if saves (or the keeper's
+                persist) have not finished; nothing is raised for them then.
+
         Raises:
             BackgroundSaveError: a save failed in the background and its response never raised
                 it (unless ``on_error`` took it); names the step and the cause.
+            KeeperPersistError: with a memory tier, the keeper could not persist the step only its
+                memory holds (``step`` names it, ``cause`` says why); the step is still in memory,
+                and :meth:`close` tries again (a collective step's persist is tried once).
+            KeeperLostError: with a memory tier, the keeper ended before that step reached
+                storage: the step is lost.
         """
         if timeout is not None:
             check_number("timeout", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._engine.wait(timeout)
         self._engine.raise_failures()
+        if self.memory_tier is not None and not self.read_only and not self._engine.closed and self._engine.idle():
+            self._engine.writer.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.
@@ -877,7 +893,7 @@ def _check_args(directory: object, *, keep_last: object, keep_every_n_steps: obj
 
 def _check_cadence_args(*, memory_tier: object, save_interval: object, save_interval_steps: object,
                         mtbf_s: object, costs: object) -> None:
-    """The memory-tier and save-interval arguments, typed (``_Cadence`` checks how they combine)."""
+    """The memory-tier and save-interval arguments, typed (``Cadence`` checks how they combine)."""
     check_instance("memory_tier", memory_tier, MemoryTier)
     if save_interval is not None:
         check_choice("save_interval", save_interval, ("auto",))
@@ -890,7 +906,7 @@ def _check_cadence_args(*, memory_tier: object, save_interval: object, save_inte
 
 
 def _directory_instance(directory: str, *, create: bool) -> str:
-    """The directory's instance id (:mod:`zerostall.persist.instance`), its marker written first if
+    """The directory's instance id (:mod:`zerostall.memtier.instance`), its marker written first if
     ``create`` and it has none; empty when it has none (read-only).
 
     Raises:
@@ -916,95 +932,6 @@ def _keeper_rank(dopts: DistributedOptions | None) -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
-
-
-class _Cadence:
-    """The Checkpointer's side of the advisor: times its steps and saves, decides ``"auto"`` saves.
-
-    Steps are observed on the training thread (``should_save``); a save becomes durable on the
-    writer's listener thread, so it is queued and handed to the (single-threaded) estimator by
-    the training thread's next call.
-    """
-
-    def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
-                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
-        if save_interval not in (None, "auto"):
-            raise InvalidArgumentError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
-                             f"interval), got {save_interval!r}")
-        if save_interval == "auto" and save_interval_steps is not None:
-            raise InvalidArgumentError("pass save_interval='auto' or save_interval_steps, not both")
-        if save_interval == "auto" and mtbf_s is None:
-            raise AdviceError("save_interval='auto' needs mtbf_s (the job's mean time between failures)",
-                              key="mtbf_s")
-        if save_interval == "auto" and memory_tier and costs is not None and costs.memory is None:
-            raise AdviceError("with the memory tier, given costs need the memory-only saves' costs "
-                              "(MeasuredCosts(memory=...))", key="costs")
-        #: the clock every observation uses (monotonic; seconds)
-        self.clock: Callable[[], float] = time.monotonic
-        self.mtbf_s = mtbf_s
-        self.fixed = costs
-        self.estimator = CadenceEstimator()
-        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier) \
-            if save_interval == "auto" and mtbf_s is not None else None
-        self.memory_tier = memory_tier
-        #: the last "auto" decision: (step, kind); a save of that step persists unless it is MEMORY
-        self.decided: tuple[int, SaveKind | None] | None = None
-        self._durable: deque[tuple[int, float, float, float, bool]] = deque()  # appended by the listener thread
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._fixed_est = _FixedCosts(costs) if costs is not None else None
-
-    def observe_step(self, step: int) -> None:
-        self._drain()
-        self.estimator.observe_step(step, self.clock())
-
-    def decide(self, step: int) -> SaveKind | None:
-        assert self.auto is not None
-        self.observe_step(step)
-        with self._lock:
-            in_flight = self._in_flight
-        est = self._fixed_est if self._fixed_est is not None else self.estimator
-        return self.auto.decide(step, est, in_flight=in_flight)
-
-    def persist_at(self, step: int) -> bool:
-        """Whether a memory-tier save of ``step`` persists: unless the advisor asked for a memory-only
-        save at that step (a save at a step it did not choose persists)."""
-        return not (self.decided is not None and self.decided == (step, SaveKind.MEMORY))
-
-    def costs(self) -> MeasuredCosts | None:
-        if self.fixed is not None:
-            return self.fixed
-        self._drain()
-        return self.estimator.costs()
-
-    def started(self) -> None:
-        with self._lock:
-            self._in_flight += 1
-
-    def durable(self, step: int, t_start: float, r: Response, exc: BaseException | None, *,
-                persisted: bool = True) -> None:
-        t_durable = self.clock()
-        with self._lock:
-            self._in_flight -= 1
-        if exc is None:
-            blocked = min(r.stats.stall_s, t_durable - t_start)
-            self._durable.append((step, blocked, t_start, t_durable, persisted))
-
-    def _drain(self) -> None:
-        while self._durable:
-            step, blocked, t_start, t_durable, persisted = self._durable.popleft()
-            self.estimator.observe_save(step, blocked, t_start, t_durable, persisted=persisted)
-
-
-class _FixedCosts(CadenceEstimator):
-    """An estimator that answers given costs (``Checkpointer(costs=...)``)."""
-
-    def __init__(self, costs: MeasuredCosts) -> None:
-        super().__init__()
-        self._fixed = costs
-
-    def costs(self) -> MeasuredCosts | None:
-        return self._fixed
 
 
 # -- common mistakes, refused with what to do -------------------------------------------------

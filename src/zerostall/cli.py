@@ -51,9 +51,9 @@ from zerostall.errors import (
 )
 from zerostall.format.layout import DATA_DIR, DEL_MARK, MANIFEST_NAME, TMP_MARK
 from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
+from zerostall.memtier.keeperfail import as_error, local_marker, marker_key, read_markers
+from zerostall.memtier.spec import held_steps
 from zerostall.persist.gc import collect_garbage
-from zerostall.persist.keeper import held_steps
-from zerostall.persist.keeperfail import as_error, local_marker, marker_key, read_markers
 from zerostall.progress import Progress
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage, split_url

@@ -28,11 +28,11 @@ from typing import Any, Protocol
 from zerostall.commit import exists_error
 from zerostall.errors import BackgroundSaveError, StorageError, WriterError, ZerostallError
 from zerostall.gcpause import paused_gc
+from zerostall.memtier.spec import KeeperSpec
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
 from zerostall.options import RetentionPolicy, SaveOptions, Staging
 from zerostall.persist.client import OnDone, WriterClient
 from zerostall.persist.job import storage_env
-from zerostall.persist.keeper import KeeperSpec
 from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot

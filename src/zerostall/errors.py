@@ -371,8 +371,8 @@ __all__ += ["DirectoryReplacedError"]
 class KeeperLostError(KeeperPersistError):
     """The memory tier's keeper ended (killed, or its host lost) while it held the newest step this
     trainer saved, a step only its memory held: that step never reached storage and is lost.
-    ``close()`` raises it (and it is in :attr:`zerostall.Checkpointer.keeper_failures`, logged
-    at WARNING when the keeper's end is seen); ``step`` names the step, ``path`` its path."""
+    ``wait()`` or ``close()`` raises it (and it is in :attr:`zerostall.Checkpointer.keeper_failures`,
+    logged at WARNING when the keeper's end is seen); ``step`` names the step, ``path`` its path."""
 
 
 _BY_NAME["KeeperLostError"] = KeeperLostError

@@ -37,13 +37,14 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
-    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy",
-    "WireError", "to_wire", "from_wire",
+    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy", "PersistHeld",
+    "Persisted", "WireError", "to_wire", "from_wire",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
 #: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref, Adopt.instance (a
-#: keeper that ignored it would offer a deleted directory's step to a trainer of a new one) and Closed
+#: keeper that ignored it would offer a deleted directory's step to a trainer of a new one), Closed,
+#: PersistHeld and Persisted
 PROTOCOL = 6
 
 
@@ -270,6 +271,27 @@ class Closed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PersistHeld:
+    """The trainer's ``wait()``: persist the step the keeper holds now if only memory has it, then
+    answer :class:`Persisted`; the keeper goes on serving. Under torch.distributed a collective
+    step is persisted collectively, so every rank's trainer asks."""
+
+    #: the trainer's number for this request, repeated in the answer (an answer to a request the
+    #: trainer stopped waiting for is then not taken for a later one's)
+    request: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Persisted:
+    """The keeper's answer to :class:`PersistHeld`: the step it holds is on storage now (persisted
+    for this request, or before). ``step`` None: it holds none, or that persist failed (a
+    :class:`KeeperFailed` with ``closing`` came first)."""
+
+    request: int
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Released:
     """The writer no longer reads job ``job``'s buffers: they may be staged into again."""
 
@@ -298,7 +320,7 @@ class Adopt:
 
     root: str
     rank: int
-    #: the directory's instance id (:mod:`zerostall.persist.instance`): a keeper of another
+    #: the directory's instance id (:mod:`zerostall.memtier.instance`): a keeper of another
     #: instance (its directory was deleted since) gives up its name and exits instead of answering
     instance: str = ""
 
@@ -340,7 +362,7 @@ class Image:
     #: ``zerostall list`` then does not call a step that retention has since removed from storage
     #: "in memory only". A default for the same reason as ``verified``.
     persisted: bool = False
-    #: the instance id of the directory the step was saved into (:mod:`zerostall.persist.instance`):
+    #: the instance id of the directory the step was saved into (:mod:`zerostall.memtier.instance`):
     #: ``zerostall list`` shows a held step only if the directory still carries it
     instance: str = ""
 
@@ -356,7 +378,7 @@ class KeeperFailed:
     error: WireError
     #: the rank of the keeper (its directory and rank name it)
     rank: int = 0
-    #: the persist the trainer's clean close asked for failed (the keeper exits with the step)
+    #: the persist the live trainer asked for (its clean close, or its ``wait()``) failed
     closing: bool = False
 
 
@@ -376,12 +398,12 @@ class KeeperBusy:
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
-           | Image | KeeperFailed | KeeperBusy)
+           | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
-    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy,
+    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy, "persist": PersistHeld, "persisted": Persisted,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

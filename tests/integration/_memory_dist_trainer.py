@@ -9,6 +9,9 @@
 - ``corrupt``: as ``both``, but rank 1 first flips a byte of leaf ``w`` in the step its keeper
   holds (``_memory_trainer._corrupt_held``);
 - ``wait``: save 1..LAST, print ``READY`` and wait to be killed;
+- ``persist``: save 1..LAST, ``wait()`` (the keepers persist step LAST together), save LAST+1 and
+  close; writes ``DIR/persist-RANK.json`` (the steps on storage after ``wait()`` and after close,
+  whether the keeper served on, the step it held);
 - ``resume``: adopt the keeper, restore the step the ranks agree on, save on to LAST and close;
   writes ``DIR/resume-RANK.json``;
 - ``load``: no memory tier, no keeper: load the newest step from storage into a template and
@@ -66,6 +69,25 @@ def _resume(ck: Checkpointer, rank: int, last: int) -> dict:
     return {"adopted": ck._engine.writer.adopted, "held": held, "start": start, "equal": equal}
 
 
+def _persist_at_wait(ck: Checkpointer, rank: int, last: int, d: str) -> None:
+    """Save 1..``last`` (``last`` in memory only), ``wait()``, save ``last + 1``, close."""
+    from zerostall.commit import committed_steps
+    from zerostall.storage import open_storage
+
+    keeper = ck._engine.writer.pid
+    for step in range(1, last + 1):
+        ck.save_pytree_async(step, state(rank, step))
+    ck.wait()
+    after_wait = committed_steps(open_storage(d))
+    ck.save_pytree(last + 1, state(rank, last + 1))
+    res = {"after_wait": after_wait, "same_keeper": ck._engine.writer.pid == keeper, "held": ck.memory_step()}
+    ck.close()
+    res["after_close"] = committed_steps(open_storage(d))
+    res["failures"] = [e.step for e in ck.keeper_failures]
+    with open(os.path.join(d, f"persist-{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
 def main() -> None:
     mode, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     last, linger, timeout = int(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
@@ -100,6 +122,10 @@ def main() -> None:
         dist.destroy_process_group()
         return
     print("KEEPER", ck._engine.writer.pid, flush=True)
+    if mode == "persist":
+        _persist_at_wait(ck, rank, last, d)
+        dist.destroy_process_group()
+        return
     for step in range(1, last + 1):
         if mode == "split" and step == last and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # before its save of LAST reached the keeper

@@ -27,11 +27,11 @@ import pytest
 from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError
+from zerostall.memtier.instance import INSTANCE_KEY
+from zerostall.memtier.spec import ADDRESS_PREFIX, keeper_address, query_held
 from zerostall.messages import Image
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
-from zerostall.persist.instance import INSTANCE_KEY
-from zerostall.persist.keeper import ADDRESS_PREFIX, keeper_address, query_held
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state

@@ -20,8 +20,8 @@ import torch
 
 from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
 from zerostall.commit import step_name
+from zerostall.memtier.spec import KeeperSpec, busy_error, keeper_address
 from zerostall.messages import KeeperBusy, decode
-from zerostall.persist.keeper import KeeperSpec, busy_error, keeper_address
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_memory_tier import DEADLINE_S as TRAINER_DEADLINE_S
@@ -192,7 +192,7 @@ def test_a_keeper_that_finds_a_lingering_keeper_on_its_name_names_it_and_leaves_
     # test is its trainer, at the socket level.
     spec = KeeperSpec(root=str(d), rank=0, linger_s=5.0)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen([sys.executable, "-m", "zerostall.persist.server", str(theirs.fileno()), "0", "normal",
+    proc = subprocess.Popen([sys.executable, "-m", "zerostall.memtier.keeper", str(theirs.fileno()), "0", "normal",
                              *spec.argv()], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                             start_new_session=True)
     theirs.close()

@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("torch")
 
 from zerostall.commit import step_name
+from zerostall.memtier.instance import INSTANCE_KEY
+from zerostall.memtier.keeperfail import MARKER_PREFIX, read_markers
+from zerostall.memtier.spec import keeper_address
 from zerostall.persist.gc import collect_garbage
-from zerostall.persist.instance import INSTANCE_KEY
-from zerostall.persist.keeper import keeper_address
-from zerostall.persist.keeperfail import MARKER_PREFIX, read_markers
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -151,6 +151,24 @@ def test_keepers_persist_the_memory_only_step_after_every_trainer_died(tmp_path:
     assert sorted(p.name for p in (d / step_name(LAST)).iterdir()) == ["data", "manifest.json"]
     for r, res in enumerate(_fresh_load(d, log)):
         assert res["step"] == LAST and res["equal"], (r, res)
+
+
+def test_wait_on_every_rank_persists_the_memory_only_step_collectively(tmp_path: Path) -> None:
+    import json
+
+    d, log = tmp_path / "run", tmp_path / "stderr.log"
+    procs = _start("persist", d, 0, 60, log)
+    for p in procs:
+        p.communicate(timeout=DEADLINE_S)
+        assert p.returncode == 0, log.read_text()[-4000:]
+    for r in range(WORLD):
+        res = json.loads((d / f"persist-{r}.json").read_text())
+        # step 12 lived in memory only until every rank's wait(); the keepers then served on
+        assert res == {"after_wait": [10, LAST], "same_keeper": True, "held": LAST + 1,
+                       "after_close": [10, LAST, LAST + 1], "failures": []}, (r, res)
+    assert _storage(d) == sorted([step_name(10), step_name(LAST), step_name(LAST + 1)]
+                                 + [f"persist-{r}.json" for r in range(WORLD)]), log.read_text()[-4000:]
+    _assert_rank0(d, LAST)
 
 
 def test_keepers_holding_different_steps_commit_nothing(tmp_path: Path) -> None:

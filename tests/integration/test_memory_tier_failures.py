@@ -23,10 +23,7 @@ from zerostall import Checkpointer, MemoryTier
 from zerostall.cli import main as cli_main
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError
-from zerostall.messages import to_wire
-from zerostall.persist.faults import ENV as FAULTS_ENV
-from zerostall.persist.faults import MARK_ENV
-from zerostall.persist.keeperfail import (
+from zerostall.memtier.keeperfail import (
     KeeperFailure,
     local_marker,
     marker_key,
@@ -34,6 +31,9 @@ from zerostall.persist.keeperfail import (
     take_markers,
     write_marker,
 )
+from zerostall.messages import to_wire
+from zerostall.persist.faults import ENV as FAULTS_ENV
+from zerostall.persist.faults import MARK_ENV
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from zerostall import Checkpointer, DirectoryReplacedError, KeeperPersistError, MemoryTier
+from zerostall.memtier.instance import INSTANCE_KEY
+from zerostall.memtier.spec import keeper_address, query_held
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
-from zerostall.persist.instance import INSTANCE_KEY
-from zerostall.persist.keeper import keeper_address, query_held
 
 TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
 DEADLINE_S = 120.0  # only a keeper that never exits takes this long

@@ -26,10 +26,10 @@ import pytest
 from zerostall import Checkpointer, InvalidArgumentError, KeeperUnadoptableError, MemoryTier, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError
+from zerostall.memtier.keeperfail import KeeperFailure, marker_key, write_marker
+from zerostall.memtier.spec import keeper_address
 from zerostall.messages import to_wire
 from zerostall.persist.faults import ENV as FAULTS_ENV
-from zerostall.persist.keeper import keeper_address
-from zerostall.persist.keeperfail import KeeperFailure, marker_key, write_marker
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))

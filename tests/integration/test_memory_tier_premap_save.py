@@ -1,7 +1,7 @@
 """A save while another thread's load still copies from the pre-mapped step.
 
 The restarted trainer's ``Checkpointer`` adopts its keeper and maps the held step in the background
-(:mod:`zerostall.persist.premap`). A save releases that mapping (the keeper lets go of the step
+(:mod:`zerostall.memtier.premap`). A save releases that mapping (the keeper lets go of the step
 once the new one is in memory). If a load on another thread is copying out of it at that moment,
 the load must still return the step bit for bit, and once both have ended nothing of the step may
 stay mapped or open in this process.
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from zerostall import Checkpointer
-from zerostall.storage import image as image_mod
+from zerostall.memtier import image as image_mod
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state

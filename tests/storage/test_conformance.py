@@ -24,6 +24,7 @@ from zerostall.checksum import checksum
 from zerostall.commit import committed_steps, is_committed, protocol_for, step_name
 from zerostall.errors import CheckpointExistsError
 from zerostall.format.manifest import MANIFEST_NAME
+from zerostall.memtier.image import open_image
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.base import (
     Capabilities,
@@ -46,7 +47,6 @@ from zerostall.storage.base import (
     as_sequential,
     as_vectored,
 )
-from zerostall.storage.image import open_image
 from zerostall.storage.local import LocalStorage
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""A memory-tier image (storage.image) read by an all-or-nothing load: verified by byte ranges.
+"""A memory-tier image (memtier.image) read by an all-or-nothing load: verified by byte ranges.
 
 The image here is what the keeper hands over -- the data file's bytes in a memfd and the
 manifest -- built from a saved checkpoint, so a byte can be flipped anywhere in it.
@@ -17,9 +17,9 @@ import torch
 
 import zerostall
 from zerostall import ChecksumMismatchError, LoadOptions, SaveOptions, WriterKind
+from zerostall.memtier.image import open_image
 from zerostall.restore import read as restore_read
 from zerostall.restore.load import load_items
-from zerostall.storage.image import open_image
 
 MiB = 1 << 20
 

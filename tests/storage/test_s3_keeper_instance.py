@@ -21,10 +21,10 @@ import numpy as np
 
 from zerostall import Checkpointer, MemoryTier
 from zerostall.commit import committed_steps
+from zerostall.memtier.instance import INSTANCE_KEY, read_instance
+from zerostall.memtier.spec import query_held
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
-from zerostall.persist.instance import INSTANCE_KEY, read_instance
-from zerostall.persist.keeper import query_held
 from zerostall.storage import open_storage
 
 TRAINER = str(Path(__file__).parents[1] / "integration" / "_memory_trainer.py")

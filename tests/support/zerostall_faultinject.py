@@ -16,12 +16,12 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
   timing thresholds); marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does.
 
 One more phase is not a save's: ``keeper_check``, where the memory tier's keeper starts checking
-the held step after its trainer died (:mod:`zerostall.persist.keeper`). And ``keeper_persist``,
+the held step after its trainer died (:mod:`zerostall.memtier.keeper`). And ``keeper_persist``,
 where the keeper starts persisting a memory-only step after its trainer died or closed (the
 trainer's own saves never reach it, so ``raise:ENOSPC`` there fails only that persist).
 And ``premap_populate``, in the restarted trainer itself (set it in its environment): after its
 background thread has mapped the adopted keeper's step and before it pre-faults it
-(:mod:`zerostall.persist.premap`), so a test can load while the pre-fault is still to run.
+(:mod:`zerostall.memtier.premap`), so a test can load while the pre-fault is still to run.
 And ``keeper_bind``, right before the keeper binds its name (``raise:EACCES`` there fails that
 bind as an LSM or seccomp policy would: the keeper then serves, unadoptable).
 

@@ -1,4 +1,4 @@
-"""The keeper's check of a held step (persist.imagecheck): every leaf against its manifest's CRC32C."""
+"""The keeper's check of a held step (memtier.imagecheck): every leaf against its manifest's CRC32C."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 
 from zerostall.checksum import checksum
 from zerostall.format.manifest import encode_manifest
-from zerostall.persist.imagecheck import cpus, first_bad_leaf
+from zerostall.memtier.imagecheck import cpus, first_bad_leaf
 
 
 def _image(sizes: list[int]) -> tuple[bytes, bytearray]:

@@ -33,6 +33,8 @@ from zerostall.messages import (
     KeeperFailed,
     LeafRow,
     MapBuffer,
+    Persisted,
+    PersistHeld,
     ProtocolMismatchError,
     Released,
     SaveJob,
@@ -81,6 +83,8 @@ MESSAGES = [
     Adopt(root="/r", rank=1, instance="9f0c"), Image(step=3, name="step_00000003", manifest="{}", files=(),
                                                       instance="9f0c"),
     Closed(step=10), Closed(step=None),
+    # the trainer's wait(): persist the held step now, and the keeper's answer
+    PersistHeld(request=3), Persisted(request=3, step=12), Persisted(request=4, step=None),
 ]
 
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from zerostall.errors import (
     WriterError,
     ZerostallError,
 )
+from zerostall.memtier.keeperfail import KeeperFailure, as_error, unadoptable_error
+from zerostall.memtier.spec import KeeperSpec, adopt, busy_error
 from zerostall.messages import (
     PROTOCOL,
     Close,
@@ -45,6 +48,8 @@ from zerostall.messages import (
     KeeperFailed,
     MapBuffer,
     Message,
+    Persisted,
+    PersistHeld,
     ProtocolMismatchError,
     Released,
     SaveJob,
@@ -55,8 +60,6 @@ from zerostall.messages import (
     from_wire,
 )
 from zerostall.options import WriterKind
-from zerostall.persist.keeper import KeeperSpec, adopt, busy_error
-from zerostall.persist.keeperfail import KeeperFailure, as_error, unadoptable_error
 from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
@@ -133,8 +136,13 @@ class WriterClient:
         #: the keeper's failed persists of memory-only steps it reported (oldest first); see
         #: :attr:`zerostall.Checkpointer.keeper_failures`
         self.keeper_failures: list[KeeperPersistError] = []
-        #: those of them that the persist at this trainer's own clean close reported (close() raises them)
+        #: those of them that a persist this trainer asked for itself (its clean close, or
+        #: :meth:`persist_held`) reported; each is raised once, by whichever asked
         self.close_failures: list[KeeperPersistError] = []
+        #: the keeper's answers to :meth:`persist_held`: request number -> the step it said is stored
+        self._persisted: dict[int, int | None] = {}
+        self._persisted_event = threading.Condition()
+        self._requests = itertools.count(1)
         #: the newest memory-tier save done, if only memory holds it (None once a newer one persisted):
         #: the step a clean close must see stored (:meth:`close`)
         self._memory_only: SaveJob | None = None
@@ -232,8 +240,8 @@ class WriterClient:
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), str(self.nice),
-                 self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
+                [sys.executable, "-m", "zerostall.persist.server" if self.keeper is None else "zerostall.memtier.keeper",
+                 str(child.fileno()), str(self.nice), self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
@@ -405,6 +413,10 @@ class WriterClient:
                     self.close_failures.append(err)
             elif isinstance(msg, Closed):
                 self._durable = msg.step
+            elif isinstance(msg, Persisted):
+                with self._persisted_event:
+                    self._persisted[msg.request] = msg.step
+                    self._persisted_event.notify_all()
             elif isinstance(msg, Image):
                 fds = [recv_handle(conn) for _ in msg.files]
                 self._image_reply((msg, fds))
@@ -432,6 +444,8 @@ class WriterClient:
         if not self._closing:
             self._note_lost()  # the keeper died under a live trainer: told now, raised by close()
         self._ready.set()  # nobody waits for a writer that is gone
+        with self._persisted_event:
+            self._persisted_event.notify_all()
         self._image_reply(None)
         self._release_held()
         self._fail_pending()
@@ -495,6 +509,60 @@ class WriterClient:
         err = self._note_lost()
         if err is not None:
             self.close_failures.append(err)
+
+    def persist_held(self, timeout: float | None = None) -> None:
+        """Have the keeper persist the newest step this trainer saved that only memory holds (none:
+        return at once), and return once it is on storage; the keeper goes on serving. Call after
+        the jobs submitted have finished. Under torch.distributed the persist of a collective step
+        is collective: every rank's trainer must call this (it is the persist of :meth:`close`).
+
+        ``timeout``: return after about this many seconds even if the keeper has not answered
+        (the persist goes on; a later call, or close(), waits for it again).
+
+        Raises:
+            KeeperPersistError: the persist failed (its ``cause`` says why; the step is still in
+                this host's memory, and :meth:`close` tries again unless the step is collective).
+            KeeperLostError: the keeper ended without storing the step: it is lost.
+        """
+        job = self._memory_only
+        if job is None or self.keeper is None or self.kind is not WriterKind.PROCESS:
+            return
+        told = len(self.close_failures)
+        request = next(self._requests)
+        try:
+            if self._conn is None:
+                raise OSError("no keeper")
+            self._send(PersistHeld(request=request))
+        except OSError:  # no keeper to ask: its listener saw it end
+            request = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._persisted_event:
+            while request and request not in self._persisted and self._listener is not None \
+                    and self._listener.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._persisted_event.wait(left)
+            stored = self._persisted.pop(request, None) if request else None
+        if stored is not None and stored == job.step:
+            if self._memory_only is job:
+                self._memory_only = None
+            return
+        failed = [e for e in self.close_failures[told:] if e.step == job.step]
+        if failed:
+            raise failed[-1]
+        if request and (self._listener is not None and self._listener.is_alive()):
+            err: KeeperPersistError = KeeperPersistError(
+                f"the memory tier's keeper (rank {self.keeper.rank}) did not persist step {job.step}, which only "
+                "its memory holds (a collective step's persist is tried once)", path=job.path,
+                rank=self.keeper.rank, step=job.step)
+            self.close_failures.append(err)
+            raise err
+        lost = self._note_lost()
+        if lost is not None:
+            if all(e is not lost for e in self.close_failures):
+                self.close_failures.append(lost)
+            raise lost
 
     def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
         """Record a failed persist of the keeper (from its message or a marker) and log it."""

@@ -191,7 +191,7 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     against these very bytes, which nothing writes to any more: the save then makes no checksum
     pass of its own and commits those. The memory tier's keeper passes them when it persists a
     held step after its trainer died, once its check of that step found every leaf matching its
-    manifest (:meth:`zerostall.persist.keeper.Keeper._persist_once`). Without them, the CRC32Cs
+    manifest (:meth:`zerostall.memtier.keeper.Keeper._persist_once`). Without them, the CRC32Cs
     staging computed in its copy (:attr:`SaveJob.crcs`) are taken, and only the other leaves
     are checksummed here.
 

@@ -13,7 +13,9 @@ import mmap
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 from zerostall import envvars
 from zerostall._version import __version__
@@ -28,19 +30,44 @@ from zerostall.messages import (
     ImageQuery,
     MapBuffer,
     Message,
+    Persisted,
+    PersistHeld,
     ProtocolMismatchError,
     Released,
     SaveJob,
     UnmapBuffer,
+    WireError,
+    WriterStats,
     encode,
     to_wire,
 )
 from zerostall.persist.intake import Intake
 from zerostall.persist.job import run_save
-from zerostall.persist.keeper import Keeper, KeeperSpec
 from zerostall.storage import import_scheme
 
-__all__ = ["serve", "main"]
+__all__ = ["serve", "main", "lower_priority", "HeldSteps"]
+
+
+class HeldSteps(Protocol):
+    """What the loop hands the memory tier's keeper (:class:`zerostall.memtier.keeper.Keeper`):
+    its memory jobs, image queries and persists; the writer itself knows nothing more of it."""
+
+    @property
+    def unadoptable(self) -> WireError | None: ...
+
+    def report_failed(self, conn: Connection) -> None: ...
+
+    def on_map(self, buffer: int, fd: int, size: int) -> None: ...
+
+    def on_unmap(self, buffer: int) -> None: ...
+
+    def run(self, job: SaveJob, views: dict[int, memoryview], send: Callable[[Message], None]) -> WriterStats: ...
+
+    def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None: ...
+
+    def persist_held(self, closing: bool = False) -> None: ...
+
+    def durable_step(self) -> int | None: ...
 
 
 def _send(conn: Connection, msg: Message) -> None:
@@ -64,7 +91,7 @@ def _close(m: mmap.mmap) -> None:
             pass  # still referenced: unmapped when the last reference goes, or at exit
 
 
-def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
+def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
     """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first.
 
     Returns True when the trainer said :class:`Close`, False when the connection ended. With a
@@ -113,6 +140,10 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
             elif keeper is not None and isinstance(msg, ImageQuery):
                 keeper.send_image(conn, lambda m: _send(conn, m))
                 keeper.report_failed(conn)
+            elif keeper is not None and isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
+                keeper.persist_held(closing=True)
+                keeper.report_failed(conn)
+                _send(conn, Persisted(request=msg.request, step=keeper.durable_step()))
             elif isinstance(msg, Close):
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
                     keeper.persist_held(closing=True)
@@ -130,7 +161,7 @@ def serve(conn: Connection, keeper: Keeper | None = None) -> bool:
         conn.close()
 
 
-def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: Keeper | None = None) -> None:
+def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None) -> None:
     try:
         import_scheme(job.root, job.storage_ref)  # a scheme the trainer registered opens here too
         if keeper is not None and job.memory:
@@ -147,7 +178,7 @@ def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: K
         _send(conn, Done(job=job.id, stats=stats))
 
 
-def _lower_priority(nice: int, sched: str) -> None:
+def lower_priority(nice: int, sched: str) -> None:
     """Give the trainer the cores: niceness plus a scheduling class (``batch`` or ``idle``).
 
     ``batch``: a woken writer thread (an I/O completed) does not preempt the trainer's threads;
@@ -170,32 +201,12 @@ def _lower_priority(nice: int, sched: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    fd = int(argv[1])
+    """``python -m zerostall.persist.server FD NICE SCHED``: serve the trainer on descriptor FD.
+    (The memory tier's keeper has its own entry point: :mod:`zerostall.memtier.keeper`.)"""
     nice = int(argv[2]) if len(argv) > 2 else 0
     # Older trainers pass no policy: niceness alone then implied SCHED_BATCH.
-    sched = argv[3] if len(argv) > 3 else ("batch" if nice else "normal")
-    _lower_priority(nice, sched)
-    if len(argv) > 4:  # the memory tier's keeper: serve trainer after trainer until it may exit
-        address, spec = KeeperSpec.from_argv(argv[4:])
-        keeper = Keeper(address, spec)
-        first = Connection(fd)
-        if not keeper.listen(first) and keeper.busy is not None:
-            # Another keeper of this user took the name first (two trainers started at once): a
-            # keeper no restart could find would lose this trainer's memory-only steps silently, so
-            # tell the trainer (it raises, as when it finds a live keeper) and serve nothing.
-            _send(first, keeper.busy)
-            first.close()
-            return 0
-        conn: Connection | None = first
-        try:
-            while conn is not None:
-                keeper.session_started(conn)
-                closed = serve(conn, keeper)
-                conn = keeper.session_ended(closed)
-        finally:
-            keeper.shutdown()
-        return 0
-    serve(Connection(fd))
+    lower_priority(nice, argv[3] if len(argv) > 3 else ("batch" if nice else "normal"))
+    serve(Connection(int(argv[1])))
     return 0
 
 

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar, cast
 
 # The splitting and joining are pure byte arithmetic, shared with the memory tier's keeper (a
-# sibling layer: persist.keeper checks a held step the same way), so they live in checksum.
+# sibling layer: memtier.keeper checks a held step the same way), so they live in checksum.
 from zerostall.checksum import Span, join_crcs, split_even
 from zerostall.cpus import pinned_team, shared_pool, usable_cpus
 

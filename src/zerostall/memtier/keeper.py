@@ -23,7 +23,7 @@ On expiry the keeper exits (once that persist has ended); the kernel frees the m
 abstract socket leaves no file.
 
 Beside that persist, the keeper checks the held step after a crash: every leaf's CRC32C against
-its manifest, on every core it may use (:mod:`zerostall.persist.imagecheck`). The restarted
+its manifest, on every core it may use (:mod:`zerostall.memtier.imagecheck`). The restarted
 trainer's query waits for that check, and an :class:`Image` that passed it says ``verified``:
 the trainer's load then only copies (docs/guarantees.md, "Where the memory tier's bytes are
 verified").
@@ -33,30 +33,40 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import mmap
 import os
 import socket
-import struct
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall import envvars
 from zerostall.commit import committed_steps, parse_step
-from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, InvalidArgumentError, ZerostallError
+from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, ZerostallError
 from zerostall.format.layout import DATA_DIR
 from zerostall.format.manifest import parse_manifest
+from zerostall.memtier.imagecheck import cpus, first_bad_leaf
+from zerostall.memtier.keeperfail import KeeperFailure, write_marker
+from zerostall.memtier.spec import (
+    HELLO_TIMEOUT_S,
+    KeeperSpec,
+    directory_replaced,
+    name_holder,
+    peer_credentials,
+    peer_pid,
+    pid_running,
+    root_key,
+    silence,
+    who,
+)
 from zerostall.messages import (
     Adopt,
     Collective,
-    Hello,
     Image,
     ImageFile,
     ImageQuery,
@@ -75,20 +85,12 @@ from zerostall.messages import (
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
-from zerostall.persist.imagecheck import cpus, first_bad_leaf
-from zerostall.persist.instance import read_instance
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
-from zerostall.persist.keeperfail import KeeperFailure, write_marker
-from zerostall.storage import Storage, local_path, open_storage
+from zerostall.persist.server import lower_priority, serve
+from zerostall.storage import Storage, open_storage
 
-__all__ = ["KeeperSpec", "keeper_address", "Keeper", "MemoryStep", "adopt", "peer_credentials", "query_held",
-           "held_steps", "ADDRESS_PREFIX", "busy_error"]
+__all__ = ["Keeper", "MemoryStep", "main"]
 
-ADDRESS_PREFIX = b"\0zerostall-keeper-"
-#: how long a new trainer waits for a keeper that accepted it to hand over (the persist after a
-#: crash runs beside the new session and does not delay it)
-ADOPT_TIMEOUT_S = 600.0
-_HELLO_TIMEOUT_S = 10.0
 #: how long a new keeper keeps trying a name whose holder does not answer (it may be between its
 #: bind and its listen, or exiting) before it gives up and tells its trainer the name is held
 _BIND_RETRY_S = 5.0
@@ -96,250 +98,6 @@ _BIND_RETRY_S = 5.0
 _SCAN_MIN_S = 0.25
 #: how often a lingering keeper looks whether its directory still exists (one small read each)
 _INSTANCE_POLL_S = 2.0
-
-
-def _root_key(root: str) -> str:
-    local = local_path(root)
-    return os.path.realpath(local) if local is not None else root
-
-
-def directory_replaced(root: str, instance: str) -> bool:
-    """Whether the directory at ``root`` is no longer the instance ``instance`` (deleted, or
-    deleted and created again: its marker is missing or names another instance). False when
-    ``instance`` is empty (unknown) or storage cannot be read now (gone is never guessed)."""
-    if not instance:
-        return False
-    try:
-        return read_instance(open_storage(root)) != instance
-    except Exception:  # noqa: BLE001 - unreadable now is not gone
-        return False
-
-
-def keeper_address(root: str, rank: int, uid: int | None = None) -> bytes:
-    """The abstract socket name of the keeper of ``(user, directory, rank)`` on this host."""
-    uid = os.getuid() if uid is None else uid
-    digest = hashlib.sha256(f"{uid}\0{_root_key(root)}\0{rank}".encode()).hexdigest()[:32]
-    return ADDRESS_PREFIX + digest.encode()
-
-
-@dataclass(frozen=True)
-class KeeperSpec:
-    """Which keeper a trainer's writer is: the Checkpointer's directory and rank, and its linger."""
-
-    root: str
-    rank: int
-    linger_s: float
-    #: the directory's instance id (:mod:`zerostall.persist.instance`; empty: unknown, a read-only
-    #: trainer of a directory without a marker): the keeper's steps belong to that instance only
-    instance: str = ""
-
-    @property
-    def address(self) -> bytes:
-        return keeper_address(self.root, self.rank)
-
-    def argv(self) -> list[str]:
-        """The writer's extra command-line arguments that make it this keeper."""
-        return [self.address.hex(), repr(float(self.linger_s)), self.root, str(self.rank), self.instance]
-
-    @staticmethod
-    def from_argv(args: list[str]) -> tuple[bytes, KeeperSpec]:
-        return bytes.fromhex(args[0]), KeeperSpec(root=args[2], rank=int(args[3]), linger_s=float(args[1]),
-                                                  instance=args[4] if len(args) > 4 else "")
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a unix socket (``SO_PEERCRED``)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
-
-
-def _connect(address: bytes) -> socket.socket | None:
-    """A connection to the keeper at ``address`` run by this user, or None."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(address)
-    except OSError:
-        sock.close()
-        return None
-    _, uid, _ = peer_credentials(sock)
-    if uid != os.getuid():  # another user holds the name: never talk to it
-        sock.close()
-        return None
-    return sock
-
-
-def adopt(spec: KeeperSpec, timeout_s: float = ADOPT_TIMEOUT_S) -> tuple[Connection, Hello] | None:
-    """Claim the lingering keeper of ``spec``: the connection (its writer from now on) and its Hello.
-
-    None when there is no keeper, it belongs to another user, it speaks another protocol, or it
-    holds the steps of another instance of the directory (deleted since: that keeper gives up
-    its name before it closes the connection, and exits); the caller then starts a writer of
-    its own.
-
-    Raises:
-        InvalidArgumentError: the keeper serves a live trainer (this process or another): two
-            memory tiers of one directory and rank on one host would lose steps silently.
-    """
-    sock = _connect(spec.address)
-    if sock is None:
-        return None
-    conn = Connection(sock.detach())
-    try:
-        conn.send_bytes(encode(Adopt(root=spec.root, rank=spec.rank, instance=spec.instance)))
-        if not conn.poll(timeout_s):
-            conn.close()
-            return None
-        msg = decode(conn.recv_bytes())
-    except (EOFError, OSError, ZerostallError):
-        conn.close()
-        return None
-    if isinstance(msg, KeeperBusy):
-        conn.close()
-        raise busy_error(spec, msg)
-    if not isinstance(msg, Hello):
-        conn.close()
-        return None
-    return conn, msg
-
-
-def busy_error(spec: KeeperSpec, busy: KeeperBusy) -> InvalidArgumentError:
-    """The error a trainer raises when the memory tier of ``spec`` is held by another trainer's keeper
-    (its keeper's :class:`KeeperBusy`, or the refusal of a keeper it tried to adopt)."""
-    if busy.pid_is_keeper:
-        who = (f"by another keeper (pid {busy.pid}) that serves no live trainer now; retry to adopt it"
-               if busy.pid > 0 else "by another keeper (pid unknown)")
-    else:
-        who = f"by a live trainer (pid {busy.pid}{', this process' if busy.pid == os.getpid() else ''})"
-    return InvalidArgumentError(
-        f"{spec.root}: the memory tier of this directory and rank {spec.rank} is already held on this host "
-        f"{who}; a second Checkpointer with a memory tier of the same directory and rank would keep steps no "
-        "restart could find. Close the first one, or give this one another directory", path=spec.root)
-
-
-def query_held(root: str, rank: int) -> Image | None:
-    """The step the keeper of ``(root, rank)`` holds, without claiming it (for ``zerostall list``).
-
-    None when no keeper of this user answers.
-    """
-    sock = _connect(keeper_address(root, rank))
-    if sock is None:
-        return None
-    conn = Connection(sock.detach())
-    try:
-        conn.send_bytes(encode(ImageQuery()))
-        if not conn.poll(_HELLO_TIMEOUT_S):
-            return None
-        msg = decode(conn.recv_bytes())
-    except (EOFError, OSError, ZerostallError):
-        return None
-    finally:
-        conn.close()
-    return msg if isinstance(msg, Image) else None
-
-
-def _listening_keepers() -> set[bytes]:
-    """The abstract names of the keepers listening on this host (any user's)."""
-    names: set[bytes] = set()
-    try:
-        with open("/proc/net/unix") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[-1].startswith("@zerostall-keeper-"):
-                    names.add(b"\0" + parts[-1][1:].encode())
-    except OSError:
-        pass
-    return names
-
-
-def held_steps(root: str, max_rank: int = 4096) -> list[tuple[int, Image]]:
-    """``(rank, image)`` of every keeper of this user and ``root`` on this host that holds a step."""
-    names = _listening_keepers()
-    out: list[tuple[int, Image]] = []
-    if not names:
-        return out
-    replaced: dict[str, bool] = {}  # a keeper of a deleted instance of the directory holds nothing of it
-    for rank in range(max_rank):
-        if keeper_address(root, rank) in names:
-            img = query_held(root, rank)
-            if img is None or img.step is None:
-                continue
-            if img.instance not in replaced:
-                replaced[img.instance] = directory_replaced(root, img.instance)
-            if not replaced[img.instance]:
-                out.append((rank, img))
-    return out
-
-
-def _pid_running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: its sockets are already closed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _peer_pid(conn: Connection) -> int:
-    """The pid of the process at the other end of ``conn`` (a unix socket)."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
-        pid, _, _ = peer_credentials(sock)
-    finally:
-        sock.close()
-    return pid
-
-
-def _holder(address: bytes) -> KeeperBusy | str | None:
-    """Who holds the keeper name ``address``: a keeper of this user (as the :class:`KeeperBusy`
-    its trainer should hear: the live trainer it serves, else the keeper itself), ``"other"``
-    (another user's process), or None (nobody accepts a connection: gone, or not listening yet).
-    A look (:class:`ImageQuery`), never a claim."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(address)
-        pid, uid, _ = peer_credentials(sock)
-    except OSError:
-        sock.close()
-        return None
-    if uid != os.getuid():
-        sock.close()
-        return "other"
-    conn = Connection(sock.detach())
-    try:
-        conn.send_bytes(encode(ImageQuery()))
-        msg = decode(conn.recv_bytes()) if conn.poll(_HELLO_TIMEOUT_S) else None
-    except (EOFError, OSError, ZerostallError):
-        msg = None
-    finally:
-        conn.close()
-    if isinstance(msg, Image) and msg.trainer_pid is not None:
-        return KeeperBusy(pid=msg.trainer_pid)
-    return KeeperBusy(pid=pid, pid_is_keeper=True)
-
-
-def _who(address: bytes) -> str:
-    """``"pid P, uid U"`` of the process listening on ``address`` (as far as it can be told)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(address)
-        pid, uid, _ = peer_credentials(sock)
-    except OSError:
-        return "gone since"
-    finally:
-        sock.close()
-    return f"pid {pid}, uid {uid}"
-
-
-def _silence(fd: int) -> None:
-    """Point ``fd`` at /dev/null (releasing the pipe or terminal it had)."""
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    os.dup2(null, fd)
-    os.close(null)
 
 
 class MemoryStep:
@@ -490,9 +248,9 @@ class Keeper:
         user (a squatter) leaves :attr:`busy` None: this keeper serves, not adoptable, and
         :attr:`unadoptable` says why (as does any other bind error), for the trainer's Hello.
         """
-        _silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
+        silence(1)  # the keeper never prints to stdout; it may outlive whoever reads the trainer's
         if trainer is not None:
-            self._trainer_pid = _peer_pid(trainer)
+            self._trainer_pid = peer_pid(trainer)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + _BIND_RETRY_S
         while True:
@@ -508,7 +266,7 @@ class Keeper:
                     self.unadoptable = to_wire(exc, path=self.spec.root)
                     return False
             # Who holds it? None: it went, or is not listening yet: try the name again.
-            holder = _holder(self.address)
+            holder = name_holder(self.address)
             if holder is None and time.monotonic() < deadline:
                 time.sleep(0.01)
                 continue
@@ -517,7 +275,7 @@ class Keeper:
                 print("zerostall keeper: another user's process holds this directory and rank's name; this "
                       "keeper will not be adoptable after a crash", file=sys.stderr, flush=True)
                 self.unadoptable = WireError(cls="StorageError", errno=errno.EADDRINUSE, path=self.spec.root,
-                                             message=f"its name is held by another user's process ({_who(self.address)})")
+                                             message=f"its name is held by another user's process ({who(self.address)})")
                 return False
             # The trainer hears it instead of a Hello, and raises (see server.main).
             self.busy = holder if isinstance(holder, KeeperBusy) else KeeperBusy(pid=0, pid_is_keeper=True)
@@ -549,24 +307,24 @@ class Keeper:
                 conn.close()
 
     def _greet(self, conn: Connection) -> None:
-        if not conn.poll(_HELLO_TIMEOUT_S):
+        if not conn.poll(HELLO_TIMEOUT_S):
             conn.close()
             return
         msg = decode(conn.recv_bytes())
         if isinstance(msg, ImageQuery):  # a look, not a claim
             with self._cond:
                 img = self.held.image(with_files=False) if self.held is not None else _empty_image()
-                live = self._trainer_pid is not None and _pid_running(self._trainer_pid)
+                live = self._trainer_pid is not None and pid_running(self._trainer_pid)
                 img = dataclasses.replace(img, trainer_pid=self._trainer_pid if live else None,
                                           instance=self.spec.instance)
             conn.send_bytes(encode(img))
             conn.close()
             return
-        if not isinstance(msg, Adopt) or msg.rank != self.spec.rank or _root_key(msg.root) != _root_key(self.spec.root):
+        if not isinstance(msg, Adopt) or msg.rank != self.spec.rank or root_key(msg.root) != root_key(self.spec.root):
             conn.close()
             return
         with self._cond:
-            if self._trainer_pid is not None and _pid_running(self._trainer_pid):
+            if self._trainer_pid is not None and pid_running(self._trainer_pid):
                 try:  # our trainer lives: a second memory tier of this directory and rank is refused
                     conn.send_bytes(encode(KeeperBusy(pid=self._trainer_pid)))
                 finally:
@@ -608,7 +366,7 @@ class Keeper:
     # -- a session ------------------------------------------------------------------------
 
     def session_started(self, conn: Connection) -> None:
-        pid = _peer_pid(conn)
+        pid = peer_pid(conn)
         with self._cond:
             self.session += 1
             self._trainer_pid = pid
@@ -712,7 +470,7 @@ class Keeper:
             # Lingering must not keep the dead trainer's output pipes open: whoever reads them (a
             # launcher, a test) would wait for the keeper to expire. (A persist still running
             # keeps stderr to report a failure, and silences it when done.)
-            _silence(2)
+            silence(2)
         deadline = time.monotonic() + self.spec.linger_s
         look = time.monotonic() + _INSTANCE_POLL_S  # whether the directory still exists
         while True:
@@ -731,14 +489,15 @@ class Keeper:
                 self._directory_gone("it was deleted")
 
     def persist_held(self, closing: bool = False) -> None:
-        """Write the held step to storage if only memory has it (its trainer closed or died).
+        """Write the held step to storage if only memory has it (its trainer closed, died, or asked
+        for it in ``wait()``).
 
         A collective step goes through the collective protocol under the attempt names every
         rank derives from the step's ``(run, counter)``: it commits only if every rank's keeper
         (or, at a clean close, writer) takes part, else it is aborted, bounded by the
         collective ``timeout_s``. Each held step is tried once (an attempt's names are used up).
 
-        At a clean close (``closing``) a persist after an earlier crash is waited for only if it
+        When the live trainer asks (``closing``: its clean close or its ``wait()``) a persist after an earlier crash is waited for only if it
         is of this very step; one of an older step (the dead run's, while this trainer saved
         newer ones) neither delays nor blocks this persist, and once this one has stored the
         newest step it is abandoned (:meth:`_abandon_dead_runs`).
@@ -895,7 +654,7 @@ class Keeper:
 
     def _leave_marker(self) -> None:
         """At exit: a failed persist nobody was told of goes to a marker the next trainer (or
-        ``zerostall list``) reports (:mod:`zerostall.persist.keeperfail`)."""
+        ``zerostall list``) reports (:mod:`zerostall.memtier.keeperfail`)."""
         with self._cond:
             failed, self._failed = self._failed, []
         if not failed:
@@ -1006,7 +765,7 @@ class Keeper:
                 except Exception:  # noqa: BLE001,S110 - gc removes them later
                     pass
         finally:
-            _silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
+            silence(2)  # the trainer is dead: nobody reads its stderr any more (see session_ended)
 
     def _abort_others(self, storage: Storage, coll: Collective, keep: int | None, settled: threading.Event,
                       own_done: threading.Event) -> None:
@@ -1062,3 +821,37 @@ class Keeper:
         for fd, _ in self._fds.values():
             os.close(fd)
         self._fds = {}
+
+
+def main(argv: list[str]) -> int:
+    """``python -m zerostall.memtier.keeper FD NICE SCHED <spec>``: the memory tier's keeper, the
+    writer of a trainer with a memory tier. It runs the writer's loop (:func:`zerostall.persist.server.serve`)
+    for trainer after trainer (adopted after a crash) until it may exit."""
+    fd, nice, sched = int(argv[1]), int(argv[2]), argv[3]
+    lower_priority(nice, sched)
+    address, spec = KeeperSpec.from_argv(argv[4:])
+    keeper = Keeper(address, spec)
+    first = Connection(fd)
+    if not keeper.listen(first) and keeper.busy is not None:
+        # Another keeper of this user took the name first (two trainers started at once): a
+        # keeper no restart could find would lose this trainer's memory-only steps silently, so
+        # tell the trainer (it raises, as when it finds a live keeper) and serve nothing.
+        try:
+            first.send_bytes(encode(keeper.busy))
+        except OSError:
+            pass
+        first.close()
+        return 0
+    conn: Connection | None = first
+    try:
+        while conn is not None:
+            keeper.session_started(conn)
+            closed = serve(conn, keeper)
+            conn = keeper.session_ended(closed)
+    finally:
+        keeper.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

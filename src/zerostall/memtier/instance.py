@@ -12,7 +12,7 @@ with a conditional put (``put(if_absent=True)``: of several ranks opening a new 
 the first writer wins and every rank reads the winner's id). The id never changes while the
 directory exists; nothing but deleting the directory removes the file (``gc``, retention and
 ``zerostall rm`` leave it alone). The keeper is started with its trainer's id
-(:class:`zerostall.persist.keeper.KeeperSpec`) and offers a held step only to a trainer of the
+(:class:`zerostall.memtier.spec.KeeperSpec`) and offers a held step only to a trainer of the
 same id, and persists it only while the directory still carries that id (docs/guarantees.md,
 "A deleted directory is a fresh start").
 

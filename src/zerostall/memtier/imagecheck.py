@@ -4,7 +4,7 @@ A trainer that must verify the image checksums every byte as it copies it (the d
 reads every byte twice when the load is all or nothing (``LoadOptions(atomic=True)``: a checksum
 pass, then the copy). After a crash the checksums can be taken by the keeper instead, between
 the trainer's death and the restarted trainer's query (see
-:meth:`zerostall.persist.keeper.Keeper.session_ended`). This is that pass: the same byte-range
+:meth:`zerostall.memtier.keeper.Keeper.session_ended`). This is that pass: the same byte-range
 split as the loader's (:func:`zerostall.checksum.split_even`, one large leaf cut between threads,
 the parts joined with :func:`~zerostall.checksum.checksum_combine`), over the keeper's own
 mappings of the buffers, read only.

@@ -5,8 +5,8 @@ step the keeper holds from shared memory. Mapping those memfds afresh costs the 
 page-table work of every 4 KiB page (about 0.11 s of CPU per GiB here) on top of the copy: that
 made the first load after a restart 1.2-1.6x a memcpy (docs/performance.md). So right after the
 adoption a daemon thread asks the keeper for its step (the query waits for the keeper's check
-after the crash), maps it (:func:`zerostall.storage.image.open_image`) and pre-faults it
-(:meth:`~zerostall.storage.image.ImageStorage.populate`), while the user's code imports and
+after the crash), maps it (:func:`zerostall.memtier.image.open_image`) and pre-faults it
+(:meth:`~zerostall.memtier.image.ImageStorage.populate`), while the user's code imports and
 builds its model. A load of that step then copies out of this mapping instead of mapping again.
 A load that takes the mapping while the pre-fault still runs stops it and faults the rest on its
 own copy threads: waiting would serialise the rest on one thread, and racing it (measured, 2
@@ -25,10 +25,10 @@ import logging
 import os
 import threading
 
+from zerostall.memtier.image import ImageStorage, open_image
 from zerostall.messages import Image
 from zerostall.persist import faults
 from zerostall.persist.client import WriterClient
-from zerostall.storage.image import ImageStorage, open_image
 
 __all__ = ["Premap"]
 
@@ -53,7 +53,7 @@ class Premap:
         self._manifest: str | None = None
         #: set once the thread has mapped the step (or given up): a load waits for this only
         self._mapped = threading.Event()
-        self._pid = os.getpid()  # a forked child has no mapping (storage.image: MADV_DONTFORK)
+        self._pid = os.getpid()  # a forked child has no mapping (memtier.image: MADV_DONTFORK)
         self._last: ImageStorage | None = None  # kept for :attr:`populated` after close()
         #: how many loads used this mapping instead of mapping the step again
         self.reused = 0
