@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from zs_testing import committed_dirs, running, wait_until
 
 from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
 from zerostall.commit import step_name
@@ -68,7 +67,24 @@ def _parse(lines: list[str]) -> tuple[int, dict[int, str]]:
     return keeper, saved
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _storage_steps(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
 
 
 def _keeper_sockets() -> set[bytes]:
@@ -105,9 +121,9 @@ def test_resume_from_memory_after_sigkill(tmp_path: Path) -> None:
     assert rc == -signal.SIGKILL
     assert saved == {s: ("memory,storage" if s % 3 == 0 else "memory") for s in range(1, 8)}
     # Once its trainer is gone the keeper persists the newest memory-only step.
-    wait_until(lambda: 7 in committed_dirs(d), "step 7 on storage", DEADLINE_S, poll=0.02)
-    assert committed_dirs(d) == [3, 6, 7]
-    assert running(keeper)  # lingering
+    _wait(lambda: 7 in _storage_steps(d), "step 7 on storage")
+    assert _storage_steps(d) == [3, 6, 7]
+    assert _running(keeper)  # lingering
     # Remove step 7 from storage: what the new trainer restores can only come from memory.
     shutil.rmtree(d / step_name(7))
     with Checkpointer(d, memory_tier=_memory()) as ck:
@@ -120,10 +136,10 @@ def test_resume_from_memory_after_sigkill(tmp_path: Path) -> None:
         assert out["w"] is w and w.tobytes() == state(7)["w"].tobytes()  # in place
         ck.save_pytree(8, state(8))
         assert ck.stats()[-1].tiers == ("memory",)
-        assert ck.memory_step() == 8 and 8 not in committed_dirs(d)
+        assert ck.memory_step() == 8 and 8 not in _storage_steps(d)
     # A clean close persists what only memory holds, and the keeper exits without lingering.
-    assert 8 in committed_dirs(d)
-    wait_until(lambda: not running(keeper), "the keeper to exit after close()", DEADLINE_S, poll=0.02)
+    assert 8 in _storage_steps(d)
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
     assert keeper_address(str(d), 0) not in _keeper_sockets()
     with Checkpointer(d) as ck:
         _assert_state(ck.load_pytree(8), state(8))
@@ -133,8 +149,8 @@ def test_linger_expiry_leaves_nothing_behind(tmp_path: Path) -> None:
     d = tmp_path / "run"
     rc, keeper, saved = _run(d, 1, 2, 5, 0.5, "kill")
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    wait_until(lambda: not running(keeper), "the keeper to exit after linger_s", DEADLINE_S, poll=0.02)
-    assert not Path(f"/proc/{keeper}/fd").exists() or not running(keeper)
+    _wait(lambda: not _running(keeper), "the keeper to exit after linger_s")
+    assert not Path(f"/proc/{keeper}/fd").exists() or not _running(keeper)
     assert keeper_address(str(d), 0) not in _keeper_sockets()
     # persisted before it left; no temp dirs (the directory's instance marker stays)
     assert sorted(p.name for p in d.iterdir()) == sorted([INSTANCE_KEY, step_name(2)])
@@ -174,7 +190,7 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
     d = tmp_path / "run"
     os.chmod(tmp_path, 0o755)
     rc, keeper, _ = _run(d, 1, 1, 5, 60, "kill")
-    assert rc == -signal.SIGKILL and running(keeper)
+    assert rc == -signal.SIGKILL and _running(keeper)
     address = keeper_address(str(d), 0)
     # A process of another user finds the keeper's name but is refused: no Hello, no image.
     child = os.fork()
@@ -275,7 +291,7 @@ def test_persist_interval_s_persists_the_first_save_after_it(tmp_path: Path) -> 
         ck.save_pytree(2, state(2))
         ck.save_pytree(3, state(3))
         assert [s.tiers for s in ck.stats()] == [("memory",), ("memory", "storage"), ("memory",)]
-        assert committed_dirs(tmp_path) == [2]
+        assert _storage_steps(tmp_path) == [2]
         assert ck.latest_step() == 3
 
 
@@ -351,10 +367,10 @@ def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> Non
                 assert v == flat_b[k], k
     for d in (plain, crashed):
         for rank in (0, 1):
-            wait_until(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit", DEADLINE_S, poll=0.02)
+            _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
     # Meanwhile the crashed group's keepers persisted step 6 together, in the background (the
     # restarted trainers did not wait for it), and left no attempt, decision or lease behind.
-    assert 6 in committed_dirs(crashed) and 6 not in committed_dirs(plain)
+    assert 6 in _storage_steps(crashed) and 6 not in _storage_steps(plain)
     assert not [p.name for p in crashed.iterdir() if p.name.startswith(".") and p.name != INSTANCE_KEY]
     stored = _flatten(zerostall.load_pytree(crashed / step_name(6)))  # verified: every CRC32C checked
     assert [v for k, v in stored.items() if k.endswith("position")] == [6], stored.keys()
@@ -381,7 +397,7 @@ def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
         keeper = ck._engine.writer.pid
         assert keeper is not None and ck.memory_step() == 4
         os.kill(keeper, signal.SIGKILL)
-        wait_until(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die", DEADLINE_S, poll=0.02)
+        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
         # Step 4 lived only in the dead keeper's memory: storage's newest is what is left.
         assert ck.memory_step() is None and ck.latest_step() == 3
         _assert_state(ck.load_pytree(), state(3))
@@ -396,12 +412,12 @@ def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path)
         ck.save_pytree(1, state(1))
         keeper = ck._engine.writer.pid
         raise RuntimeError("boom")
-    assert keeper is not None and running(keeper)  # lingering, as after a crash
-    wait_until(lambda: 1 in committed_dirs(tmp_path), "step 1 persisted by the keeper", DEADLINE_S, poll=0.02)
+    assert keeper is not None and _running(keeper)  # lingering, as after a crash
+    _wait(lambda: 1 in _storage_steps(tmp_path), "step 1 persisted by the keeper")
     with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
         assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
         _assert_state(ck.load_pytree(), state(1))
-    wait_until(lambda: not running(keeper), "the keeper to exit after close()", DEADLINE_S, poll=0.02)
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
 
 
 # -- the keeper's check after a crash: a restart's load only copies ----------------------------
@@ -466,9 +482,9 @@ def test_a_byte_changed_in_memory_after_the_save_is_never_loaded(tmp_path: Path)
             ck.load_pytree(2, template=tmpl)
         assert err.value.key == keys[0]
         assert tmpl["w"].tobytes() == state(0)["w"].tobytes()  # all or nothing
-    wait_until(lambda: not running(keeper), "the keeper to exit after close()", DEADLINE_S, poll=0.02)
+    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
     # The keeper never persisted the changed bytes (under checksums taken afresh they would verify).
-    assert 2 not in committed_dirs(d)
+    assert 2 not in _storage_steps(d)
 
 
 def test_a_query_during_the_keepers_check_waits_for_it(tmp_path: Path) -> None:
@@ -479,7 +495,7 @@ def test_a_query_during_the_keepers_check_waits_for_it(tmp_path: Path) -> None:
     out, _ = p.communicate(timeout=DEADLINE_S)
     keeper, saved = _parse(out.splitlines())
     assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    wait_until(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start", DEADLINE_S, poll=0.02)
+    _wait(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
     look = query_held(str(d), 0)  # a look (zerostall list) does not wait: not verified yet
     assert look is not None and look.step == 2 and not look.verified
     with Checkpointer(d, memory_tier=_memory(every=5)) as ck:

@@ -15,11 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from zs_testing import committed_dirs, running, wait_until
 
 from zerostall import Checkpointer, DirectoryReplacedError, KeeperPersistError, MemoryTier
 from zerostall.memtier.instance import INSTANCE_KEY
@@ -43,7 +44,24 @@ def _kill_after(d: str, last: int, every: int, env: dict[str, str] | None = None
     return keeper
 
 
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _steps(d: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
 
 
 def _rm_rf(d: Path) -> None:
@@ -57,7 +75,7 @@ def _memory() -> MemoryTier:
 
 
 def _stop(pid: int) -> None:
-    if running(pid):
+    if _running(pid):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -66,7 +84,7 @@ def test_a_new_trainer_on_a_deleted_directorys_path_starts_fresh(tmp_path: Path)
     keeper = _kill_after(str(d), 7, 5)
     try:
         # The keeper holds step 7 (and persists it after the crash): the directory is still its own.
-        wait_until(lambda: 7 in committed_dirs(d), "the keeper's persist of step 7", DEADLINE_S)
+        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
         held = query_held(str(d), 0)
         assert held is not None and held.step == 7
         old_instance = json.loads((d / INSTANCE_KEY).read_bytes())["instance"]
@@ -76,9 +94,9 @@ def test_a_new_trainer_on_a_deleted_directorys_path_starts_fresh(tmp_path: Path)
             assert ckpt.latest_step() is None and ckpt.steps() == [] and ckpt.memory_step() is None
             assert not ckpt._engine.writer.adopted and ckpt._engine.writer.pid != keeper
             assert json.loads((d / INSTANCE_KEY).read_bytes())["instance"] != old_instance
-            wait_until(lambda: not running(keeper), "the old keeper to exit", DEADLINE_S)
+            _wait(lambda: not _running(keeper), "the old keeper to exit")
             ckpt.save_pytree(1, {"x": np.arange(4)})
-        assert committed_dirs(d) == [1]  # nothing of the deleted directory's steps
+        assert _steps(d) == [1]  # nothing of the deleted directory's steps
         assert query_held(str(d), 0) is None  # the new keeper closed with its trainer
     finally:
         _stop(keeper)
@@ -91,16 +109,16 @@ def test_a_keepers_persist_never_writes_into_a_new_directory_at_its_path(tmp_pat
     keeper = _kill_after(str(d), 7, 5, env)
     try:
         # The keeper's persist of step 7 has started; the directory is deleted and a new run begins.
-        wait_until(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist", DEADLINE_S)
-        assert committed_dirs(d) == [5]
+        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
+        assert _steps(d) == [5]
         _rm_rf(d)
         with Checkpointer(d, memory_tier=_memory()) as ckpt:
             assert ckpt.latest_step() is None and ckpt.memory_step() is None
             go.touch()  # the old keeper's persist goes on now
-            wait_until(lambda: not running(keeper), "the old keeper to exit", DEADLINE_S)
-            assert committed_dirs(d) == []  # step 7 did not go into the new directory
+            _wait(lambda: not _running(keeper), "the old keeper to exit")
+            assert _steps(d) == []  # step 7 did not go into the new directory
             ckpt.save_pytree(1, {"x": np.arange(4)})
-        assert committed_dirs(d) == [1]
+        assert _steps(d) == [1]
         assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".zs-instance")) == ["step_00000001"]
     finally:
         _stop(keeper)
@@ -112,12 +130,12 @@ def test_a_lingering_keeper_exits_once_its_directory_is_deleted(tmp_path: Path) 
     env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_persist": f"wait:{go}"}), MARK_ENV: str(mark)})
     keeper = _kill_after(str(d), 7, 5, env)
     try:
-        wait_until(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist", DEADLINE_S)
+        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
         _rm_rf(d)
         go.touch()
         # No new trainer comes: the keeper finds its directory gone, persists nothing and exits
         # (long before its linger would expire).
-        wait_until(lambda: not running(keeper), "the keeper to exit", DEADLINE_S)
+        _wait(lambda: not _running(keeper), "the keeper to exit")
         assert not d.exists()
         assert keeper_address(str(d), 0) not in _keeper_names()
     finally:
@@ -128,7 +146,7 @@ def test_a_directory_without_a_marker_gets_one_and_resumes_as_before(tmp_path: P
     d = tmp_path / "run"
     keeper = _kill_after(str(d), 7, 5)
     try:
-        wait_until(lambda: 7 in committed_dirs(d), "the keeper's persist of step 7", DEADLINE_S)
+        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
         # A directory an older version wrote: no marker. A new Checkpointer writes one; it resumes
         # from storage, as before (the lingering keeper's step is another instance's now).
         (d / INSTANCE_KEY).unlink()
@@ -138,8 +156,8 @@ def test_a_directory_without_a_marker_gets_one_and_resumes_as_before(tmp_path: P
             got = ckpt.load_pytree(7)
             assert int(got["step"]) == 7
             ckpt.save_pytree(8, {"x": np.arange(4)})
-        assert committed_dirs(d) == [5, 7, 8]
-        wait_until(lambda: not running(keeper), "the old keeper to exit", DEADLINE_S)
+        assert _steps(d) == [5, 7, 8]
+        _wait(lambda: not _running(keeper), "the old keeper to exit")
         # The marker stays the same for as long as the directory exists.
         first = (d / INSTANCE_KEY).read_bytes()
         with Checkpointer(d, memory_tier=_memory()) as ckpt:
