@@ -27,6 +27,11 @@ wall time between save starts):
 * Two levels (memory tier): memory saves every ``tau``, every ``k``-th also persisted; a fraction
   ``p`` of failures recovers from memory. First-order expected waste, minimised over whole
   ``(steps, k)``; its optimum is Benoit et al. (2017)'s ``sqrt(2 lambda_1 C_1) + sqrt(2 lambda_2 C_2)``.
+* Three tiers (memory tier with ``replicas``): the same saves, recovered from this host's memory
+  after a process crash, from a replica in another host's memory after a node loss, from
+  storage when every copy in memory is lost (:class:`FailureMix` says how often each happens).
+  Its waste has the two-level form with ``p`` the share recovered from memory of any host and
+  the replicas' cost added to every save (:func:`three_tier_overhead`).
 
 References:
     J. W. Young, "A first order approximation to the optimum checkpoint interval",
@@ -57,29 +62,25 @@ __all__ = [
     "AdviceError",
     "SaveCost",
     "MeasuredCosts",
+    "ReplicaCost",
+    "FailureMix",
     "Model",
     "Advice",
+    "TierAdvice",
     "advise",
     "young_interval",
     "daly_interval",
     "one_level_overhead",
     "two_level_overhead",
+    "three_tier_overhead",
     "steps_for",
     "mtbf_from_restarts",
     "CadenceEstimator",
     "SaveKind",
     "AutoInterval",
     "DEFAULT_MEMORY_FRACTION",
+    "DEFAULT_FAILURE_MIX",
 ]
-
-DEFAULT_MEMORY_FRACTION = 0.75
-"""Share of failures a restart on the same nodes fixes, so that host memory survives them.
-
-DLRover's report on jobs of thousands of GPUs: "about 75% of the faults could be recovered by
-restarting the training process" (NCCL errors, network jitter). Fleets differ: of Llama 3's 419
-unexpected interruptions on 16,384 GPUs, about half were faulty GPUs or HBM3, which take a node
-out. Pass the fraction your restarts show.
-"""
 
 _MAX_PERSIST_EVERY = 1_000_000
 
@@ -92,6 +93,16 @@ def _check(value: float, key: str, *, positive: bool = False) -> float:
     if not math.isfinite(v) or v < 0 or (positive and v == 0):
         bound = "> 0" if positive else ">= 0"
         raise AdviceError(f"{key} must be a finite number {bound}, got {value!r}", key=key)
+    return v
+
+
+def _check_share(value: float, key: str) -> float:
+    """A share of failures: a finite number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AdviceError(f"{key} must be a number in [0, 1], got {value!r}", key=key)
+    v = float(value)
+    if not 0.0 <= v <= 1.0:  # NaN fails both comparisons
+        raise AdviceError(f"{key} must be a number in [0, 1], got {value!r}", key=key)
     return v
 
 
@@ -134,6 +145,45 @@ class SaveCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplicaCost:
+    """What one replica of a rank's state in another host's memory costs (``MemoryTier(replicas=k)``
+    pays it ``k`` times). Times in seconds, per save unless said otherwise.
+
+    Attributes:
+        background_s: training time lost while one replica is sent (the slowdown of the
+            iterations that overlap the send, summed); 0 when unmeasured, or when
+            ``MeasuredCosts.memory`` was measured with the replicas on and already counts it.
+        send_s: from the save being held in this host's memory until one replica holds it too.
+            ``k`` replicas leave over the same host link, so the last is held ``k * send_s``
+            later; that is the latency of the copies that survive a node loss.
+        fetch_s: after a node loss, the time a rank on a new host takes to fetch its state from
+            a peer, on top of ``MeasuredCosts.memory.restore_s``.
+        host_bytes: host memory one replica takes on the host that holds it: one copy of the
+            rank's state (the bytes a save stages); None when unknown.
+
+    Raises:
+        AdviceError: a time is negative or not finite, or ``host_bytes`` is not an int >= 0.
+
+    Example::
+
+        >>> r = ReplicaCost(send_s=4.0, fetch_s=8.0, host_bytes=4 << 30)
+        >>> r.background_s, r.host_bytes // (1 << 30)
+        (0.0, 4)
+    """
+
+    background_s: float = 0.0
+    send_s: float = 0.0
+    fetch_s: float = 0.0
+    host_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("background_s", "send_s", "fetch_s"):
+            object.__setattr__(self, name, _check(getattr(self, name), name))
+        if self.host_bytes is not None:
+            _check_count(self.host_bytes, "host_bytes", minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MeasuredCosts:
     """The costs the advisor works from: the iteration time and what each kind of save costs.
 
@@ -141,6 +191,9 @@ class MeasuredCosts:
         step_s: seconds per training iteration with no save in flight.
         persisted: a save that reaches storage (every save when the memory tier is off).
         memory: a memory-only save (the memory tier); ``None`` when there is no memory tier.
+        replica: what each replica in another host's memory adds to a save and to a recovery
+            (the memory tier's ``replicas``); ``None`` when unmeasured: with ``replicas >= 1``
+            the advisor then takes replicas as free and says so in ``caveats``.
 
     Raises:
         AdviceError: ``step_s`` is not a finite number > 0.
@@ -155,9 +208,84 @@ class MeasuredCosts:
     step_s: float
     persisted: SaveCost
     memory: SaveCost | None = None
+    replica: ReplicaCost | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_s", _check(self.step_s, "step_s", positive=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureMix:
+    """What a job's failures take with them, as shares of all its failures.
+
+    Attributes:
+        crash: the training processes die, their hosts live on with their memory (a software
+            bug, an NCCL timeout): recovery from this host's memory tier.
+        node_loss: one host leaves the job, its memory with it (a failed GPU or HBM, a host
+            part, unplanned maintenance): recovery from a replica in another host's memory when
+            ``replicas >= 1``, else from storage.
+
+    The rest, :attr:`memory_lost` ``= 1 - crash - node_loss``, loses every copy in host memory
+    (several hosts at once, such as a switch and the hosts behind it, or a restart on other
+    machines): recovery from storage. docs/advice.md gives the default's source.
+
+    Raises:
+        AdviceError: a share is not a number in ``[0, 1]`` (key ``failure_mix.crash`` or
+            ``failure_mix.node_loss``), or the two add up to more than 1 (key ``failure_mix``).
+
+    Example::
+
+        >>> round(FailureMix(crash=0.2, node_loss=0.7).memory_lost, 2)
+        0.1
+    """
+
+    crash: float
+    node_loss: float
+
+    def __post_init__(self) -> None:
+        c = _check_share(self.crash, "failure_mix.crash")
+        n = _check_share(self.node_loss, "failure_mix.node_loss")
+        if c + n > 1.0 + 1e-9:
+            raise AdviceError(f"failure_mix: crash + node_loss must be at most 1, got {c!r} + {n!r}",
+                              key="failure_mix")
+        object.__setattr__(self, "crash", c)
+        object.__setattr__(self, "node_loss", min(n, 1.0 - c))
+
+    @property
+    def memory_lost(self) -> float:
+        """Share of failures that lose every copy in host memory: only storage has the state."""
+        return max(0.0, 1.0 - self.crash - self.node_loss)
+
+
+_LLAMA3_HARDWARE_SHARE = 0.78
+"""Llama 3 405B pre-training, 54 days on 16,384 H100 GPUs: of 419 unexpected interruptions,
+"about 78%" were attributed to confirmed or suspected hardware issues (GPUs 58.7%)."""
+_LLAMA3_SWITCH_CABLE_SHARE = 35 / 419
+"""The same run: 35 of the 419 were a network switch or cable (8.4%)."""
+
+DEFAULT_FAILURE_MIX = FailureMix(crash=1.0 - _LLAMA3_HARDWARE_SHARE,
+                                 node_loss=_LLAMA3_HARDWARE_SHARE - _LLAMA3_SWITCH_CABLE_SHARE)
+"""The failure mix of Llama 3's 54-day run (Llama Team, "The Llama 3 Herd of Models", 2024,
+table 5): 419 unexpected interruptions, about 78% hardware, 22% not (software bugs, NCCL
+watchdog timeouts, dependencies).
+
+* ``crash`` = 0.22: the failures that are not hardware; a restart on the same hosts finds
+  their memory intact.
+* ``node_loss`` = 0.78 - 35/419 = 0.696: hardware takes its host out of the job (a faulty GPU,
+  HBM3, SRAM, a host's NIC, power supply or memory, unplanned host maintenance); one host at a
+  time, so a replica on another host survives.
+* ``memory_lost`` = 35/419 = 0.084: a network switch or cable. A switch cuts off every host
+  behind it, which with replicas placed on a neighbouring host often include the replica's
+  holder; counted as losing every copy in memory (cautious: a cable takes one host).
+"""
+
+DEFAULT_MEMORY_FRACTION = DEFAULT_FAILURE_MIX.crash
+"""Share of failures a restart on the same hosts fixes, so that host memory survives them:
+:data:`DEFAULT_FAILURE_MIX`'s ``crash`` (0.22, Llama 3's non-hardware interruptions). With no
+replicas the rest recover from storage, as in :data:`DEFAULT_FAILURE_MIX`. Fleets differ
+(DLRover reports "about 75% of the faults could be recovered by restarting the training
+process"): pass the fraction your restarts show.
+"""
 
 
 class Model(enum.Enum):
@@ -165,7 +293,32 @@ class Model(enum.Enum):
 
     YOUNG = "young"  # first order, one level
     DALY = "daly"  # higher order under exponential failures, one level
-    TWO_LEVEL = "two_level"  # first order, memory saves plus every k-th persisted
+    TWO_LEVEL = "two_level"  # first order, memory saves plus every k-th persisted (with replicas: three tiers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierAdvice:
+    """One tier's part of an :class:`Advice`: how often it receives a save and what a failure
+    that recovers from it loses.
+
+    Attributes:
+        tier: ``"memory"`` (this host's memory: a process crash), ``"peer"`` (a replica in
+            another host's memory: a node loss, with ``replicas >= 1``) or ``"storage"``.
+        interval_steps: steps between two saves this tier receives (memory and peer: every
+            save; storage: every ``persist_every``-th).
+        interval_s: wall-clock seconds between those saves.
+        failure_share: share of the failures that recover from this tier.
+        work_lost_s: expected training time redone per such failure: the tier's latency plus
+            half its interval to first order (the one-level Daly model: its exact mean).
+        restore_s: time from such a failure until training runs again.
+    """
+
+    tier: str
+    interval_steps: int
+    interval_s: float
+    failure_share: float
+    work_lost_s: float
+    restore_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,9 +339,18 @@ class Advice:
             survived it, including that save's latency).
         restore_s: expected time from a failure until training runs again (the costs' restore).
         mtbf_s: the mean time between failures used.
-        memory_fraction: share of failures recoverable from host memory (two levels only).
+        memory_fraction: share of failures recoverable from host memory, this host's or (with
+            replicas) another's (two levels only).
         costs: the measured costs used.
         caveats: where the inputs leave the model's range or a bound changed the optimum.
+        replicas: copies of each rank's state in other hosts' memory (``MemoryTier.replicas``).
+        tiers: per tier that a failure can recover from (``memory``, ``peer`` with replicas,
+            ``storage``), its interval and expected loss (:class:`TierAdvice`); the failure
+            shares add up to 1 and ``work_lost_s`` / ``restore_s`` are their weighted sums.
+        replica_host_bytes: extra host memory the replicas take per rank, summed over the
+            hosts that hold them: ``replicas`` copies of the rank's state
+            (``replicas * costs.replica.host_bytes``); 0 without replicas, None when the
+            state's size is not known.
     """
 
     model: Model
@@ -203,12 +365,24 @@ class Advice:
     memory_fraction: float | None
     costs: MeasuredCosts
     caveats: tuple[str, ...] = ()
+    replicas: int = 0
+    tiers: tuple[TierAdvice, ...] = ()
+    replica_host_bytes: int | None = 0
+
+    def tier(self, name: str) -> TierAdvice | None:
+        """The :class:`TierAdvice` of ``name`` (``"memory"``, ``"peer"``, ``"storage"``), None
+        when no failure recovers from that tier."""
+        return next((t for t in self.tiers if t.tier == name), None)
 
     def summary(self) -> str:
         """One line for a log, e.g. ``save every 21 steps (212 s); ...``."""
         s = f"save every {self.interval_steps} steps ({self.interval_s:.0f} s)"
         if self.persist_every > 1:
             s += f", persisting every {self.persist_every} saves"
+        if self.replicas:
+            s += f", {self.replicas} {'replica' if self.replicas == 1 else 'replicas'} in other hosts' memory"
+            if self.replica_host_bytes:
+                s += f" (+{self.replica_host_bytes / 2**30:.3g} GiB per rank)"
         s += (f"; expected overhead {self.overhead:.2%}, work lost per failure {self.work_lost_s:.0f} s"
               f" ({self.model.value}, MTBF {self.mtbf_s / 3600:.2f} h)")
         return s
@@ -312,6 +486,7 @@ def two_level_overhead(work_s: float, persist_every: int, costs: MeasuredCosts, 
     from the newest persisted save (``L_p + P / 2``, then ``R_p``). The waste is
     ``A / P + [p (R_m + L_m + P / 2k) + (1 - p)(R_p + L_p + P / 2)] / M``
     (first order, as in Young; the multi-level form of Benoit et al. 2017 and Di et al. 2014).
+    It is :func:`three_tier_overhead` without replicas, ``crash = p``.
 
     Raises:
         AdviceError: ``costs.memory`` is None, ``persist_every`` < 1, ``memory_fraction``
@@ -324,17 +499,94 @@ def two_level_overhead(work_s: float, persist_every: int, costs: MeasuredCosts, 
         >>> round(two_level_overhead(99.0, 2, c, 10_000.0, 0.5), 4)
         0.0175
     """
+    p = _check_fraction(memory_fraction)
+    return three_tier_overhead(work_s, persist_every, costs, mtbf_s,
+                               failure_mix=FailureMix(crash=p, node_loss=1.0 - p), replicas=0)
+
+
+def three_tier_overhead(work_s: float, persist_every: int, costs: MeasuredCosts, mtbf_s: float, *,
+                        failure_mix: FailureMix = DEFAULT_FAILURE_MIX, replicas: int = 0) -> float:
+    """First-order expected waste of memory saves every ``work_s`` training seconds, each also
+    held by ``replicas`` other hosts, every ``persist_every``-th also persisted.
+
+    With ``r = replicas``, ``B``, ``S``, ``F`` a replica's background cost, send time and fetch
+    time (``costs.replica``; zero when None), every save costs ``r B`` more: one cycle of
+    ``k = persist_every`` saves lasts ``P = k work_s + A``, ``A = (k - 1)(C_m + r B) + C_p + r B``.
+    With ``c``, ``n``, ``s`` the shares of crashes, node losses and failures that lose all host
+    memory (``failure_mix``), a failure loses on average
+
+    * a crash: ``R_m + L_m + P / 2k`` (the newest save in this host's memory);
+    * a node loss, ``r >= 1``: ``R_m + F + L_m + r S + P / 2k`` (the newest save a peer holds);
+      ``r = 0``: ``R_p + L_p + P / 2`` (the newest persisted save);
+    * the rest: ``R_p + L_p + P / 2``.
+
+    The waste is ``A / P`` plus the expected loss over ``M``. With ``q`` the share recovered from
+    memory (``c``, plus ``n`` with replicas) it is the two-level waste with ``p = q``:
+    ``A / P + [sum of share x (R + L) + P (q / 2k + (1 - q) / 2)] / M`` (docs/advice.md).
+
+    Raises:
+        AdviceError: ``costs.memory`` is None, ``persist_every`` < 1, ``replicas`` < 0,
+            ``work_s`` < 0, ``mtbf_s`` <= 0, or ``failure_mix`` is not a :class:`FailureMix`.
+
+    Example::
+
+        >>> c = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.0, background_s=2.0, durable_s=0.0),
+        ...                   memory=SaveCost(blocked_s=0.0, background_s=0.0, durable_s=0.0))
+        >>> mix = FailureMix(crash=0.25, node_loss=0.5)
+        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=0), 4)
+        0.0187
+        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=1), 4)
+        0.0162
+    """
     w = _check(work_s, "work_s")
     m = _check(mtbf_s, "mtbf_s", positive=True)
-    mem, per = _memory_costs(costs), costs.persisted
-    p = _check_fraction(memory_fraction)
     k = _check_count(persist_every, "persist_every")
-    a = (k - 1) * mem.cost_s + per.cost_s
-    cycle = k * w + a
-    lost = p * (mem.restore_s + mem.durable_s) + (1.0 - p) * (per.restore_s + per.durable_s)
-    if cycle == 0:
-        return lost / m
-    return a / cycle + (lost + cycle * (p / (2.0 * k) + (1.0 - p) / 2.0)) / m
+    plan = _Tiers.of(costs, _check_mix(failure_mix), _check_count(replicas, "replicas", minimum=0))
+    return plan.waste(w, k, m)
+
+
+@dataclass(frozen=True)
+class _Tiers:
+    """The constants of the tiered waste for one ``(costs, failure mix, replicas)``."""
+
+    cm: float  # a memory-only save's cost, replicas included
+    cp: float  # a persisted save's cost, replicas included
+    q: float  # share of failures recovered from memory (this host's or a peer's)
+    lost: float  # sum over tiers of share x (restart + latency)
+    memory_floor_s: float  # the latency of the newest copy in memory that the memory tiers rely on
+    persist_floor_s: float
+    # per tier: (name, share, latency, restore, every k-th save), in recovery order
+    tiers: tuple[tuple[str, float, float, float, bool], ...]
+
+    @staticmethod
+    def of(costs: MeasuredCosts, mix: FailureMix, replicas: int) -> _Tiers:
+        mem, per = _memory_costs(costs), costs.persisted
+        rep = costs.replica if costs.replica is not None else ReplicaCost()
+        extra = replicas * rep.background_s
+        peer_latency = mem.durable_s + replicas * rep.send_s
+        memory_share = mix.crash
+        peer_share = mix.node_loss if replicas else 0.0
+        storage_share = 1.0 - memory_share - peer_share
+        tiers = [("memory", memory_share, mem.durable_s, mem.restore_s, False)]
+        if replicas:
+            tiers.append(("peer", peer_share, peer_latency, mem.restore_s + rep.fetch_s, False))
+        tiers.append(("storage", storage_share, per.durable_s, per.restore_s, True))
+        lost = 0.0
+        for _, share, latency, restore, _ in tiers:
+            lost += share * (restore + latency)
+        return _Tiers(cm=mem.cost_s + extra, cp=per.cost_s + extra, q=memory_share + peer_share, lost=lost,
+                      memory_floor_s=peer_latency if replicas else mem.durable_s,
+                      persist_floor_s=per.durable_s, tiers=tuple(tiers))
+
+    def cycle_cost(self, k: int) -> float:
+        return (k - 1) * self.cm + self.cp
+
+    def waste(self, work_s: float, k: int, m: float) -> float:
+        a = self.cycle_cost(k)
+        cycle = k * work_s + a
+        if cycle == 0:
+            return self.lost / m
+        return a / cycle + (self.lost + cycle * (self.q / (2.0 * k) + (1.0 - self.q) / 2.0)) / m
 
 
 def _memory_costs(costs: MeasuredCosts) -> SaveCost:
@@ -345,12 +597,39 @@ def _memory_costs(costs: MeasuredCosts) -> SaveCost:
 
 
 def _check_fraction(memory_fraction: float) -> float:
+    if isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float)):
+        raise AdviceError(f"memory_fraction must be a number in [0, 1), got {memory_fraction!r}",
+                          key="memory_fraction")
     p = float(memory_fraction)
     if not 0.0 <= p < 1.0:
         raise AdviceError(
             f"memory_fraction must be in [0, 1), got {memory_fraction!r} (with 1 no failure would "
             "ever need storage, and persisting could never pay)", key="memory_fraction")
     return p
+
+
+def _check_mix(failure_mix: FailureMix) -> FailureMix:
+    if not isinstance(failure_mix, FailureMix):
+        raise AdviceError(f"failure_mix must be a FailureMix, got {failure_mix!r}", key="failure_mix")
+    return failure_mix
+
+
+def _resolve_mix(memory_fraction: float | None, failure_mix: FailureMix | None, replicas: int) -> FailureMix:
+    """The failure mix that ``memory_fraction`` or ``failure_mix`` (at most one) says, else the default."""
+    if failure_mix is not None and memory_fraction is not None:
+        raise AdviceError("give memory_fraction or failure_mix, not both (memory_fraction=p is "
+                          "FailureMix(crash=p, node_loss=1 - p))", key="failure_mix")
+    if failure_mix is not None:
+        return _check_mix(failure_mix)
+    if memory_fraction is None:
+        return DEFAULT_FAILURE_MIX
+    p = _check_fraction(memory_fraction)
+    if replicas:
+        raise AdviceError(
+            f"memory_fraction={memory_fraction!r} does not say which failures replicas cover: with "
+            f"replicas={replicas}, give failure_mix=FailureMix(crash=, node_loss=) (the rest lose every "
+            "copy in memory), or leave both out for DEFAULT_FAILURE_MIX", key="memory_fraction")
+    return FailureMix(crash=p, node_loss=1.0 - p)
 
 
 def _check_count(value: int, key: str, *, minimum: int = 1) -> int:
@@ -384,28 +663,40 @@ def _rounded(tau: float, step_s: float, floor_steps: int) -> tuple[int, int]:
     return max(floor_steps, math.floor(n)), max(floor_steps, math.ceil(n))
 
 
-def advise(costs: MeasuredCosts, *, mtbf_s: float, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-           model: Model | None = None) -> Advice:
+def advise(costs: MeasuredCosts, *, mtbf_s: float, memory_fraction: float | None = None,
+           model: Model | None = None, failure_mix: FailureMix | None = None, replicas: int = 0) -> Advice:
     """The save interval that minimises the expected time lost, and what it costs.
 
     Args:
         costs: measured costs (:class:`CadenceEstimator` gives them for a running job).
         mtbf_s: mean time between failures of the whole job (a node's MTBF divided by the
             number of nodes, or :func:`mtbf_from_restarts`).
-        memory_fraction: share of failures recoverable from host memory (two levels only).
+        memory_fraction: share of failures recoverable from this host's memory (two levels
+            only), shorthand for ``failure_mix=FailureMix(crash=p, node_loss=1 - p)``; only
+            without replicas.
         model: ``None`` picks ``TWO_LEVEL`` when ``costs.memory`` is given, else ``DALY``.
+        failure_mix: the shares of process crashes, node losses and failures that lose every
+            copy in memory (two levels only). Without it and ``memory_fraction``:
+            :data:`DEFAULT_FAILURE_MIX` (Llama 3's).
+        replicas: copies of each rank's state in other hosts' memory (``MemoryTier.replicas``):
+            node losses then recover from a peer (three tiers); their cost is
+            ``costs.replica``.
 
     The interval is a whole number of steps: of the two step counts around the model's optimum
     the one with the smaller expected overhead under that model (for two levels, the exact
     optimum over whole ``(steps, persist_every)``). Saves never start closer together than a
-    save's latency (``durable_s``): with one staging slot (``SaveOptions.max_in_flight=1``) a
-    save issued while the previous one persists blocks the training thread, and overlapping
-    persists share the bandwidth the costs were measured with. ``caveats`` says when that
-    bound moved the optimum or the inputs leave a model's range.
+    save's latency (``durable_s``; with replicas, until the replicas hold it): with one staging
+    slot (``SaveOptions.max_in_flight=1``) a save issued while the previous one is in flight
+    blocks the training thread, and overlapping saves share the bandwidth the costs were
+    measured with. ``caveats`` says when that bound moved the optimum or the inputs leave a
+    model's range.
 
     Raises:
-        AdviceError: ``mtbf_s`` <= 0 or not finite, ``memory_fraction`` outside ``[0, 1)``, or
-            ``TWO_LEVEL`` without ``costs.memory``.
+        AdviceError: ``mtbf_s`` <= 0 or not finite, ``memory_fraction`` outside ``[0, 1)``,
+            both ``memory_fraction`` and ``failure_mix``, ``memory_fraction`` with replicas,
+            ``replicas`` not an int >= 0, replicas without the memory tier's two-level model,
+            a mix in which no failure needs storage, or ``TWO_LEVEL`` without ``costs.memory``.
+            ``key`` names the argument.
 
     Example::
 
@@ -415,10 +706,22 @@ def advise(costs: MeasuredCosts, *, mtbf_s: float, memory_fraction: float = DEFA
         21
     """
     m = _check(mtbf_s, "mtbf_s", positive=True)
+    r = _check_count(replicas, "replicas", minimum=0)
+    mix = _resolve_mix(memory_fraction, failure_mix, r)
     if model is None:
         model = Model.TWO_LEVEL if costs.memory is not None else Model.DALY
     if model is Model.TWO_LEVEL:
-        return _advise_two_levels(costs, m, _check_fraction(memory_fraction))
+        plan = _Tiers.of(costs, mix, r)
+        if plan.q >= 1.0:
+            raise AdviceError(
+                f"no failure in the mix needs storage (crash {mix.crash:g}, node_loss {mix.node_loss:g}, "
+                f"replicas {r}), so persisting could never pay: give a failure_mix with memory_lost > 0",
+                key="memory_fraction" if memory_fraction is not None else "failure_mix")
+        return _advise_two_levels(costs, m, plan, r)
+    if r:
+        why = ("costs.memory is None: replicas copy the memory tier's saves" if costs.memory is None
+               else f"model {model.value} has one level; replicas need Model.TWO_LEVEL (or model=None)")
+        raise AdviceError(f"replicas={r}: {why}", key="replicas")
     return _advise_one_level(costs, m, model)
 
 
@@ -444,28 +747,28 @@ def _advise_one_level(costs: MeasuredCosts, m: float, model: Model) -> Advice:
         lost = save.durable_s + (m - period / math.expm1(period / m) if period > 0 else 0.0)
     if overhead >= 1.0:
         caveats.append("expected overhead >= 100%: the first-order model is out of range")
+    storage = TierAdvice(tier="storage", interval_steps=n, interval_s=period, failure_share=1.0, work_lost_s=lost,
+                         restore_s=save.restore_s)
     return Advice(model=model, interval_steps=n, interval_s=period, persist_every=1,
                   overhead=min(overhead, 1.0), save_overhead=c / period if period > 0 else 0.0,
                   work_lost_s=lost, restore_s=save.restore_s, mtbf_s=m, memory_fraction=None,
-                  costs=costs, caveats=tuple(caveats))
+                  costs=costs, caveats=tuple(caveats), tiers=(storage,))
 
 
-def _advise_two_levels(costs: MeasuredCosts, m: float, p: float) -> Advice:
-    mem, per, dt = _memory_costs(costs), costs.persisted, costs.step_s
-    cm, extra = mem.cost_s, max(per.cost_s - mem.cost_s, 0.0)
-    lost_const = (p * (mem.restore_s + mem.durable_s) + (1.0 - p) * (per.restore_s + per.durable_s)) / m
+def _advise_two_levels(costs: MeasuredCosts, m: float, plan: _Tiers, replicas: int) -> Advice:
+    dt = costs.step_s
+    p = plan.q
+    cm, extra = plan.cm, max(plan.cp - plan.cm, 0.0)
+    lost_const = plan.lost / m
     # Continuous optimum (docs/advice.md): k* = sqrt(extra p / (C_m (1 - p))); the waste at the
     # best period for a given k is lost_const + sqrt(2 g(k) / M), g convex with its minimum at k*.
     k_star = math.sqrt(extra * p / (cm * (1.0 - p))) if cm * (1.0 - p) > 0 else math.inf
-
-    def cycle_cost(k: int) -> float:
-        return (k - 1) * cm + per.cost_s
 
     best: tuple[float, int, int] | None = None  # (waste, k, n)
     bound_moved = False
     k = 1
     while k <= _MAX_PERSIST_EVERY:
-        a = cycle_cost(k)
+        a = plan.cycle_cost(k)
         slope = p / (2.0 * k) + (1.0 - p) / 2.0
         # Both bounds below hold for every n; from k* on both grow with k, so once either passes
         # the best waste found, no larger k can do better.
@@ -473,33 +776,51 @@ def _advise_two_levels(costs: MeasuredCosts, m: float, p: float) -> Advice:
         linear = lost_const + (1.0 - p) * (k * dt + a) / (2.0 * m)
         if best is not None and (linear > best[0] or (k >= k_star and unconstrained > best[0])):
             break
-        # Saves no closer than their latency: the cycle >= L_p, a memory period >= L_m.
-        floor_steps = max(1, math.ceil((per.durable_s - a) / (k * dt) - 1e-9),
-                          math.ceil((k * mem.durable_s - a) / (k * dt) - 1e-9))
+        # Saves no closer than their latency: the cycle >= L_p, a memory period >= the latency
+        # of the memory copies recovered from (with replicas: until the replicas hold it).
+        floor_steps = max(1, math.ceil((plan.persist_floor_s - a) / (k * dt) - 1e-9),
+                          math.ceil((k * plan.memory_floor_s - a) / (k * dt) - 1e-9))
         tau = max(math.sqrt(a * m / slope) - a, 0.0) / k
         for n in sorted(set(_rounded(tau, dt, floor_steps))):
-            w = two_level_overhead(n * dt, k, costs, m, p)
+            w = plan.waste(n * dt, k, m)
             if best is None or w < best[0]:
                 best = (w, k, n)
                 bound_moved = n == floor_steps > max(_rounded(tau, dt, 1))
         k += 1
     assert best is not None
     waste, k, n = best
+    mem = _memory_costs(costs)
     caveats = []
     if bound_moved:
-        caveats.append(f"interval raised to the save latency ({per.durable_s:.3g} s persisted, "
-                       f"{mem.durable_s:.3g} s in memory)")
+        in_memory = (f"{plan.memory_floor_s:.3g} s until {replicas} {'replica holds' if replicas == 1 else 'replicas hold'} it"
+                     if replicas else f"{mem.durable_s:.3g} s in memory")
+        caveats.append(f"interval raised to the save latency ({costs.persisted.durable_s:.3g} s persisted, {in_memory})")
     if k == _MAX_PERSIST_EVERY:
         caveats.append(f"persist_every capped at {_MAX_PERSIST_EVERY}")
     if waste >= 1.0:
         caveats.append("expected overhead >= 100%: the first-order model is out of range")
-    a = cycle_cost(k)
+    if replicas and costs.replica is None:
+        caveats.append("replication not measured (costs.replica is None): taken as free, and the extra host memory "
+                       "as unknown")
+    a = plan.cycle_cost(k)
     cycle = k * n * dt + a
+    tiers = tuple(
+        TierAdvice(tier=name, interval_steps=n * k if persisted else n, interval_s=cycle if persisted else cycle / k,
+                   failure_share=share, work_lost_s=latency + (cycle / 2.0 if persisted else cycle / (2.0 * k)),
+                   restore_s=restore)
+        for name, share, latency, restore, persisted in plan.tiers)
+    work_lost = restore_s = 0.0
+    for t in tiers:
+        work_lost += t.failure_share * t.work_lost_s
+        restore_s += t.failure_share * t.restore_s
+    host_bytes: int | None = 0
+    if replicas:
+        per_copy = costs.replica.host_bytes if costs.replica is not None else None
+        host_bytes = None if per_copy is None else replicas * per_copy
     return Advice(model=Model.TWO_LEVEL, interval_steps=n, interval_s=cycle / k, persist_every=k,
                   overhead=min(waste, 1.0), save_overhead=a / cycle, mtbf_s=m, memory_fraction=p,
-                  work_lost_s=p * (mem.durable_s + cycle / (2.0 * k)) + (1.0 - p) * (per.durable_s + cycle / 2.0),
-                  restore_s=p * mem.restore_s + (1.0 - p) * per.restore_s, costs=costs,
-                  caveats=tuple(caveats))
+                  work_lost_s=work_lost, restore_s=restore_s, costs=costs, caveats=tuple(caveats),
+                  replicas=replicas, tiers=tiers, replica_host_bytes=host_bytes)
 
 
 def mtbf_from_restarts(*, uptime_s: float, failures: int) -> float | None:
@@ -781,15 +1102,22 @@ class AutoInterval:
     """
 
     def __init__(self, *, mtbf_s: float, memory_tier: bool = False,
-                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, model: Model | None = None,
-                 initial_interval_steps: int = 1, clean_steps: int = 8, max_in_flight: int = 1) -> None:
+                 memory_fraction: float | None = None, model: Model | None = None,
+                 initial_interval_steps: int = 1, clean_steps: int = 8, max_in_flight: int = 1,
+                 failure_mix: FailureMix | None = None, replicas: int = 0) -> None:
         self.mtbf_s = _check(mtbf_s, "mtbf_s", positive=True)
-        self.memory_fraction = _check_fraction(memory_fraction) if memory_tier else memory_fraction
+        self.replicas = _check_count(replicas, "replicas", minimum=0)
+        self.failure_mix = _resolve_mix(memory_fraction, failure_mix, self.replicas)
+        """The failure mix the advice uses (``memory_fraction`` p is ``FailureMix(crash=p, node_loss=1 - p)``)."""
+        self.memory_fraction = self.failure_mix.crash
         for key, v in (("initial_interval_steps", initial_interval_steps), ("clean_steps", clean_steps),
                        ("max_in_flight", max_in_flight)):
             _check_count(v, key)
         if model is Model.TWO_LEVEL and not memory_tier:
             raise AdviceError("Model.TWO_LEVEL needs memory_tier=True", key="model")
+        if self.replicas and not (memory_tier and model in (None, Model.TWO_LEVEL)):
+            raise AdviceError(f"replicas={self.replicas} needs memory_tier=True and the two-level model",
+                              key="replicas")
         self.memory_tier = memory_tier
         self.model = model
         self.initial_interval_steps = initial_interval_steps
@@ -817,7 +1145,8 @@ class AutoInterval:
             needs_memory = self.memory_tier and self.model in (None, Model.TWO_LEVEL)
             if costs is not None and (costs.memory is not None or not needs_memory):
                 m = self.model or (Model.TWO_LEVEL if self.memory_tier else Model.DALY)
-                self._advice = advise(costs, mtbf_s=self.mtbf_s, memory_fraction=self.memory_fraction, model=m)
+                self._advice = advise(costs, mtbf_s=self.mtbf_s, failure_mix=self.failure_mix, model=m,
+                                      replicas=self.replicas)
         since = math.inf if self._last_save is None else step - self._last_save
         kind: SaveKind | None = None
         if self._advice is None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerostall.advice import (
+    DEFAULT_MEMORY_FRACTION,
     AdviceError,
     AutoInterval,
     CadenceEstimator,
@@ -224,8 +225,8 @@ def test_two_level_optimum_matches_brute_force(p, m_hours):
 def test_two_level_brute_force_where_the_latency_floor_binds():
     costs = two_levels(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s=1.0, durable_s=900.0))
     m = 2 * HOUR
-    a = advise(costs, mtbf_s=m)
-    w, n, k = _grid_optimum(costs, m, 0.75, n_max=1000, k_max=100)
+    a = advise(costs, mtbf_s=m)  # the default mix: DEFAULT_MEMORY_FRACTION of failures spare memory
+    w, n, k = _grid_optimum(costs, m, DEFAULT_MEMORY_FRACTION, n_max=1000, k_max=100)
     assert (a.interval_steps, a.persist_every) == (n, k) and a.overhead == pytest.approx(w, rel=1e-12)
     assert a.interval_s * a.persist_every >= 900.0
     assert any("latency" in c for c in a.caveats)
@@ -543,7 +544,8 @@ def test_auto_measures_without_overlapping_saves_then_follows_the_advice():
 
 
 def test_auto_with_the_memory_tier_measures_both_kinds_then_persists_every_kth():
-    saves, auto = run_auto(AutoInterval(mtbf_s=3 * HOUR, memory_tier=True, clean_steps=4), 600)
+    # three failures in four spare host memory: the measured costs then make persisting every kth pay
+    saves, auto = run_auto(AutoInterval(mtbf_s=3 * HOUR, memory_tier=True, memory_fraction=0.75, clean_steps=4), 600)
     a = auto.advice
     assert a is not None and a.model is Model.TWO_LEVEL and a.persist_every > 1
     kinds = [k for _, k in saves]
