@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerostall.advice import (
+    DEFAULT_FAILURE_MIX,
     DEFAULT_MEMORY_FRACTION,
     AdviceError,
     AutoInterval,
     CadenceEstimator,
+    FailureMix,
     MeasuredCosts,
     Model,
+    ReplicaCost,
     SaveCost,
     SaveKind,
     advise,
@@ -24,6 +27,7 @@ from zerostall.advice import (
     mtbf_from_restarts,
     one_level_overhead,
     steps_for,
+    three_tier_overhead,
     two_level_overhead,
     young_interval,
 )
@@ -132,16 +136,19 @@ def test_the_latency_does_not_move_the_exact_optimum():
 # -- the models against a simulation of the process they describe --------------------------------
 
 
-def _simulate(*, m, work_s, k, costs, p, rng, target, restart_failures=True):
+def _simulate(*, m, work_s, k, costs, p, rng, target, restart_failures=True, peer=None, extra_cost_s=0.0):
     """Overhead of saves every ``work_s`` (every k-th persisted) under exponential failures.
 
     Progress is wall time of execution; a save at progress j*P_m is durable at j*P_m + L (in
     memory, or on storage for every k-th); a failure restores from the newest durable save of
     the level that survives it (memory with probability p); the restore point is durable.
+    With ``peer=(share, latency, restart)`` a further share of the failures restores from the
+    newest save that is ``latency`` old (a replica on another host); every save costs
+    ``extra_cost_s`` more.
     """
     mem = costs.memory or costs.persisted
     per = costs.persisted
-    a = (k - 1) * mem.cost_s + per.cost_s
+    a = (k - 1) * (mem.cost_s + extra_cost_s) + per.cost_s + extra_cost_s
     cycle = k * work_s + a
     pm = cycle / k  # the model spaces memory saves evenly through the cycle
     x = origin = stored = wall = 0.0
@@ -155,9 +162,13 @@ def _simulate(*, m, work_s, k, costs, p, rng, target, restart_failures=True):
         j = k * math.floor((x - per.durable_s) / (k * pm))
         if j * pm > origin:
             stored = max(stored, j * pm)
-        if rng.random() < p:
+        u = rng.random()
+        if u < p:
             j = math.floor((x - mem.durable_s) / pm)
             restore, r = max(origin, j * pm), mem.restore_s
+        elif peer is not None and u < p + peer[0]:
+            j = math.floor((x - peer[1]) / pm)
+            restore, r = max(origin, j * pm), peer[2]
         else:
             restore, r = stored, per.restore_s
         while True:  # a failure during the restart restarts it (Daly's convention)
@@ -261,6 +272,281 @@ def test_two_levels_beat_one_level_when_most_failures_spare_memory():
     assert two.overhead < one.overhead and two.work_lost_s < one.work_lost_s
     # with no failure recoverable from memory, memory-only saves are pure cost
     assert advise(two_levels(), mtbf_s=m, memory_fraction=0.0).persist_every == 1
+
+
+# -- three tiers: memory, a peer's memory, storage ------------------------------------------------
+
+REPLICA = ReplicaCost(background_s=0.1, send_s=5.0, fetch_s=30.0, host_bytes=4 << 30)
+MIX = FailureMix(crash=0.2, node_loss=0.7)  # the other 0.1 loses every copy in memory
+
+
+def three_tiers(step_s: float = 10.0, replica: ReplicaCost | None = REPLICA, persisted: SaveCost = PERSISTED,
+                memory: SaveCost = MEMORY) -> MeasuredCosts:
+    return MeasuredCosts(step_s=step_s, persisted=persisted, memory=memory, replica=replica)
+
+
+def _waste_by_hand(work, k, costs, m, mix, r):
+    """docs/advice.md's three-tier waste, term by term: every save pays r replicas; a crash loses
+    the newest save in this host's memory, a node loss the newest a peer holds (r >= 1) or the
+    newest persisted one (r = 0), the rest the newest persisted one."""
+    mem, per, rep = costs.memory, costs.persisted, costs.replica or ReplicaCost()
+    a = (k - 1) * (mem.cost_s + r * rep.background_s) + per.cost_s + r * rep.background_s
+    cycle = k * work + a
+    from_storage = per.restore_s + per.durable_s + cycle / 2
+    crash = mix.crash * (mem.restore_s + mem.durable_s + cycle / (2 * k))
+    if r:
+        node = mix.node_loss * (mem.restore_s + rep.fetch_s + mem.durable_s + r * rep.send_s + cycle / (2 * k))
+        rest = mix.memory_lost * from_storage
+    else:
+        node, rest = mix.node_loss * from_storage, mix.memory_lost * from_storage
+    return a / cycle + (crash + node + rest) / m
+
+
+@pytest.mark.parametrize("r", [0, 1, 2])
+def test_three_tier_waste_is_the_formula_of_the_docs(r):
+    costs, m = three_tiers(), 3 * HOUR
+    for work, k in [(100.0, 1), (100.0, 4), (35.0, 9), (2000.0, 2)]:
+        got = three_tier_overhead(work, k, costs, m, failure_mix=MIX, replicas=r)
+        assert got == pytest.approx(_waste_by_hand(work, k, costs, m, MIX, r), rel=1e-12)
+    # without replicas it is the two-level waste of the crash share
+    if r == 0:
+        assert three_tier_overhead(100.0, 4, costs, m, failure_mix=MIX) == pytest.approx(
+            two_level_overhead(100.0, 4, costs, m, MIX.crash), rel=1e-12)
+
+
+def test_without_replicas_node_losses_roll_back_to_the_last_persisted_step():
+    costs, m = three_tiers(), 3 * HOUR
+    a = advise(costs, mtbf_s=m, failure_mix=MIX, replicas=0)
+    assert [t.tier for t in a.tiers] == ["memory", "storage"] and a.tier("peer") is None
+    memory, storage = a.tier("memory"), a.tier("storage")
+    cycle = a.interval_s * a.persist_every
+    assert storage.failure_share == pytest.approx(MIX.node_loss + MIX.memory_lost)
+    assert storage.work_lost_s == pytest.approx(PERSISTED.durable_s + cycle / 2)  # half a persist cycle
+    assert storage.restore_s == PERSISTED.restore_s
+    assert storage.interval_steps == a.interval_steps * a.persist_every and storage.interval_s == pytest.approx(cycle)
+    assert memory.failure_share == MIX.crash and memory.work_lost_s == pytest.approx(MEMORY.durable_s + a.interval_s / 2)
+    assert a.work_lost_s == pytest.approx(sum(t.failure_share * t.work_lost_s for t in a.tiers))
+    assert a.restore_s == pytest.approx(sum(t.failure_share * t.restore_s for t in a.tiers))
+    # replicas' costs do not count without replicas: it is the two-level advice of the crash share
+    two = advise(two_levels(), mtbf_s=m, memory_fraction=MIX.crash)
+    assert (a.interval_steps, a.persist_every) == (two.interval_steps, two.persist_every)
+    assert a.overhead == pytest.approx(two.overhead, rel=1e-12) and a.replica_host_bytes == 0
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_with_replicas_a_node_loss_costs_a_crash_plus_the_fetch_from_the_peer(r):
+    a = advise(three_tiers(), mtbf_s=3 * HOUR, failure_mix=MIX, replicas=r)
+    assert [t.tier for t in a.tiers] == ["memory", "peer", "storage"] and a.replicas == r
+    memory, peer, storage = a.tiers
+    assert peer.failure_share == MIX.node_loss and storage.failure_share == pytest.approx(MIX.memory_lost)
+    # the same save interval as a crash; later by the r sends, and the fetch on top of the restart
+    assert peer.interval_steps == memory.interval_steps == a.interval_steps
+    assert peer.work_lost_s == pytest.approx(memory.work_lost_s + r * REPLICA.send_s)
+    assert peer.restore_s == pytest.approx(memory.restore_s + REPLICA.fetch_s)
+    assert a.memory_fraction == pytest.approx(MIX.crash + MIX.node_loss)
+    # free replication: a node loss costs exactly a crash
+    free = advise(three_tiers(replica=ReplicaCost(host_bytes=1)), mtbf_s=3 * HOUR, failure_mix=MIX, replicas=r)
+    assert free.tier("peer").work_lost_s == free.tier("memory").work_lost_s
+    assert free.tier("peer").restore_s == free.tier("memory").restore_s
+
+
+def test_replicas_covering_node_loss_lengthen_the_persist_interval():
+    # k* = sqrt(D q / (C_m (1 - q))), C_m a memory save's cost with its replicas, D = C_p - C_m the
+    # extra cost of persisting (replicas add to both), q the share of failures recovered from
+    # memory of any host. Here D = 1.4 - 0.2 = 1.2; without replicas C_m = 0.2 and q = 0.2
+    # (k* = 1.22); with one C_m = 0.2 + 0.1 and q = 0.2 + 0.6 (k* = 4).
+    mem = SaveCost(blocked_s=0.1, background_s=0.1, durable_s=0.0)
+    per = SaveCost(blocked_s=0.1, background_s=1.3, durable_s=0.0)
+    costs = three_tiers(step_s=0.001, persisted=per, memory=mem, replica=ReplicaCost(background_s=0.1))
+    mix, m = FailureMix(crash=0.2, node_loss=0.6), 3 * HOUR
+    d, lam = per.cost_s - mem.cost_s, 1 / m
+    k_star = {}
+    for r, q in [(0, mix.crash), (1, mix.crash + mix.node_loss)]:
+        cm = mem.cost_s + r * 0.1
+        k_star[r] = math.sqrt(d * q / (cm * (1 - q)))
+        a = advise(costs, mtbf_s=m, failure_mix=mix, replicas=r)
+        assert a.persist_every in (math.floor(k_star[r]), math.ceil(k_star[r]))
+        if r == 1:  # k* whole: Benoit et al.'s sum of square roots, the replica's cost in every save
+            assert a.persist_every == round(k_star[r]) == 4
+            assert a.overhead == pytest.approx((2 * q * lam * cm) ** 0.5 + (2 * (1 - q) * lam * d) ** 0.5, rel=1e-3)
+    assert k_star[1] > k_star[0]
+    without = advise(three_tiers(), mtbf_s=m, failure_mix=MIX, replicas=0)
+    with_one = advise(three_tiers(), mtbf_s=m, failure_mix=MIX, replicas=1)
+    assert with_one.tier("storage").interval_s > without.tier("storage").interval_s
+    assert with_one.overhead < without.overhead and with_one.work_lost_s < without.work_lost_s
+    assert with_one.restore_s < without.restore_s
+
+
+@pytest.mark.parametrize("r", [0, 1, 2])
+@pytest.mark.parametrize("m_hours", [0.5, 3.0, 24.0])
+def test_three_tier_optimum_matches_brute_force(r, m_hours):
+    costs, m = three_tiers(), m_hours * HOUR
+    a = advise(costs, mtbf_s=m, failure_mix=MIX, replicas=r)
+    mem, per = costs.memory, costs.persisted
+    memory_latency = mem.durable_s + r * REPLICA.send_s  # saves no closer than the replicas hold them
+    best = None
+    for k in range(1, 81):
+        cost = (k - 1) * (mem.cost_s + r * REPLICA.background_s) + per.cost_s + r * REPLICA.background_s
+        for n in range(1, 401):
+            cycle = k * n * costs.step_s + cost
+            if cycle < per.durable_s or cycle / k < memory_latency:
+                continue
+            w = _waste_by_hand(n * costs.step_s, k, costs, m, MIX, r)
+            if best is None or w < best[0]:
+                best = (w, n, k)
+    w, n, k = best
+    assert (a.interval_steps, a.persist_every) == (n, k)
+    assert a.overhead == pytest.approx(w, rel=1e-9)
+
+
+def test_saves_are_no_closer_than_their_replicas_take():
+    # A slow link: a replica is held 150 s after the save is in memory. With max_in_flight=1 the
+    # next save would wait for it, so the memory period is at least L_m + r S.
+    slow = ReplicaCost(background_s=0.0, send_s=150.0, fetch_s=0.0)
+    costs, m, r = three_tiers(step_s=1.0, replica=slow), HOUR, 1
+    a = advise(costs, mtbf_s=m, failure_mix=MIX, replicas=r)
+    floor = MEMORY.durable_s + r * slow.send_s
+    assert a.interval_s >= floor and any("1 replica holds it" in c for c in a.caveats)
+    best = None
+    for k in range(1, 60):
+        cost = (k - 1) * MEMORY.cost_s + PERSISTED.cost_s
+        for n in range(1, 1200):
+            cycle = k * n + cost
+            if cycle < PERSISTED.durable_s or cycle / k < floor:
+                continue
+            w = _waste_by_hand(n * 1.0, k, costs, m, MIX, r)
+            if best is None or w < best[0]:
+                best = (w, n, k)
+    assert (a.interval_steps, a.persist_every) == best[1:] and a.overhead == pytest.approx(best[0], rel=1e-9)
+    # without the floor the model would save more often than the replicas can follow
+    unbounded = min((_waste_by_hand(n * 1.0, a.persist_every, costs, m, MIX, r), n) for n in range(1, 1200))
+    assert unbounded[1] < a.interval_steps
+
+
+def test_three_tier_waste_matches_simulation_in_its_first_order_range():
+    costs, m = three_tiers(), 3 * HOUR
+    for work, k, r in [(100.0, 6, 1), (150.0, 4, 2), (200.0, 1, 1)]:
+        peer = (MIX.node_loss, MEMORY.durable_s + r * REPLICA.send_s, MEMORY.restore_s + REPLICA.fetch_s)
+        simulated = _simulate(m=m, work_s=work, k=k, costs=costs, p=MIX.crash, rng=random.Random(k), target=4e8,
+                              restart_failures=False, peer=peer, extra_cost_s=r * REPLICA.background_s)
+        assert simulated == pytest.approx(three_tier_overhead(work, k, costs, m, failure_mix=MIX, replicas=r),
+                                          rel=0.05)
+
+
+def test_three_tier_limits():
+    m = 3 * HOUR
+    # free replicas recover node losses like crashes: the two-level advice of crash + node_loss
+    free = three_tiers(replica=ReplicaCost())
+    a = advise(free, mtbf_s=m, failure_mix=MIX, replicas=1)
+    b = advise(free, mtbf_s=m, failure_mix=FailureMix(crash=MIX.crash + MIX.node_loss, node_loss=0.0))
+    assert (a.interval_steps, a.persist_every) == (b.interval_steps, b.persist_every)
+    assert a.overhead == pytest.approx(b.overhead, rel=1e-12) and a.work_lost_s == pytest.approx(b.work_lost_s)
+    # with no node losses, free replicas change nothing
+    no_node = FailureMix(crash=0.6, node_loss=0.0)
+    assert advise(free, mtbf_s=m, failure_mix=no_node, replicas=1).overhead == pytest.approx(
+        advise(free, mtbf_s=m, failure_mix=no_node).overhead, rel=1e-12)
+    # the rarer the failures that lose every copy in memory, the rarer the persisted saves
+    cycles = [advise(three_tiers(), mtbf_s=m, failure_mix=FailureMix(crash=0.2, node_loss=0.8 - lost), replicas=1)
+              for lost in (0.3, 0.1, 0.03, 0.01, 0.001)]
+    storage = [c.tier("storage").interval_s for c in cycles]
+    assert storage == sorted(storage) and storage[-1] > 10 * storage[0]
+    assert [c.tier("memory").interval_steps for c in cycles][-1] >= 1
+    # ... and with none, persisting could never pay: an error, not an endless interval
+    with pytest.raises(AdviceError) as e:
+        advise(three_tiers(), mtbf_s=m, failure_mix=FailureMix(crash=0.2, node_loss=0.8), replicas=1)
+    assert e.value.key == "failure_mix" and "memory_lost" in str(e.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(crash=st.floats(0, 0.6), node=st.floats(0, 0.35), m_hours=st.floats(0.25, 48))
+def test_free_replicas_never_cost_and_never_shorten_the_persist_interval(crash, node, m_hours):
+    free = three_tiers(replica=ReplicaCost())
+    mix = FailureMix(crash=crash, node_loss=node)
+    without = advise(free, mtbf_s=m_hours * HOUR, failure_mix=mix)
+    with_one = advise(free, mtbf_s=m_hours * HOUR, failure_mix=mix, replicas=1)
+    assert with_one.overhead <= without.overhead + 1e-12
+    assert with_one.tier("storage").interval_s >= without.tier("storage").interval_s - 1e-9
+
+
+def test_replicas_take_one_copy_of_the_rank_state_each_in_host_memory():
+    m = 3 * HOUR
+    for r in (1, 2, 3):
+        a = advise(three_tiers(), mtbf_s=m, failure_mix=MIX, replicas=r)
+        assert a.replica_host_bytes == r * REPLICA.host_bytes and a.caveats == ()
+    assert f"+{2 * REPLICA.host_bytes / 2**30:.3g} GiB per rank" in advise(
+        three_tiers(), mtbf_s=m, failure_mix=MIX, replicas=2).summary()
+    assert advise(three_tiers(), mtbf_s=m, failure_mix=MIX).replica_host_bytes == 0
+    assert advise(three_tiers(replica=ReplicaCost(send_s=1.0)), mtbf_s=m, failure_mix=MIX,
+                  replicas=1).replica_host_bytes is None
+    unmeasured = advise(three_tiers(replica=None), mtbf_s=m, failure_mix=MIX, replicas=1)
+    assert unmeasured.replica_host_bytes is None and any("not measured" in c for c in unmeasured.caveats)
+
+
+def test_the_default_failure_mix_is_llama3s():
+    # 419 unexpected interruptions: about 78% hardware; 35 a network switch or cable
+    assert DEFAULT_FAILURE_MIX.crash == pytest.approx(1 - 0.78)
+    assert DEFAULT_FAILURE_MIX.node_loss == pytest.approx(0.78 - 35 / 419)
+    assert DEFAULT_FAILURE_MIX.memory_lost == pytest.approx(35 / 419)
+    assert DEFAULT_FAILURE_MIX.crash == DEFAULT_MEMORY_FRACTION
+    # without replicas the default is the crash share as memory_fraction (what Checkpointer.advice passes)
+    costs = three_tiers()
+    assert advise(costs, mtbf_s=3 * HOUR) == advise(costs, mtbf_s=3 * HOUR, memory_fraction=DEFAULT_MEMORY_FRACTION)
+    a = advise(costs, mtbf_s=3 * HOUR, replicas=1)
+    assert a.tier("peer").failure_share == DEFAULT_FAILURE_MIX.node_loss
+
+
+def _bad_inputs():
+    m = HOUR
+    return [
+        ("failure_mix.crash", lambda: FailureMix(crash=-0.1, node_loss=0.5)),
+        ("failure_mix.crash", lambda: FailureMix(crash=1.5, node_loss=0.0)),
+        ("failure_mix.crash", lambda: FailureMix(crash=math.nan, node_loss=0.0)),
+        ("failure_mix.crash", lambda: FailureMix(crash="0.2", node_loss=0.0)),
+        ("failure_mix.node_loss", lambda: FailureMix(crash=0.2, node_loss=1.01)),
+        ("failure_mix.node_loss", lambda: FailureMix(crash=0.2, node_loss=True)),
+        ("failure_mix", lambda: FailureMix(crash=0.6, node_loss=0.6)),
+        ("failure_mix", lambda: advise(three_tiers(), mtbf_s=m, failure_mix=(0.2, 0.7))),
+        ("failure_mix", lambda: advise(three_tiers(), mtbf_s=m, failure_mix=MIX, memory_fraction=0.5)),
+        ("failure_mix", lambda: advise(three_tiers(), mtbf_s=m, failure_mix=FailureMix(crash=1.0, node_loss=0.0))),
+        ("memory_fraction", lambda: advise(three_tiers(), mtbf_s=m, memory_fraction=0.5, replicas=1)),
+        ("memory_fraction", lambda: advise(three_tiers(), mtbf_s=m, memory_fraction=-0.5)),
+        ("memory_fraction", lambda: advise(three_tiers(), mtbf_s=m, memory_fraction="0.5")),
+        ("replicas", lambda: advise(three_tiers(), mtbf_s=m, replicas=-1)),
+        ("replicas", lambda: advise(three_tiers(), mtbf_s=m, replicas=True)),
+        ("replicas", lambda: advise(three_tiers(), mtbf_s=m, replicas=1.0)),
+        ("replicas", lambda: advise(one_level(), mtbf_s=m, replicas=1)),
+        ("replicas", lambda: advise(three_tiers(), mtbf_s=m, replicas=1, model=Model.DALY)),
+        ("replicas", lambda: three_tier_overhead(10.0, 2, three_tiers(), m, replicas=-2)),
+        ("replicas", lambda: AutoInterval(mtbf_s=m, replicas=1)),
+        ("replicas", lambda: AutoInterval(mtbf_s=m, memory_tier=True, replicas=-1)),
+        ("send_s", lambda: ReplicaCost(send_s=-1.0)),
+        ("fetch_s", lambda: ReplicaCost(fetch_s=math.inf)),
+        ("background_s", lambda: ReplicaCost(background_s=math.nan)),
+        ("host_bytes", lambda: ReplicaCost(host_bytes=-1)),
+        ("host_bytes", lambda: ReplicaCost(host_bytes=1.5)),
+        ("costs.memory", lambda: three_tier_overhead(10.0, 2, one_level(), m)),
+    ]
+
+
+@pytest.mark.parametrize("key,call", _bad_inputs(), ids=[f"{k}-{i}" for i, (k, _) in enumerate(_bad_inputs())])
+def test_three_tier_inputs_out_of_range_are_typed_errors_naming_the_argument(key, call):
+    with pytest.raises(AdviceError) as e:
+        call()
+    assert isinstance(e.value, ValueError) and isinstance(e.value, ZerostallError)
+    assert e.value.key == key and key.rsplit(".", 1)[-1] in str(e.value)
+
+
+def test_auto_with_replicas_follows_the_three_tier_advice():
+    mix = FailureMix(crash=0.2, node_loss=0.75)
+    saves, auto = run_auto(AutoInterval(mtbf_s=3 * HOUR, memory_tier=True, clean_steps=4, failure_mix=mix,
+                                        replicas=1), 600)
+    a = auto.advice
+    assert a is not None and a.replicas == 1 and a.tier("peer").failure_share == 0.75
+    assert a == advise(a.costs, mtbf_s=3 * HOUR, failure_mix=mix, replicas=1)
+    assert a.persist_every > advise(a.costs, mtbf_s=3 * HOUR, failure_mix=mix).persist_every
+    steady = saves[-3 * a.persist_every:]
+    persisted = [i for i, (_, k) in enumerate(steady) if k is SaveKind.PERSIST]
+    assert {b - a_ for a_, b in zip(persisted, persisted[1:])} == {a.persist_every}
 
 
 # -- monotonicity and degenerate inputs ----------------------------------------------------------
