@@ -259,7 +259,7 @@ class FailureMix:
 
 _LLAMA3_HARDWARE_SHARE = 0.78
 """Llama 3 405B pre-training, 54 days on 16,384 H100 GPUs: of 419 unexpected interruptions,
-"about 78%" were attributed to confirmed or suspected hardware issues (GPUs 58.7%)."""
+about 78% were attributed to confirmed or suspected hardware issues (GPUs 58.7%)."""
 _LLAMA3_SWITCH_CABLE_SHARE = 35 / 419
 """The same run: 35 of the 419 were a network switch or cable (8.4%)."""
 
@@ -267,13 +267,13 @@ DEFAULT_FAILURE_MIX = FailureMix(crash=1.0 - _LLAMA3_HARDWARE_SHARE,
                                  node_loss=_LLAMA3_HARDWARE_SHARE - _LLAMA3_SWITCH_CABLE_SHARE)
 """The failure mix of Llama 3's 54-day run (Llama Team, "The Llama 3 Herd of Models", 2024,
 table 5): 419 unexpected interruptions, about 78% hardware, 22% not (software bugs, NCCL
-watchdog timeouts, dependencies).
+timeouts and other non-hardware causes). docs/advice.md says what each share counts.
 
 * ``crash`` = 0.22: the failures that are not hardware; a restart on the same hosts finds
   their memory intact.
-* ``node_loss`` = 0.78 - 35/419 = 0.696: hardware takes its host out of the job (a faulty GPU,
-  HBM3, SRAM, a host's NIC, power supply or memory, unplanned host maintenance); one host at a
-  time, so a replica on another host survives.
+* ``node_loss`` = 0.78 - 35/419 = 0.696: the other hardware failures take their host out of the
+  job (a faulty GPU, HBM3, SRAM, a host part); one host at a time, so a replica on another
+  host survives.
 * ``memory_lost`` = 35/419 = 0.084: a network switch or cable. A switch cuts off every host
   behind it, which with replicas placed on a neighbouring host often include the replica's
   holder; counted as losing every copy in memory (cautious: a cable takes one host).
@@ -533,10 +533,10 @@ def three_tier_overhead(work_s: float, persist_every: int, costs: MeasuredCosts,
         >>> c = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.0, background_s=2.0, durable_s=0.0),
         ...                   memory=SaveCost(blocked_s=0.0, background_s=0.0, durable_s=0.0))
         >>> mix = FailureMix(crash=0.25, node_loss=0.5)
-        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=0), 4)
-        0.0187
-        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=1), 4)
-        0.0162
+        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=0), 5)
+        0.01875
+        >>> round(three_tier_overhead(99.0, 2, c, 10_000.0, failure_mix=mix, replicas=1), 5)
+        0.01625
     """
     w = _check(work_s, "work_s")
     m = _check(mtbf_s, "mtbf_s", positive=True)

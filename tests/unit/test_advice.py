@@ -649,6 +649,27 @@ def test_worked_example_of_the_docs():
                                "166 s (young, MTBF 3.00 h)")
 
 
+def test_worked_example_with_replicas_of_the_docs():
+    # docs/advice.md: the same job with Llama 3's failure mix, 0, 1 and 2 replicas.
+    m = 3 * HOUR
+    daly = advise(one_level(), mtbf_s=m)
+    by_replicas = [advise(three_tiers(), mtbf_s=m, replicas=r) for r in (0, 1, 2)]
+    rows = [(a.interval_steps, round(a.interval_s), a.persist_every, round(a.interval_s * a.persist_every),
+             round(100 * a.save_overhead, 2), round(100 * (a.overhead - a.save_overhead), 2), round(100 * a.overhead, 2),
+             round(a.work_lost_s), round(a.restore_s), a.replica_host_bytes) for a in (daly, *by_replicas)]
+    gib = 1 << 30
+    assert rows == [(21, 212, 1, 212, 0.99, 6.78, 7.77, 166, 600, 0), (21, 212, 1, 212, 0.99, 6.0, 6.99, 153, 494, 0),
+                    (10, 101, 7, 705, 0.65, 2.47, 3.12, 86, 181, 4 * gib),
+                    (11, 111, 6, 665, 0.72, 2.53, 3.25, 92, 181, 8 * gib)]
+    one = by_replicas[1]
+    assert [(t.tier, round(t.interval_s), round(100 * t.failure_share, 1), round(t.work_lost_s), round(t.restore_s))
+            for t in one.tiers] == [("memory", 101, 22.0, 52, 120), ("peer", 101, 69.6, 57, 150),
+                                    ("storage", 705, 8.4, 412, 600)]
+    assert one.summary() == ("save every 10 steps (101 s), persisting every 7 saves, 1 replica in other hosts' "
+                             "memory (+4 GiB per rank); expected overhead 3.12%, work lost per failure 86 s "
+                             "(two_level, MTBF 3.00 h)")
+
+
 # -- the cadence estimator on synthetic timelines ------------------------------------------------
 
 
