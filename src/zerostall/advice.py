@@ -266,8 +266,8 @@ _LLAMA3_SWITCH_CABLE_SHARE = 35 / 419
 DEFAULT_FAILURE_MIX = FailureMix(crash=1.0 - _LLAMA3_HARDWARE_SHARE,
                                  node_loss=_LLAMA3_HARDWARE_SHARE - _LLAMA3_SWITCH_CABLE_SHARE)
 """The failure mix of Llama 3's 54-day run (Llama Team, "The Llama 3 Herd of Models", 2024,
-table 5): 419 unexpected interruptions, about 78% hardware, 22% not (software bugs, NCCL
-timeouts and other non-hardware causes). docs/advice.md says what each share counts.
+table 5): 419 unexpected interruptions, about 78% attributed to hardware, 22% not (software
+bugs and other causes). docs/advice.md says what each share counts.
 
 * ``crash`` = 0.22: the failures that are not hardware; a restart on the same hosts finds
   their memory intact.
@@ -1093,6 +1093,13 @@ class AutoInterval:
     * Then: a save every ``advice.interval_steps`` steps, every ``advice.persist_every``-th
       persisted, the advice recomputed whenever a new save or restore has been observed. A due
       save waits while ``max_in_flight`` saves are in flight (it would block training).
+
+    With the memory tier, ``failure_mix`` (or ``memory_fraction``, its shorthand without
+    replicas; default :data:`DEFAULT_FAILURE_MIX`) and ``replicas`` go to :func:`advise`.
+
+    Raises:
+        AdviceError: a value out of range (``key`` names it), ``Model.TWO_LEVEL`` or
+            ``replicas >= 1`` without ``memory_tier``, or ``memory_fraction`` with replicas.
 
     Example::
 

@@ -459,13 +459,14 @@ def test_three_tier_limits():
 
 @settings(max_examples=60, deadline=None)
 @given(crash=st.floats(0, 0.6), node=st.floats(0, 0.35), m_hours=st.floats(0.25, 48))
-def test_free_replicas_never_cost_and_never_shorten_the_persist_interval(crash, node, m_hours):
+def test_free_replicas_never_cost(crash, node, m_hours):
+    # Moving failures from storage to a peer only shortens what each loses, at every (steps, k).
+    # (The persist interval itself can step back where whole-step optima are near ties.)
     free = three_tiers(replica=ReplicaCost())
     mix = FailureMix(crash=crash, node_loss=node)
     without = advise(free, mtbf_s=m_hours * HOUR, failure_mix=mix)
     with_one = advise(free, mtbf_s=m_hours * HOUR, failure_mix=mix, replicas=1)
     assert with_one.overhead <= without.overhead + 1e-12
-    assert with_one.tier("storage").interval_s >= without.tier("storage").interval_s - 1e-9
 
 
 def test_replicas_take_one_copy_of_the_rank_state_each_in_host_memory():
