@@ -6,7 +6,7 @@ existing tensors and verifies checksums. Data files are safetensors; nothing run
 """
 
 from zerostall._version import __version__
-from zerostall.advice import Advice, MeasuredCosts
+from zerostall.advice import Advice, FailureMix, MeasuredCosts, ReplicaCost, TierAdvice
 from zerostall.api import (
     load_checkpointables,
     load_metadata,
@@ -63,7 +63,7 @@ __all__ = [
     "SaveOptions", "LoadOptions", "WriterKind", "Staging", "DistributedOptions", "Replicated", "MemoryTier",
     "Stateful", "LeafHandler", "register_handler", "unregister_handler",
     # how often to save (Checkpointer.advice, save_interval="auto")
-    "Advice", "MeasuredCosts",
+    "Advice", "MeasuredCosts", "FailureMix", "ReplicaCost", "TierAdvice",
     # errors (docs/guarantees.md lists which builtin each also is)
     "ZerostallError", "InvalidArgumentError", "ArgumentTypeError", "AdviceError", "MissingDependencyError",
     "CheckpointNotFoundError", "CheckpointExistsError", "ReadOnlyError",

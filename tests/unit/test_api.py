@@ -385,7 +385,7 @@ def test_public_api_is_frozen():
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
         "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
         "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
-        "Advice", "MeasuredCosts", "AdviceError"])
+        "Advice", "MeasuredCosts", "AdviceError", "FailureMix", "ReplicaCost", "TierAdvice"])
 
 
 def test_response_telemetry_and_info_log(ckdir, caplog):
