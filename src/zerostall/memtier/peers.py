@@ -6,7 +6,8 @@ its secret, the world's layout). Then, for every step the keeper holds, :meth:`P
 offers it to each holder (:func:`~zerostall.memtier.placement.replica_holders`) through the
 job's store and sends it over a pair of the job's authenticated :class:`ReplicaGroup`: straight
 from the staged buffers, on the keeper's job loop, never on the training thread. A receiver
-thread takes the offers addressed to this keeper, one at a time, receives each step into fresh
+thread per origin rank (:func:`~zerostall.memtier.placement.replica_origins`) takes that rank's
+offers to this keeper, one at a time, receives each step into fresh
 shared memory, verified leaf by leaf against the CRC32Cs of its manifest, and keeps only the
 newest one of each origin rank (the one being received is the only other copy). A replica is
 identified by the directory's instance, the world size, the origin rank and the step
@@ -67,7 +68,7 @@ class Peers:
         #: origin rank -> the newest replica of its step held here
         self._kept: dict[int, ReceivedStep] = {}
         self._stop = threading.Event()
-        self._receiver: threading.Thread | None = None
+        self._receivers: list[threading.Thread] = []
 
     @property
     def active(self) -> bool:
@@ -82,14 +83,16 @@ class Peers:
         if setup.replicas <= 0:
             return
         self._stop = threading.Event()
-        self._receiver = threading.Thread(target=self._receive_loop, args=(setup, self._stop),
-                                          name="zerostall-keeper-replicas", daemon=True)
-        self._receiver.start()
+        for origin in replica_origins(setup.rank, setup.world, setup.ranks_per_host, setup.replicas):
+            t = threading.Thread(target=self._receive_loop, args=(setup, origin, self._stop),
+                                 name=f"zerostall-keeper-replicas-{origin}", daemon=True)
+            t.start()
+            self._receivers.append(t)
 
     def _halt_receiver(self) -> None:
         self._stop.set()
-        t, self._receiver = self._receiver, None
-        if t is not None:
+        threads, self._receivers = self._receivers, []
+        for t in threads:
             t.join()
 
     # -- sending --------------------------------------------------------------------------
@@ -113,8 +116,8 @@ class Peers:
                 ok = False
                 continue
             try:
-                n = int(self._store.add(f"offers/{h}", 1))
-                self._store.set(f"offer/{h}/{n}", json.dumps({"origin": setup.rank, "step": step}))
+                n = int(self._store.add(f"offers/{setup.rank}-{h}", 1))
+                self._store.set(f"offer/{setup.rank}-{h}/{n}", json.dumps({"step": step}))
                 with pair_group(self._store, setup, f"pair/{setup.rank}-{h}", n, SENDER) as g:
                     g.send_step(RECEIVER, out)
             except (ZerostallError, RuntimeError, OSError) as exc:
@@ -126,31 +129,27 @@ class Peers:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def _receive_loop(self, setup: ReplicaSetup, stop: threading.Event) -> None:
+    def _receive_loop(self, setup: ReplicaSetup, origin: int, stop: threading.Event) -> None:
+        """Receive the steps rank ``origin``'s keeper offers this one, in order (a thread per origin:
+        one origin's transfer never delays another's)."""
         try:
             store = open_store(setup)
-            n = 1  # the job's own keys (a new job, a new prefix): every offer is for this keeper
         except Exception as exc:  # noqa: BLE001 - this keeper then holds no replicas
             _say(f"cannot reach the job's store {setup.store} to receive replicas: {exc}")
             return
-        origins = set(replica_origins(setup.rank, setup.world, setup.ranks_per_host, setup.replicas))
+        n = 1  # the job's own keys (a new job, a new prefix): every offer is for this keeper
         while not stop.is_set():
-            key = f"offer/{setup.rank}/{n}"
+            key = f"offer/{origin}-{setup.rank}/{n}"
             try:
                 if not store.check([key]):
                     stop.wait(_OFFER_POLL_S)
                     continue
-                offer = json.loads(bytes(store.get(key)))
-                origin, step = int(offer["origin"]), int(offer["step"])
+                step = int(json.loads(bytes(store.get(key)))["step"])
             except RuntimeError:  # the store is gone or slow: look again
                 stop.wait(_OFFER_POLL_S)
                 continue
             except (ValueError, KeyError, TypeError) as exc:
                 _say(f"offer {n} to rank {setup.rank}'s keeper is malformed ({exc}); skipped")
-                n += 1
-                continue
-            if origin not in origins:
-                _say(f"rank {origin} offered a replica to rank {setup.rank}'s keeper, which holds none of its; refused")
                 n += 1
                 continue
             self._receive(store, setup, n, origin, step)
