@@ -44,7 +44,7 @@ from zerostall.restore import load_items
 from zerostall.storage import Storage
 from zerostall.storage.release import unmap_later
 
-__all__ = ["MemorySide"]
+__all__ = ["MemorySide", "plan_steps"]
 
 log = logging.getLogger("zerostall")
 
@@ -121,23 +121,9 @@ class MemorySide:
         """Collectively, with replicas: the steps every rank can load, from storage, its own memory
         or a replica of its step in another keeper's memory (one all_gather_object). Remembers
         where each rank's share of each memory step is, for the load that follows."""
-        views = self._views(storage_steps)
-        stored = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:]))
-        world = len(views)
-        sources: dict[int, list[list[int]]] = {}  # step -> per rank: the ranks that hold its share (itself first)
-        candidates = {v[1] for v in views if v[1] is not None} | {s for v in views for s in v[2].values()}
-        for s in candidates:
-            per_rank: list[list[int]] = []
-            for r in range(world):
-                holders = ([r] if views[r][1] == s else []) + [h for h in range(world) if views[h][2].get(r) == s]
-                if not holders:
-                    break
-                per_rank.append(holders)
-            else:
-                sources[s] = per_rank
-        self._sources = sources
-        self._stored = sorted(stored)
-        return sorted(stored | set(sources))
+        stored, sources = plan_steps(self._views(storage_steps))
+        self._sources, self._stored = sources, stored
+        return sorted(set(stored) | set(sources))
 
     def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
         """A collective load of ``agreed`` with replicas: each rank from its own memory, or, where
@@ -411,3 +397,30 @@ def _ranks_per_host(hosts: list[str], directory: str) -> int:
                                    f"(as torchrun places them); the ranks' hosts are {hosts}", argument="replicas",
                                    path=directory)
     return per
+
+
+def plan_steps(views: list[tuple[list[int], int | None, dict[int, int]]]
+               ) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """From every rank's (storage steps, held step, {origin: replica step held}), in rank order:
+    the steps in every rank's storage, and each memory step whose every rank's share is held
+    somewhere, with, per rank, the ranks whose keepers hold that share (the rank itself first).
+
+    Example::
+
+        >>> plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})])
+        ([4], {6: [[0], [1], [0], [1]]})
+    """
+    world = len(views)
+    stored = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:])) if views else set()
+    sources: dict[int, list[list[int]]] = {}
+    candidates = {v[1] for v in views if v[1] is not None} | {s for v in views for s in v[2].values()}
+    for s in candidates:
+        per_rank: list[list[int]] = []
+        for r in range(world):
+            holders = ([r] if views[r][1] == s else []) + [h for h in range(world) if views[h][2].get(r) == s]
+            if not holders:
+                break
+            per_rank.append(holders)
+        else:
+            sources[s] = per_rank
+    return sorted(stored), sources
