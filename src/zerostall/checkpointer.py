@@ -391,7 +391,8 @@ class Checkpointer:
 
         Under torch.distributed this is collective (every rank must call it) and every rank gets
         the same answer: the steps committed in every rank's view (so a step only in memory counts
-        only if every rank's memory holds it).
+        only if every rank's memory holds it; with ``MemoryTier(replicas=...)``, if every rank's
+        share of it is in its own keeper or in a holder's replica: one ``all_gather_object``).
         """
         local = committed_steps(self._storage)
         if self._memory is not None and self._memory.replicas is not None and active(self._dist_options()):

@@ -2,9 +2,10 @@
 by ``ZEROSTALL_HOST_ID``; the job's store is the test's, at ``MASTER_ADDR:MASTER_PORT``, as
 torchrun's agent store outlives its workers).
 
-``python _replica_host_trainer.py PHASE RANK WORLD DIR TIMEOUT_S OUT`` with PHASE:
+``python _replica_host_trainer.py PHASE RANK WORLD DIR TIMEOUT_S OUT [REPLICAS]`` with PHASE:
 
-- ``first``: train and save steps 1..6 with ``MemoryTier(persist_interval_steps=4, replicas=1)``,
+- ``first``: train and save steps 1..6 with ``MemoryTier(persist_interval_steps=4, replicas=REPLICAS)``
+  (default 1),
   each save waited for; print ``KEEPER <pid>``, ``TIERS <tiers of step 6>``, ``INODES <the
   inodes of this trainer's staging memfds>`` and ``READY``, then wait to be killed;
 - ``resume``: restore the step the ranks agree on, train on to step ``LAST`` and ``close()``;
@@ -46,13 +47,14 @@ def uninterrupted(rank: int, step: int) -> torch.Tensor:
 def main() -> None:
     phase, rank, world, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     timeout, out = float(sys.argv[5]), sys.argv[6]
+    replicas = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"pg-{phase}", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     opts = SaveOptions(distributed=DistributedOptions(timeout_s=timeout, poll_s=0.05))
     ck = Checkpointer(d, save_options=opts,
-                      memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=1))
+                      memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas))
     print("KEEPER", ck._engine.writer.pid, flush=True)
     if phase == "first":
         w = torch.zeros(64, 64)

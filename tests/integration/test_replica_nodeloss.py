@@ -45,16 +45,17 @@ def job_store() -> object:
     del store
 
 
-def _start(phase: str, d: Path, hosts: list[str], port: int, log: Path) -> list[subprocess.Popen[str]]:
+def _start(phase: str, d: Path, hosts: list[str], port: int, log: Path, replicas: int = 1
+           ) -> list[subprocess.Popen[str]]:
     procs = []
     with open(log, "a") as err:  # stderr to a file: a keeper keeps a pipe open while it persists
-        for r in range(WORLD):
+        for r in range(len(hosts)):
             env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"host-{hosts[r]}",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.pop("ZEROSTALL_FAULTS", None)
             procs.append(subprocess.Popen(
-                [sys.executable, WORKER, phase, str(r), str(WORLD), str(d), str(TIMEOUT_S),
-                 str(d.parent / f"out-{r}.json")], stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE,
+                [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d), str(TIMEOUT_S),
+                 str(d.parent / f"out-{r}.json"), str(replicas)], stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE,
                 text=True, env=env))
     return procs
 
@@ -74,25 +75,26 @@ def _read_until(p: subprocess.Popen[str], word: str, log: Path) -> dict[str, str
     raise AssertionError(f"timed out waiting for {word}")
 
 
-def _lose_host_b(d: Path, port: int, log: Path) -> list[dict[str, str]]:
-    """Run the first job to step 6, lose host B entirely, then host A's trainers (not their keepers)."""
-    procs = _start("first", d, HOSTS_FIRST, port, log)
+def _lose_host_b(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_FIRST, lost: str = "B",
+                 replicas: int = 1) -> list[dict[str, str]]:
+    """Run the first job to step 6, lose host ``lost`` entirely, then the other hosts' trainers (not
+    their keepers)."""
+    procs = _start("first", d, hosts, port, log, replicas)
     said = [_read_until(p, "READY", log) for p in procs]
-    for r in (2, 3):  # host B: every process
-        os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
-        procs[r].kill()
-    for r in (0, 1):
+    for r, h in enumerate(hosts):
+        if h == lost:  # every process of the lost host
+            os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
         procs[r].kill()
     for p in procs:
         p.wait(timeout=DEADLINE_S)
     return said
 
 
-def _resume(d: Path, port: int, log: Path) -> list[dict]:
-    procs = _start("resume", d, HOSTS_AFTER, port, log)
+def _resume(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_AFTER, replicas: int = 1) -> list[dict]:
+    procs = _start("resume", d, hosts, port, log, replicas)
     for p in procs:
         assert p.wait(timeout=DEADLINE_S) == 0, log.read_text()[-6000:]
-    return [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(len(hosts))]
 
 
 def _replica_memfds(keeper: int, trainer_inodes: set[int]) -> list[str]:
@@ -143,6 +145,29 @@ def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_stor
     assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
     for o in outs:  # each rank was told, naming the step memory could not give
         assert any(step == 6 and "could not be restored from memory" in msg for step, msg in o["keeper_failures"])
+
+
+def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job_store: object) -> None:
+    # Three hosts, a rank each, two replicas: rank 2's step is held by rank 0's and rank 1's keepers.
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log, hosts=["A", "B", "C"], lost="C", replicas=2)
+    assert all(s["TIERS"] == "memory,peer" for s in said)
+    keeper0 = int(said[0]["KEEPER"])
+    bufs = _replica_memfds(keeper0, {int(i) for i in said[0]["INODES"].split()})
+    assert bufs, "rank 0's keeper holds no replica"
+    for path in bufs:  # rank 0's keeper: every replica it holds has a changed byte in leaf "w"
+        with open(path, "r+b") as f:
+            f.seek(8192)
+            b = f.read(1)
+            f.seek(8192)
+            f.write(bytes([b[0] ^ 0xFF]))
+    outs = _resume(d, port, log, hosts=["A", "B", "D"], replicas=2)
+    assert [o["agreed"] for o in outs] == [6] * 3
+    assert [o["loaded"] for o in outs] == [6] * 3  # rank 2's share came from rank 1's keeper
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+    for o in outs:  # each rank was told of the replica that failed, and of the holder tried next
+        assert any(step == 6 and "trying rank 1's keeper" in msg for step, msg in o["keeper_failures"])
 
 
 def test_both_copies_lost_falls_back_to_storage_without_a_hang(tmp_path: Path, job_store: object) -> None:

@@ -128,10 +128,11 @@ class MemorySide:
     def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
         """A collective load of ``agreed`` with replicas: each rank from its own memory, or, where
         its memory lacks the step (a rank on a new host), from a replica another keeper holds,
-        received over the job's authenticated group and verified against every leaf's CRC32C;
-        from storage when no complete copy is in memory, or when a transfer failed on any rank
-        (then storage's newest step, on every rank: each is told with a WARNING and an entry in
-        ``keeper_failures``). Every wait is bounded by ``DistributedOptions(timeout_s)``."""
+        received over the job's authenticated group and verified against every leaf's CRC32C.
+        A transfer that fails (a checksum, another run's or topology's replica, a dead or silent
+        holder) is told (a WARNING and an entry in ``keeper_failures``, on every rank) and the
+        next holder of that share is tried; when a share has no holder left, every rank loads
+        storage's newest step instead. Every wait is bounded by ``DistributedOptions(timeout_s)``."""
         sources = self._sources
         if sources is None or (agreed not in sources and agreed not in self._stored):
             self.agreed_steps(committed_steps(self._storage))  # a step given by the caller: plan it now
@@ -143,13 +144,23 @@ class MemorySide:
         _, rank, _ = group_rank_world(self.dist)
         if all(p[0] == r for r, p in enumerate(plan)):
             return self.load_collective(agreed, items)
-        self._transfers += 1
-        got, err = self._exchange(agreed, plan, rank, self._transfers)
-        failed = [(r, e) for r, e in enumerate(gather_objects(err, self.dist)) if e is not None]
-        if failed:
-            if got is not None:
-                got.close()
-            return self._fall_back(agreed, failed, items)
+        # the ranks that lack their share, and which of its holders each tries now
+        tries = {r: 0 for r, p in enumerate(plan) if p[0] != r}
+        got = None
+        while tries:
+            self._transfers += 1
+            now = {r: plan[r][k] for r, k in tries.items()}
+            received, err = self._exchange(agreed, now, rank, self._transfers)
+            got = received if received is not None else got
+            failed = {r: e for r, e in enumerate(gather_objects(err, self.dist)) if e is not None}
+            for r, e in sorted(failed.items()):
+                nxt = plan[r][tries[r] + 1] if tries[r] + 1 < len(plan[r]) else None
+                self._tell(agreed, f"rank {r}: {e}", f"trying rank {nxt}'s keeper" if nxt is not None else None)
+            tries = {r: k + 1 for r, k in tries.items() if r in failed}
+            if any(k >= len(plan[r]) for r, k in tries.items()):
+                if got is not None:
+                    got.close()
+                return self._fall_back(agreed, items)
         out: dict[str, Any] | None = None
         load_err: BaseException | None = None
         try:
@@ -172,34 +183,33 @@ class MemorySide:
         assert out is not None
         return out
 
-    def _exchange(self, step: int, plan: list[list[int]], rank: int, generation: int) -> tuple[Any, str | None]:
-        """Send the replicas this rank's keeper holds to the ranks that lack theirs, and receive
-        this rank's share if it lacks it: the received step (None: own memory) and why it failed."""
+    def _exchange(self, step: int, now: dict[int, int], rank: int, generation: int) -> tuple[Any, str | None]:
+        """Send the replicas this rank's keeper holds to the ranks ``now`` maps to this rank, and
+        receive this rank's share if ``now`` names its holder: the received step (None: nothing
+        received) and why receiving failed. A failed send is seen by its receiver, which says so."""
         setup = self.replicas
         assert setup is not None
         senders: list[threading.Thread] = []
-        errors: list[str] = []
         got = None
+        err: str | None = None
         try:
             store = open_store(setup)
-            for r, holders in enumerate(plan):
-                if holders[0] != r and holders[0] == rank:
-                    t = threading.Thread(target=self._serve_replica, args=(store, setup, r, step, generation, errors),
+            for r, holder in now.items():
+                if holder == rank:
+                    t = threading.Thread(target=self._serve_replica, args=(store, setup, r, step, generation),
                                          name="zerostall-replica-serve", daemon=True)
                     t.start()
                     senders.append(t)
-            if plan[rank][0] != rank:
+            if rank in now:
                 with pair_group(store, setup, f"fetch/{rank}", generation, RECEIVER) as g:
                     got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step)
         except (ZerostallError, RuntimeError, OSError) as exc:
-            errors.append(f"rank {rank} did not receive its share of step {step} from rank {plan[rank][0]}'s keeper: "
-                          f"{exc}")
+            err = f"its share of step {step} did not come from rank {now.get(rank)}'s keeper: {exc}"
         for t in senders:
             t.join()
-        return got, ("; ".join(errors) if errors else None)
+        return got, err
 
-    def _serve_replica(self, store: Any, setup: ReplicaSetup, origin: int, step: int, generation: int,
-                       errors: list[str]) -> None:
+    def _serve_replica(self, store: Any, setup: ReplicaSetup, origin: int, step: int, generation: int) -> None:
         """Send rank ``origin``'s step, as this rank's keeper holds it, to rank ``origin``."""
         maps: list[mmap.mmap] = []
         try:
@@ -221,24 +231,29 @@ class MemorySide:
                                files=files)
             with pair_group(store, setup, f"fetch/{origin}", generation, SENDER) as g:
                 g.send_step(RECEIVER, out)
-        except (ZerostallError, RuntimeError, OSError) as exc:
-            errors.append(f"rank {origin}'s share of step {step} was not sent from this rank's keeper: {exc}")
+        except (ZerostallError, RuntimeError, OSError) as exc:  # its receiver fails too, and says so
+            log.warning("zerostall: rank %d's share of step %d was not sent from this rank's keeper: %s", origin,
+                        step, exc)
         finally:
             for m in maps:
                 unmap_later(m)
 
-    def _fall_back(self, step: int, failed: list[tuple[int, str]], items: dict[str, Any] | None) -> dict[str, Any]:
-        """A replica transfer failed: every rank loads storage's newest step instead."""
-        why = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    def _tell(self, step: int, why: str, then: str | None) -> None:
+        """A share of ``step`` did not come from memory: a WARNING and an entry in ``keeper_failures``."""
         older = self._stored[-1] if self._stored else None
-        err = KeeperPersistError(f"step {step} could not be restored from memory ({why}); "
-                                 + (f"loading step {older} from storage instead" if older is not None
-                                    else "storage holds no step to fall back to"),
+        then = then or (f"loading step {older} from storage instead" if older is not None
+                        else "storage holds no step to fall back to")
+        err = KeeperPersistError(f"step {step} could not be restored from memory ({why}); {then}",
                                  path=self.step_path(step), step=step, cause=ReplicaError(why))
         self._engine.writer.keeper_failures.append(err)
         log.warning("zerostall: %s", err)
+
+    def _fall_back(self, step: int, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A share of ``step`` is in no memory that could send it: every rank loads storage's newest step."""
+        older = self._stored[-1] if self._stored else None
         if older is None:
-            raise CheckpointNotFoundError(f"no committed step to load: {err}", path=self.directory)
+            raise CheckpointNotFoundError(f"no committed step to load: step {step} could not be restored from "
+                                          "memory and storage holds none", path=self.directory)
         self.fell_back_to = older
         return load(self.directory, step_name(older), items, self.load_options)
 
