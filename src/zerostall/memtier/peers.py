@@ -65,6 +65,7 @@ class Peers:
         self._setup: ReplicaSetup | None = None
         self._store: Any = None
         self._dead: set[int] = set()
+        self._unreachable = False
         #: origin rank -> the newest replica of its step held here
         self._kept: dict[int, ReceivedStep] = {}
         self._stop = threading.Event()
@@ -79,7 +80,7 @@ class Peers:
         already held stay: they are identified by the directory, world, rank and step)."""
         self._halt_receiver()
         with self._lock:
-            self._setup, self._store, self._dead = setup, None, set()
+            self._setup, self._store, self._dead, self._unreachable = setup, None, set(), False
         if setup.replicas <= 0:
             return
         self._stop = threading.Event()
@@ -90,10 +91,10 @@ class Peers:
             self._receivers.append(t)
 
     def _halt_receiver(self) -> None:
+        """Tell the receivers to stop after what they are doing; never waits for them (a receive
+        in progress ends within ``timeout_s``, and must not delay an adopting trainer's first job)."""
         self._stop.set()
-        threads, self._receivers = self._receivers, []
-        for t in threads:
-            t.join()
+        self._receivers = []
 
     # -- sending --------------------------------------------------------------------------
 
@@ -103,10 +104,14 @@ class Peers:
         if setup is None or setup.replicas <= 0:
             return False
         if self._store is None:
+            if self._unreachable:
+                return False
             try:
                 self._store = open_store(setup)
             except Exception as exc:  # noqa: BLE001 - the save is then in memory only, and says so
-                _say(f"cannot reach the job's store {setup.store} to replicate step {step}: {exc}")
+                self._unreachable = True  # not tried again (a timeout each) until the next setup
+                _say(f"cannot reach the job's store {setup.store} to replicate step {step}: {exc}; no step is "
+                     "replicated until the job restarts")
                 return False
         out = OutgoingStep(of=ReplicaOf(self.instance, setup.world, setup.rank, step), manifest=manifest,
                            files=files)
@@ -152,10 +157,11 @@ class Peers:
                 _say(f"offer {n} to rank {setup.rank}'s keeper is malformed ({exc}); skipped")
                 n += 1
                 continue
-            self._receive(store, setup, n, origin, step)
+            self._receive(store, setup, n, origin, step, stop)
             n += 1
 
-    def _receive(self, store: Any, setup: ReplicaSetup, n: int, origin: int, step: int) -> None:
+    def _receive(self, store: Any, setup: ReplicaSetup, n: int, origin: int, step: int,
+                 stop: threading.Event) -> None:
         try:
             with pair_group(store, setup, f"pair/{origin}-{setup.rank}", n, RECEIVER) as g:
                 got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=origin, step=step)
@@ -163,7 +169,9 @@ class Peers:
             _say(f"the replica of rank {origin}'s step {step} was not received: {exc}")
             return
         with self._lock:
-            old, self._kept[origin] = self._kept.get(origin), got
+            old: ReceivedStep | None = got
+            if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
+                old, self._kept[origin] = self._kept.get(origin), got
         if old is not None:
             old.close()
 
