@@ -91,7 +91,10 @@ class Checkpointer:
             ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
         memory_tier: checkpoint every save into this host's memory and persist only some (see
             :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
-            then restores the newest step from memory. Needs the process writer.
+            then restores the newest step from memory. Needs the process writer. With
+            ``MemoryTier(replicas=k)`` each rank's newest memory step is also held by keepers on
+            k other hosts, and a restart after a node loss resumes from memory (construction is
+            then collective: every rank constructs its Checkpointer).
         save_interval: ``"auto"``: :meth:`should_save` follows the interval advisor
             (:meth:`advice`; docs/advice.md): a warm-up that measures what saves cost this job,
             then the interval that minimises the expected time lost for ``mtbf_s``, recomputed
