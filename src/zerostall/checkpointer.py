@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
@@ -25,7 +24,6 @@ from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, hin
 from zerostall.cadence import Cadence
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
-from zerostall.distributed.load import gather_objects, raise_together
 from zerostall.engine import Engine
 from zerostall.errors import (
     AdviceError,
@@ -40,18 +38,16 @@ from zerostall.errors import (
     StorageError,
     WriterError,
     ZerostallError,
-    ZerostallWarning,
 )
-from zerostall.format.manifest import MANIFEST_NAME, parse_manifest
-from zerostall.memtier.image import ImageStorage, open_image
+from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.memtier.instance import ensure_instance, read_instance
-from zerostall.memtier.keeperfail import take_markers
 from zerostall.memtier.premap import Premap
 from zerostall.memtier.spec import KeeperSpec
+from zerostall.memtier.tier import MemorySide
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
 from zerostall.response import Response, SaveStats
-from zerostall.restore import load_items, read_manifest, verify_checkpoint
+from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
 from zerostall.validate import (
     check_bool,
@@ -95,7 +91,10 @@ class Checkpointer:
             ``save_*`` / :meth:`prepare` raise :class:`~zerostall.errors.ReadOnlyError`.
         memory_tier: checkpoint every save into this host's memory and persist only some (see
             :class:`MemoryTier`); a restarted trainer of the same directory and rank on this host
-            then restores the newest step from memory. Needs the process writer.
+            then restores the newest step from memory. Needs the process writer. With
+            ``MemoryTier(replicas=k)`` each rank's newest memory step is also held by keepers on
+            k other hosts, and a restart after a node loss resumes from memory (construction is
+            then collective: every rank constructs its Checkpointer).
         save_interval: ``"auto"``: :meth:`should_save` follows the interval advisor
             (:meth:`advice`; docs/advice.md): a warm-up that measures what saves cost this job,
             then the interval that minimises the expected time lost for ``mtbf_s``, recomputed
@@ -225,20 +224,30 @@ class Checkpointer:
         except BaseException:  # our keeper found the memory tier held (KeeperBusy): leave nothing behind
             self._engine.close()
             raise
-        #: the keeper-failure markers of this directory and rank are still to be taken (see _take_markers)
-        self._markers_due = keeper is not None and not self.read_only
+        #: the memory tier's side in this trainer (None: no memory tier)
+        self._memory: MemorySide | None = None
+        if keeper is not None:
+            self._memory = MemorySide(self._engine, self._storage, self.directory, self.load_options,
+                                      self._dist_options(), markers_due=not self.read_only)
+            if memory_tier is not None and memory_tier.replicas > 0 and not self.read_only:
+                try:  # collective: every rank constructs its Checkpointer
+                    self._memory.setup_replicas(memory_tier.replicas, keeper.instance,
+                                                (so.distributed or DistributedOptions()).timeout_s)
+                except BaseException:
+                    self._engine.close()
+                    raise
         try:
-            if ready:
-                self._take_markers()
-            self._warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
+            if ready and self._memory is not None:
+                self._memory.take_markers()
+            if self._memory is not None:
+                self._memory.warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
         except BaseException:
             self._engine.close()
             raise
         #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
         self.last_loaded_step: int | None = None
-        #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
-        #: (memtier.premap); released by the next save or close()
-        self._premap: Premap | None = Premap(self._engine.writer) if self._engine.writer.adopted else None
+        if self._memory is not None:
+            self._memory.start_premap()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -296,10 +305,12 @@ class Checkpointer:
         t_start = self._cadence.clock()
         persist = True
         if self.memory_tier is not None:
-            if self._markers_due and self._engine.writer_ready(0):
-                self._take_markers()  # our keeper's Hello came after the constructor stopped waiting
-            self._warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
-            self._drop_premap()  # the keeper lets go of the step it held once this one is in memory
+            mem = self._memory
+            assert mem is not None
+            if mem.markers_due and self._engine.writer_ready(0):
+                mem.take_markers()  # our keeper's Hello came after the constructor stopped waiting
+            mem.warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
+            mem.drop_premap()  # the keeper lets go of the step it held once this one is in memory
             persist = self._persists(step)
             r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
                                         retention=self.retention, memory=True, persist=persist)
@@ -383,9 +394,13 @@ class Checkpointer:
 
         Under torch.distributed this is collective (every rank must call it) and every rank gets
         the same answer: the steps committed in every rank's view (so a step only in memory counts
-        only if every rank's memory holds it).
+        only if every rank's memory holds it; with ``MemoryTier(replicas=...)``, if every rank's
+        share of it is in its own keeper or in a holder's replica: one ``all_gather_object``).
         """
         local = committed_steps(self._storage)
+        if self._memory is not None and self._memory.replicas is not None and active(self._dist_options()):
+            # one collective: storage, every rank's memory and the replicas other keepers hold
+            return self._memory.agreed_steps(local)
         mem = self.memory_step()
         if mem is not None and mem not in local:
             local = sorted([*local, mem])
@@ -402,29 +417,16 @@ class Checkpointer:
         s = self.steps()
         return s[-1] if s else None
 
-    def _held_everywhere(self, step: int) -> bool:
-        """Collectively: whether every rank's memory tier holds ``step`` (one all_gather_object)."""
-        return all(h == step for h in gather_objects(self.memory_step(), self._dist_options()))
-
     def memory_step(self) -> int | None:
         """The step this host's memory tier holds (None: no memory tier, or nothing held).
 
         Waits for the saves already handed to the writer to finish first.
         """
-        if self.memory_tier is None or self._engine.closed:  # closed: the keeper has exited
-            return None
-        img = self._held_image()
-        return img.step if img is not None else None
+        return self._memory.memory_step() if self._memory is not None else None
 
-    def _held_image(self) -> Any:
-        """The keeper's description of the step it holds (its data descriptors closed), or None."""
-        got = self._engine.writer.query_image()
-        if got is None:
-            return None
-        img, fds = got
-        for fd in fds:
-            os.close(fd)
-        return img
+    @property
+    def _premap(self) -> Premap | None:
+        return self._memory.premap if self._memory is not None else None
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
@@ -453,10 +455,14 @@ class Checkpointer:
             self.last_loaded_step = parse_step(name)
             return out
         resolved = self._resolve(step)
-        if self.memory_tier is not None and active(self._dist_options()):
-            out = self._load_collective(resolved, items)
+        if self._memory is not None and self._memory.replicas is not None and active(self._dist_options()):
+            self._memory.fell_back_to = None
+            out = self._memory.load_replicated(resolved, items)
+            resolved = self._memory.fell_back_to if self._memory.fell_back_to is not None else resolved
+        elif self._memory is not None and active(self._dist_options()):
+            out = self._memory.load_collective(resolved, items)
         else:
-            got = self._load_from_memory(resolved, items) if self.memory_tier is not None else None
+            got = self._memory.load_from_memory(resolved, items) if self._memory is not None else None
             try:
                 out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
             except CheckpointNotFoundError as exc:
@@ -465,104 +471,6 @@ class Checkpointer:
                 raise hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
         self.last_loaded_step = resolved
         return out
-
-    def _load_collective(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
-        """A collective load with a memory tier: every rank from its own memory if every rank
-        holds the step, else all from storage."""
-        if not self._held_everywhere(agreed):
-            return load(self.directory, step_name(agreed), items, self.load_options)
-        out: dict[str, Any] | None = None
-        err: BaseException | None = None
-        try:
-            out = self._load_from_memory(agreed, items, collective=True)
-            if out is None:  # the keeper let go of it since we agreed (it died)
-                raise CheckpointNotFoundError("the memory tier no longer holds this step",
-                                              path=f"{self.directory}/{step_name(agreed)}")
-        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
-            err = exc
-        raise_together(err, self._dist_options(), f"{self.directory}/{step_name(agreed)}")
-        assert out is not None
-        return out
-
-    def _load_from_memory(self, step: int, items: dict[str, Any] | None, *,
-                          collective: bool = False) -> dict[str, Any] | None:
-        """Load ``step`` from this host's memory tier if it holds it (verified as from storage, or
-        already by the keeper after a crash: then the load only copies).
-
-        Under torch.distributed only as part of :meth:`_load_collective` (``collective``): each
-        rank then restores the tree it saved from its own memory, with no collective traffic.
-        """
-        # The held step may be this trainer's own staging slot: a save on another thread must not
-        # get it back to stage into while this load copies from it (persist.client.pin_held).
-        writer = self._engine.writer
-        writer.pin_held()
-        try:
-            return self._read_memory_step(step, items, collective=collective)
-        finally:
-            writer.unpin_held()
-
-    def _read_memory_step(self, step: int, items: dict[str, Any] | None, *,
-                          collective: bool = False) -> dict[str, Any] | None:
-        """:meth:`_load_from_memory`, with the held slots pinned."""
-        if not collective and active(self._dist_options()):
-            return None
-        got = self._engine.writer.query_image() if not self._engine.closed else None
-        if got is None:
-            return None
-        img, fds = got
-        if img.step != step:
-            for fd in fds:
-                os.close(fd)
-            return None
-        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
-        opts = self.load_options
-        if img.verified:
-            # The keeper checked every leaf after the trainer that staged them died, and nothing
-            # writes to them since (memtier.keeper): only the copy is left, all or nothing
-            # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a
-            # key, shape or dtype the template does not match) is raised while planning, before
-            # the first byte is copied.
-            opts = dataclasses.replace(opts or LoadOptions(), verify=False)
-        premap = self._premap  # a save on another thread may drop it meanwhile (premap.done)
-        premapped = premap.take(img, fds) if premap is not None else None
-        if premap is not None and premapped is not None:  # mapped (and pre-faulted) at adoption: kept
-            try:
-                return self._load_image(premapped, step, items, opts)
-            finally:
-                premap.done(premapped)
-        with open_image(img.name, img.manifest.encode(), files) as image:
-            return self._load_image(image, step, items, opts)
-
-    def _load_image(self, image: ImageStorage, step: int, items: dict[str, Any] | None,
-                    opts: LoadOptions | None) -> dict[str, Any]:
-        try:
-            return load_items(image.url, image.name, items, opts)
-        except ZerostallError as exc:
-            _name_the_memory_step(exc, image.url, self._step_path(step))
-            raise
-
-    def _warn_unadoptable(self, stacklevel: int) -> None:
-        """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
-        after a crash (its Hello said why; it is also in :attr:`keeper_failures`)."""
-        for err in self._engine.writer.take_unadoptable():
-            warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
-
-    def _take_markers(self) -> None:
-        """Report (once) and remove the markers a keeper whose persist failed with no trainer to
-        tell left for this directory and rank. Only once our keeper has said Hello: a trainer whose
-        keeper lost the name to another trainer's (KeeperBusy, raised by the constructor or the next
-        save) is not the one the failure is for, and must leave the markers to that one."""
-        if not self._markers_due:
-            return
-        self._markers_due = False
-        rank = self._engine.writer.keeper.rank if self._engine.writer.keeper is not None else 0
-        for failure in take_markers(self._storage, self.directory, rank):
-            self._engine.writer.note_keeper_failure(failure)
-
-    def _drop_premap(self) -> None:
-        premap, self._premap = getattr(self, "_premap", None), None
-        if premap is not None:
-            premap.close()
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.
@@ -681,7 +589,9 @@ class Checkpointer:
                 It is also in :attr:`keeper_failures`.
         """
         told = len(self._engine.writer.close_failures)
-        self._drop_premap()
+        memory: MemorySide | None = getattr(self, "_memory", None)
+        if memory is not None:
+            memory.drop_premap()
         self._engine.close()
         self._engine.raise_failures()
         lost = self._engine.writer.close_failures[told:]
@@ -752,7 +662,7 @@ class Checkpointer:
             >>> ckpt.metadata(100)                                       # doctest: +SKIP
             {'loss': 0.25, 'step': 100}
         """
-        mem = self._memory_metadata() if self.memory_tier is not None else None
+        mem = self._memory.memory_metadata() if self._memory is not None else None
         if step is None:
             steps = committed_steps(self._storage) + ([mem[0]] if mem is not None else [])
             if not steps:
@@ -765,13 +675,6 @@ class Checkpointer:
             return dict(read_manifest(self._storage, step_name(step), path=self._step_path(step)).metadata)
         except CheckpointNotFoundError as exc:
             raise _hint_steps(exc, committed_steps(self._storage)) from exc
-
-    def _memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
-        """The memory tier's step and its metadata (a memory-only step is in no storage manifest)."""
-        img = self._held_image()
-        if img is None or img.step is None:
-            return None
-        return img.step, dict(parse_manifest(img.manifest.encode(), path=self._step_path(img.step)).metadata)
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step``: it stops being listed at once, then its files are removed.
@@ -935,13 +838,6 @@ def _keeper_rank(dopts: DistributedOptions | None) -> int:
 
 
 # -- common mistakes, refused with what to do -------------------------------------------------
-
-
-def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -> None:
-    """Name the step as the user knows it, not by the internal ``zsimage://`` URL of the keeper's buffers."""
-    if exc.path is not None and exc.path.startswith(image_url):
-        exc.path = step_path
-        exc.message = f"{exc.message} [read from this host's memory tier]"
 
 
 def _check_load_step(step: object, directory: str, method: str, what: str) -> None:

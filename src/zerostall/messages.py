@@ -38,14 +38,15 @@ __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
     "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy", "PersistHeld",
-    "Persisted", "WireError", "to_wire", "from_wire",
+    "Persisted", "WireError", "to_wire", "from_wire", "HeldReplica", "ReplicaSetup",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
 #: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref, Adopt.instance (a
 #: keeper that ignored it would offer a deleted directory's step to a trainer of a new one), Closed,
-#: PersistHeld and Persisted
-PROTOCOL = 6
+#: PersistHeld and Persisted; 7: ReplicaSetup, ImageQuery.origin (a keeper that ignored it would
+#: answer with its own step for another rank's replica)
+PROTOCOL = 7
 
 
 class ProtocolMismatchError(WriterError):
@@ -329,6 +330,35 @@ class Adopt:
 class ImageQuery:
     """Which step does the memory tier hold? Answered by :class:`Image` once earlier jobs are done."""
 
+    #: ask instead for the replica this keeper holds of rank ``origin``'s step (another host's
+    #: rank; :class:`ReplicaSetup`): the :class:`Image` then describes that replica
+    origin: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldReplica:
+    """A replica a keeper holds: rank ``origin``'s step ``step``, every leaf verified on arrival."""
+
+    origin: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSetup:
+    """The trainer tells its keeper how to replicate: the job's keeper group (``job``, its
+    ``secret`` in hex, its store at ``store`` = ``"host:port"``), this rank in the world's
+    layout, and how many replicas each step gets. Sent after each Hello (a keeper adopted by a
+    new run learns that run's job and secret). No answer."""
+
+    store: str
+    job: str
+    secret: str
+    world: int
+    rank: int
+    ranks_per_host: int
+    replicas: int
+    timeout_s: float
+
 
 @dataclass(frozen=True, kw_only=True)
 class ImageFile:
@@ -365,6 +395,8 @@ class Image:
     #: the instance id of the directory the step was saved into (:mod:`zerostall.memtier.instance`):
     #: ``zerostall list`` shows a held step only if the directory still carries it
     instance: str = ""
+    #: the replicas of other ranks' steps this keeper holds (:class:`ReplicaSetup`)
+    replicas: tuple[HeldReplica, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,12 +430,13 @@ class KeeperBusy:
 
 
 Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
-           | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted)
+           | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted | ReplicaSetup)
 
 _OPS: dict[str, type[Any]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
     "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy, "persist": PersistHeld, "persisted": Persisted,
+    "replica-setup": ReplicaSetup,
 }
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 

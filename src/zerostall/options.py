@@ -217,13 +217,14 @@ class LoadOptions:
 
 def _check_memory_tier_types(tier: MemoryTier) -> None:
     """A value of the wrong type is a ``TypeError`` too (``ArgumentTypeError``), a bool is not a number."""
-    for name, number in (("persist_interval_steps", False), ("persist_interval_s", True), ("linger_s", True)):
+    for name, number in (("persist_interval_steps", False), ("persist_interval_s", True), ("linger_s", True),
+                         ("replicas", False)):
         value = getattr(tier, name)
         if value is None and name == "persist_interval_s":
             continue
         ok = isinstance(value, (int, float)) if number else isinstance(value, int)
         if isinstance(value, bool) or not ok:
-            want = "a number of seconds" if number else "a positive int"
+            want = "a number of seconds" if number else ("an int" if name == "replicas" else "a positive int")
             raise ArgumentTypeError(f"MemoryTier {name} must be {want}"
                                     f"{' or None' if name == 'persist_interval_s' else ''}, got {value!r}",
                                     argument=name)
@@ -249,6 +250,13 @@ class MemoryTier:
             on which saves persist, and clocks differ.
         linger_s: how long a keeper whose trainer died waits for a new trainer before it exits
             and frees the memory (after persisting the newest memory-only step).
+        replicas: how many keepers on *other* hosts also hold each rank's newest memory step
+            (docs/guarantees.md, "Replicas in another host's memory"): a restart after a node
+            loss then resumes from memory. 0 (the default) keeps today's single copy: one host
+            gains nothing from replicas, and each replica costs another full copy of every rank's
+            state in host memory (on the holder's host). Needs torch.distributed with at least
+            ``replicas + 1`` hosts (``ZEROSTALL_HOST_ID``, else the hostname) holding equally
+            many consecutive ranks, and the job's store at ``MASTER_ADDR:MASTER_PORT``.
 
     Raises:
         InvalidArgumentError: a field is out of range (a ``ValueError``).
@@ -263,6 +271,7 @@ class MemoryTier:
     persist_interval_steps: int = 1
     persist_interval_s: float | None = None
     linger_s: float = 600.0
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         _check_memory_tier_types(self)  # from here on every field has its type
@@ -272,3 +281,5 @@ class MemoryTier:
             raise InvalidArgumentError(f"persist_interval_s must be > 0 or None, got {self.persist_interval_s!r}")
         if not self.linger_s >= 0:
             raise InvalidArgumentError(f"linger_s must be >= 0, got {self.linger_s!r}")
+        if self.replicas < 0:
+            raise InvalidArgumentError(f"replicas must be >= 0, got {self.replicas!r}", argument="replicas")

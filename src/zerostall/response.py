@@ -30,7 +30,9 @@ class SaveStats:
         commit_s: seconds spent writing the manifest, syncing and renaming.
         writer_peak_rss: the writer process's peak resident memory in bytes.
         tiers: where the save is committed: ``("storage",)``, or with a memory tier
-            ``("memory",)`` (memory only) or ``("memory", "storage")``; empty until committed.
+            ``("memory",)`` (memory only) or ``("memory", "storage")``, with ``"peer"`` after
+            ``"memory"`` when ``MemoryTier(replicas=...)`` holders on other hosts verified it
+            too; empty until committed.
         staged_s: seconds from the call until every byte was in host memory (with overlapped
             staging, later than ``stall_s``; None until then).
     """

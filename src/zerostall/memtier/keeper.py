@@ -46,12 +46,14 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall import envvars
-from zerostall.commit import committed_steps, parse_step
+from zerostall.commit import committed_steps, parse_step, step_name
 from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, ZerostallError
 from zerostall.format.layout import DATA_DIR
 from zerostall.format.manifest import parse_manifest
 from zerostall.memtier.imagecheck import cpus, first_bad_leaf
 from zerostall.memtier.keeperfail import KeeperFailure, write_marker
+from zerostall.memtier.peers import Peers
+from zerostall.memtier.replica import ReceivedStep
 from zerostall.memtier.spec import (
     HELLO_TIMEOUT_S,
     KeeperSpec,
@@ -75,6 +77,7 @@ from zerostall.messages import (
     LeafRow,
     Message,
     Released,
+    ReplicaSetup,
     SaveJob,
     WireError,
     WriterStats,
@@ -234,6 +237,8 @@ class Keeper:
         #: the directory is not the instance this keeper's steps were saved into any more (deleted,
         #: or deleted and created again): nothing is offered, persisted or recorded there; it exits
         self.replaced = False
+        #: replication: this keeper's held steps sent to other hosts' keepers, their replicas kept here
+        self.peers = Peers(spec.instance)
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -404,7 +409,32 @@ class Keeper:
         held = _Held(job, step.manifest_bytes, fds, [self._fds[f.buffer][1] for f in job.files], self.session,
                      persisted=job.persist)
         self._drop_held(send, held)
-        return dataclasses.replace(stats, tiers=("memory", "storage") if job.persist else ("memory",))
+        tiers: tuple[str, ...] = ("memory", "storage") if job.persist else ("memory",)
+        if self.peers.active and self._replicate(held):
+            tiers = ("memory", "peer", "storage") if job.persist else ("memory", "peer")
+        return dataclasses.replace(stats, tiers=tiers)
+
+    def setup_replicas(self, setup: ReplicaSetup) -> None:
+        """The trainer's replication settings (sent after each Hello): see :mod:`zerostall.memtier.peers`."""
+        self.peers.configure(setup)
+
+    def _replicate(self, held: _Held) -> bool:
+        """Send the held step to its holders, from the staged buffers (the files in the manifest's
+        order); True when every holder verified it."""
+        if held.job.step is None:
+            return False
+        try:
+            man = parse_manifest(held.manifest, path=f"memory:{held.job.name}")
+        except ZerostallError:
+            return False
+        by_name = {f.name: f for f in held.job.files}
+        files = []
+        for mf in man.files:
+            f = by_name.get(mf.path.rsplit("/", 1)[-1])
+            if f is None:
+                return False
+            files.append((f.name, held.views[f.buffer][:f.length]))
+        return self.peers.send(held.job.step, held.manifest, tuple(files))
 
     def _drop_held(self, send: Callable[[Message], None], new: _Held | None = None) -> None:
         """Make ``new`` the held step (the new one first: never a moment without a complete
@@ -439,18 +469,32 @@ class Keeper:
         if close:
             held.close()
 
-    def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None:
+    def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None) -> None:
+        if origin is not None:
+            self.peers.with_replica(origin, lambda r: self._send_replica(conn, send, r))
+            return
         held = self.held  # stable: only this thread (the job loop) replaces it
         if held is None:
-            send(_empty_image())
+            send(dataclasses.replace(_empty_image(), replicas=self.peers.held()))
             return
         if held.checked is not None:
             # The check after a crash is running: it is the pass the trainer would make itself
             # (the same bytes, the same cores), so wait for it rather than do it twice.
             held.checked.wait()
-        send(held.image())
+        send(dataclasses.replace(held.image(), replicas=self.peers.held()))
         for fd in held.fds:
             send_handle(conn, fd, 0)
+
+    def _send_replica(self, conn: Connection, send: Callable[[Message], None], r: ReceivedStep | None) -> None:
+        """The replica ``r`` as an :class:`Image` with its descriptors (an empty one: none held)."""
+        if r is None:
+            send(_empty_image())
+            return
+        send(Image(step=r.of.step, name=step_name(r.of.step), manifest=r.manifest.decode(),
+                   files=tuple(ImageFile(name=n, length=ln, size=b.size)
+                               for n, ln, b in zip(r.names, r.lengths, r.buffers, strict=True))))
+        for b in r.buffers:
+            send_handle(conn, b.fd, 0)
 
     def session_ended(self, closed: bool) -> Connection | None:
         """The trainer closed (``closed``) or died. If it died, persist the newest memory-only
@@ -811,6 +855,7 @@ class Keeper:
         for t in self._scanners:  # never exit in the middle of a decision's put
             t.join()
         self._leave_marker()
+        self.peers.close()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None

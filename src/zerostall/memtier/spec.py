@@ -22,6 +22,7 @@ from zerostall.errors import (
     InvalidArgumentError,
     ZerostallError,
 )
+from zerostall.lease import HOST_ENV
 from zerostall.memtier.instance import read_instance
 from zerostall.messages import (
     Adopt,
@@ -63,10 +64,17 @@ def directory_replaced(root: str, instance: str) -> bool:
 
 
 def keeper_address(root: str, rank: int, uid: int | None = None) -> bytes:
-    """The abstract socket name of the keeper of ``(user, directory, rank)`` on this host."""
+    """The abstract socket name of the keeper of ``(user, directory, rank)`` on this host.
+
+    With ``ZEROSTALL_HOST_ID`` set, the host id is part of the name: the keepers of one host
+    are invisible to the processes of another (several hosts simulated on one machine, or
+    containers sharing a network namespace), which reach them only through the replica
+    transport (:mod:`zerostall.memtier.replica`). Unset, the name is the machine's.
+    """
     uid = os.getuid() if uid is None else uid
-    digest = hashlib.sha256(f"{uid}\0{root_key(root)}\0{rank}".encode()).hexdigest()[:32]
-    return ADDRESS_PREFIX + digest.encode()
+    host = os.environ.get(HOST_ENV)
+    digest = hashlib.sha256((f"{uid}\0{root_key(root)}\0{rank}" + (f"\0{host}" if host else "")).encode())
+    return ADDRESS_PREFIX + digest.hexdigest()[:32].encode()
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from zerostall.messages import (
     PersistHeld,
     ProtocolMismatchError,
     Released,
+    ReplicaSetup,
     SaveJob,
     UnmapBuffer,
     WriterStats,
@@ -159,6 +160,8 @@ class WriterClient:
         #: meanwhile, handed back for staging only when the last of those loads has ended
         self._pins = 0
         self._deferred: list[Callable[[], None]] = []
+        #: replication settings the keeper is told after each Hello (a new or adopted keeper)
+        self.replica_setup: ReplicaSetup | None = None
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -231,6 +234,7 @@ class WriterClient:
                 self._listener = threading.Thread(target=self._listen, args=(self._conn,),
                                                   name="zerostall-listener", daemon=True)
                 self._listener.start()
+                self._tell_replica_setup()
                 return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if self.kind is WriterKind.PROCESS:
@@ -257,6 +261,20 @@ class WriterClient:
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
         self._listener.start()
+        self._tell_replica_setup()
+
+    def _tell_replica_setup(self) -> None:
+        if self.replica_setup is not None and self.keeper is not None:
+            try:
+                self._send(self.replica_setup)
+            except OSError:
+                pass  # the keeper is gone: the next start tells the next one
+
+    def set_replica_setup(self, setup: ReplicaSetup) -> None:
+        """Tell the keeper (now, and every keeper started or adopted later) how to replicate."""
+        self.replica_setup = setup
+        if self.alive():
+            self._tell_replica_setup()
 
     def _reap(self) -> None:
         """Forget a dead writer once its listener has failed its pending jobs."""
@@ -599,11 +617,12 @@ class WriterClient:
         box.append(reply)
         self._image_event.set()
 
-    def query_image(self, timeout: float | None = 600.0, *,
-                    start: bool = True) -> tuple[Image, list[int]] | None:
+    def query_image(self, timeout: float | None = 600.0, *, start: bool = True,
+                    origin: int | None = None) -> tuple[Image, list[int]] | None:
         """The keeper's newest in-memory step and one descriptor per data file (the caller
         closes them); None when this writer is no keeper or is not running.
 
+        ``origin``: the replica this keeper holds of rank ``origin``'s step instead.
         Answered after every job submitted before the call has finished. ``start=False``: None
         rather than starting a writer that is not running (a background query must not start
         a keeper after the Checkpointer closed).
@@ -621,7 +640,7 @@ class WriterClient:
             self._image_event.clear()
             self._image_waiter = box
             try:
-                self._send(ImageQuery())
+                self._send(ImageQuery(origin=origin))
             except OSError:
                 self._image_waiter = None
                 return None

@@ -34,6 +34,7 @@ from zerostall.messages import (
     PersistHeld,
     ProtocolMismatchError,
     Released,
+    ReplicaSetup,
     SaveJob,
     UnmapBuffer,
     WireError,
@@ -63,7 +64,9 @@ class HeldSteps(Protocol):
 
     def run(self, job: SaveJob, views: dict[int, memoryview], send: Callable[[Message], None]) -> WriterStats: ...
 
-    def send_image(self, conn: Connection, send: Callable[[Message], None]) -> None: ...
+    def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None) -> None: ...
+
+    def setup_replicas(self, setup: ReplicaSetup) -> None: ...
 
     def persist_held(self, closing: bool = False) -> None: ...
 
@@ -138,8 +141,10 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ImageQuery):
-                keeper.send_image(conn, lambda m: _send(conn, m))
+                keeper.send_image(conn, lambda m: _send(conn, m), msg.origin)
                 keeper.report_failed(conn)
+            elif keeper is not None and isinstance(msg, ReplicaSetup):
+                keeper.setup_replicas(msg)
             elif keeper is not None and isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
                 keeper.persist_held(closing=True)
                 keeper.report_failed(conn)

@@ -1,0 +1,441 @@
+"""The trainer's side of the memory tier: what this host's keeper holds, and loading from it.
+
+A :class:`~zerostall.Checkpointer` with a memory tier holds one :class:`MemorySide` and delegates
+every question about memory to it: the step the keeper holds and its metadata, a load from it
+(alone, or collectively: every rank from its own memory when every rank holds the step), the
+keeper-failure markers and warnings to report, and the adopted step pre-mapped at construction
+(:mod:`zerostall.memtier.premap`). The Checkpointer keeps the steps, retention and the public API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import mmap
+import os
+import secrets
+import threading
+import warnings
+from typing import Any
+
+from zerostall.commit import committed_steps, step_name
+from zerostall.distributed import active, load
+from zerostall.distributed.context import group_rank_world
+from zerostall.distributed.load import agree_step, gather_objects, raise_together
+from zerostall.engine import Engine
+from zerostall.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    KeeperPersistError,
+    ReplicaError,
+    ZerostallError,
+    ZerostallWarning,
+)
+from zerostall.format.manifest import parse_manifest
+from zerostall.lease import host_id
+from zerostall.memtier.image import ImageStorage, open_image
+from zerostall.memtier.keeperfail import take_markers
+from zerostall.memtier.peers import RECEIVER, SENDER, open_store, pair_group
+from zerostall.memtier.premap import Premap
+from zerostall.memtier.replica import OutgoingStep, ReplicaOf
+from zerostall.messages import ReplicaSetup
+from zerostall.options import DistributedOptions, LoadOptions
+from zerostall.restore import load_items
+from zerostall.storage import Storage
+from zerostall.storage.release import unmap_later
+
+__all__ = ["MemorySide", "plan_steps"]
+
+log = logging.getLogger("zerostall")
+
+
+class MemorySide:
+    """The memory tier as the trainer sees it, through ``engine``'s writer (the keeper)."""
+
+    def __init__(self, engine: Engine, storage: Storage, directory: str, load_options: LoadOptions | None,
+                 dist: DistributedOptions | None, *, markers_due: bool) -> None:
+        self._engine, self._storage, self.directory = engine, storage, directory
+        self.load_options, self.dist = load_options, dist
+        #: the keeper-failure markers of this directory and rank are still to be taken (see take_markers)
+        self.markers_due = markers_due
+        #: an adopted keeper's step, mapped and pre-faulted in the background for the first load
+        #: (memtier.premap); released by the next save or close()
+        self.premap: Premap | None = None
+        #: replication settings (None: no replicas), told to every keeper this trainer has
+        self.replicas: ReplicaSetup | None = None
+        self.instance = ""
+        #: after the last :meth:`agreed_steps`: step -> per rank, the ranks whose keepers hold its share
+        self._sources: dict[int, list[list[int]]] | None = None
+        self._stored: list[int] = []
+        self._transfers = 0
+        #: the step the last replicated load fell back to (storage's), if it did
+        self.fell_back_to: int | None = None
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def setup_replicas(self, replicas: int, instance: str, timeout_s: float) -> None:
+        """Collectively (at construction): check the hosts, agree on the job's keeper group and
+        its secret, and tell this rank's keeper (and every keeper it has later) how to replicate.
+
+        The secret is made by rank 0 (``secrets.token_bytes``) and broadcast over the job's
+        process group; each trainer hands it to its own keeper over their private unix socket.
+        It is never written anywhere (not to the checkpoint directory, not to the store).
+
+        Raises:
+            InvalidArgumentError: not under torch.distributed, one host only, hosts that do not
+                hold equally many consecutive ranks, or no ``MASTER_ADDR``/``MASTER_PORT``.
+        """
+        if not active(self.dist):
+            raise InvalidArgumentError("MemoryTier(replicas=...) needs torch.distributed: replicas go to the keepers "
+                                       "of other hosts' ranks", argument="replicas", path=self.directory)
+        _, rank, world = group_rank_world(self.dist)
+        hosts = gather_objects(host_id(), self.dist)
+        per_host = _ranks_per_host(hosts, self.directory)
+        n_hosts = len(set(hosts))
+        if n_hosts < replicas + 1:
+            raise InvalidArgumentError(
+                f"MemoryTier(replicas={replicas}) needs {replicas + 1} hosts, but the job's {world} ranks run on "
+                f"{n_hosts} ({', '.join(sorted(set(hosts)))}): a replica on its original's host is lost with it, and "
+                "one host gains nothing from replicas; use replicas=0 there", argument="replicas", path=self.directory)
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not addr or not port:
+            raise InvalidArgumentError("MemoryTier(replicas=...) needs the job's store at MASTER_ADDR:MASTER_PORT "
+                                       "(torchrun sets both) for the keepers to find each other",
+                                       argument="replicas", path=self.directory)
+        mine = (secrets.token_hex(8), secrets.token_hex(32)) if rank == 0 else None
+        job, secret = agree_step(mine, self.dist)
+        self.replicas = ReplicaSetup(store=f"{addr}:{port}", job=str(job), secret=str(secret), world=world, rank=rank,
+                                     ranks_per_host=per_host, replicas=replicas, timeout_s=timeout_s)
+        self.instance = instance
+        self._engine.writer.set_replica_setup(self.replicas)
+
+    def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
+        """Every rank's (storage steps, held step, {origin: replica step held}): one all_gather_object."""
+        img = self.held_image() if not self._engine.closed else None
+        mem = img.step if img is not None else None
+        reps = {r.origin: r.step for r in img.replicas} if img is not None else {}
+        out: list[tuple[list[int], int | None, dict[int, int]]] = gather_objects((storage_steps, mem, reps), self.dist)
+        return out
+
+    def agreed_steps(self, storage_steps: list[int]) -> list[int]:
+        """Collectively, with replicas: the steps every rank can load, from storage, its own memory
+        or a replica of its step in another keeper's memory (one all_gather_object). Remembers
+        where each rank's share of each memory step is, for the load that follows."""
+        stored, sources = plan_steps(self._views(storage_steps))
+        self._sources, self._stored = sources, stored
+        return sorted(set(stored) | set(sources))
+
+    def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load of ``agreed`` with replicas: each rank from its own memory, or, where
+        its memory lacks the step (a rank on a new host), from a replica another keeper holds,
+        received over the job's authenticated group and verified against every leaf's CRC32C.
+        A transfer that fails (a checksum, another run's or topology's replica, a dead or silent
+        holder) is told (a WARNING and an entry in ``keeper_failures``, on every rank) and the
+        next holder of that share is tried; when a share has no holder left, every rank loads
+        storage's newest step instead. Every wait is bounded by ``DistributedOptions(timeout_s)``."""
+        sources = self._sources
+        if sources is None or (agreed not in sources and agreed not in self._stored):
+            self.agreed_steps(committed_steps(self._storage))  # a step given by the caller: plan it now
+            sources = self._sources
+            assert sources is not None
+        if agreed not in sources:
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        plan = sources[agreed]
+        _, rank, _ = group_rank_world(self.dist)
+        if all(p[0] == r for r, p in enumerate(plan)):
+            return self.load_collective(agreed, items)
+        # the ranks that lack their share, and which of its holders each tries now
+        tries = {r: 0 for r, p in enumerate(plan) if p[0] != r}
+        got = None
+        while tries:
+            self._transfers += 1
+            now = {r: plan[r][k] for r, k in tries.items()}
+            received, err = self._exchange(agreed, now, rank, self._transfers)
+            got = received if received is not None else got
+            failed = {r: e for r, e in enumerate(gather_objects(err, self.dist)) if e is not None}
+            for r, e in sorted(failed.items()):
+                nxt = plan[r][tries[r] + 1] if tries[r] + 1 < len(plan[r]) else None
+                self._tell(agreed, f"rank {r}: {e}", f"trying rank {nxt}'s keeper" if nxt is not None else None)
+            tries = {r: k + 1 for r, k in tries.items() if r in failed}
+            if any(k >= len(plan[r]) for r, k in tries.items()):
+                if got is not None:
+                    got.close()
+                return self._fall_back(agreed, items)
+        out: dict[str, Any] | None = None
+        load_err: BaseException | None = None
+        try:
+            if got is None:
+                out = self.load_from_memory(agreed, items, collective=True)
+                if out is None:
+                    raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                                  path=self.step_path(agreed))
+            else:
+                files = [(n, ln, b.size, os.dup(b.fd)) for n, ln, b in zip(got.names, got.lengths, got.buffers,
+                                                                        strict=True)]
+                with open_image(step_name(agreed), got.manifest, files) as image:
+                    out = self.load_image(image, agreed, items, self.load_options)
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            load_err = exc
+        finally:
+            if got is not None:
+                got.close()
+        raise_together(load_err, self.dist, self.step_path(agreed))
+        assert out is not None
+        return out
+
+    def _exchange(self, step: int, now: dict[int, int], rank: int, generation: int) -> tuple[Any, str | None]:
+        """Send the replicas this rank's keeper holds to the ranks ``now`` maps to this rank, and
+        receive this rank's share if ``now`` names its holder: the received step (None: nothing
+        received) and why receiving failed. A failed send is seen by its receiver, which says so."""
+        setup = self.replicas
+        assert setup is not None
+        senders: list[threading.Thread] = []
+        got = None
+        err: str | None = None
+        try:
+            store = open_store(setup)
+            for r, holder in now.items():
+                if holder == rank:
+                    t = threading.Thread(target=self._serve_replica, args=(store, setup, r, step, generation),
+                                         name="zerostall-replica-serve", daemon=True)
+                    t.start()
+                    senders.append(t)
+            if rank in now:
+                with pair_group(store, setup, f"fetch/{rank}", generation, RECEIVER) as g:
+                    got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step)
+        except (ZerostallError, RuntimeError, OSError) as exc:
+            err = f"its share of step {step} did not come from rank {now.get(rank)}'s keeper: {exc}"
+        for t in senders:
+            t.join()
+        return got, err
+
+    def _serve_replica(self, store: Any, setup: ReplicaSetup, origin: int, step: int, generation: int) -> None:
+        """Send rank ``origin``'s step, as this rank's keeper holds it, to rank ``origin``."""
+        maps: list[mmap.mmap] = []
+        try:
+            got = self._engine.writer.query_image(origin=origin)
+            if got is None or got[0].step != step:
+                if got is not None:
+                    for fd in got[1]:
+                        os.close(fd)
+                raise ReplicaError(f"this rank's keeper no longer holds rank {origin}'s step {step}")
+            img, fds = got
+            try:
+                maps = [mmap.mmap(fd, f.size, mmap.MAP_SHARED, mmap.PROT_READ) for f, fd in zip(img.files, fds,
+                                                                                             strict=True)]
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            files = tuple((f.name, memoryview(m)[:f.length]) for f, m in zip(img.files, maps, strict=True))
+            out = OutgoingStep(of=ReplicaOf(self.instance, setup.world, origin, step), manifest=img.manifest.encode(),
+                               files=files)
+            with pair_group(store, setup, f"fetch/{origin}", generation, SENDER) as g:
+                g.send_step(RECEIVER, out)
+        except (ZerostallError, RuntimeError, OSError) as exc:  # its receiver fails too, and says so
+            log.warning("zerostall: rank %d's share of step %d was not sent from this rank's keeper: %s", origin,
+                        step, exc)
+        finally:
+            for m in maps:
+                unmap_later(m)
+
+    def _tell(self, step: int, why: str, then: str | None) -> None:
+        """A share of ``step`` did not come from memory: a WARNING and an entry in ``keeper_failures``."""
+        older = self._stored[-1] if self._stored else None
+        then = then or (f"loading step {older} from storage instead" if older is not None
+                        else "storage holds no step to fall back to")
+        err = KeeperPersistError(f"step {step} could not be restored from memory ({why}); {then}",
+                                 path=self.step_path(step), step=step, cause=ReplicaError(why))
+        self._engine.writer.keeper_failures.append(err)
+        log.warning("zerostall: %s", err)
+
+    def _fall_back(self, step: int, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A share of ``step`` is in no memory that could send it: every rank loads storage's newest step."""
+        older = self._stored[-1] if self._stored else None
+        if older is None:
+            raise CheckpointNotFoundError(f"no committed step to load: step {step} could not be restored from "
+                                          "memory and storage holds none", path=self.directory)
+        self.fell_back_to = older
+        return load(self.directory, step_name(older), items, self.load_options)
+
+    def start_premap(self) -> None:
+        self.premap = Premap(self._engine.writer) if self._engine.writer.adopted else None
+
+    def step_path(self, step: int) -> str:
+        return f"{self.directory.rstrip('/')}/{step_name(step)}"
+
+    # -- what the keeper holds -----------------------------------------------------------------
+
+    def memory_step(self) -> int | None:
+        """The step this host's keeper holds (None: nothing held, or the keeper has exited)."""
+        if self._engine.closed:
+            return None
+        img = self.held_image()
+        return img.step if img is not None else None
+
+    def held_image(self) -> Any:
+        """The keeper's description of the step it holds (its data descriptors closed), or None."""
+        got = self._engine.writer.query_image()
+        if got is None:
+            return None
+        img, fds = got
+        for fd in fds:
+            os.close(fd)
+        return img
+
+    def memory_metadata(self) -> tuple[int, dict[str, Any]] | None:
+        """The held step and its metadata (a memory-only step is in no storage manifest)."""
+        img = self.held_image()
+        if img is None or img.step is None:
+            return None
+        return img.step, dict(parse_manifest(img.manifest.encode(), path=self.step_path(img.step)).metadata)
+
+    def held_everywhere(self, step: int) -> bool:
+        """Collectively: whether every rank's memory tier holds ``step`` (one all_gather_object)."""
+        return all(h == step for h in gather_objects(self.memory_step(), self.dist))
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load_collective(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
+        """A collective load: every rank from its own memory if every rank holds the step, else
+        all from storage."""
+        if not self.held_everywhere(agreed):
+            return load(self.directory, step_name(agreed), items, self.load_options)
+        out: dict[str, Any] | None = None
+        err: BaseException | None = None
+        try:
+            out = self.load_from_memory(agreed, items, collective=True)
+            if out is None:  # the keeper let go of it since we agreed (it died)
+                raise CheckpointNotFoundError("the memory tier no longer holds this step",
+                                              path=self.step_path(agreed))
+        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
+            err = exc
+        raise_together(err, self.dist, self.step_path(agreed))
+        assert out is not None
+        return out
+
+    def load_from_memory(self, step: int, items: dict[str, Any] | None, *,
+                         collective: bool = False) -> dict[str, Any] | None:
+        """Load ``step`` from this host's memory tier if it holds it (verified as from storage, or
+        already by the keeper after a crash: then the load only copies).
+
+        Under torch.distributed only as part of :meth:`load_collective` (``collective``): each
+        rank then restores the tree it saved from its own memory, with no collective traffic.
+        """
+        # The held step may be this trainer's own staging slot: a save on another thread must not
+        # get it back to stage into while this load copies from it (persist.client.pin_held).
+        writer = self._engine.writer
+        writer.pin_held()
+        try:
+            return self._read_memory_step(step, items, collective=collective)
+        finally:
+            writer.unpin_held()
+
+    def _read_memory_step(self, step: int, items: dict[str, Any] | None, *,
+                          collective: bool = False) -> dict[str, Any] | None:
+        """:meth:`load_from_memory`, with the held slots pinned."""
+        if not collective and active(self.dist):
+            return None
+        got = self._engine.writer.query_image() if not self._engine.closed else None
+        if got is None:
+            return None
+        img, fds = got
+        if img.step != step:
+            for fd in fds:
+                os.close(fd)
+            return None
+        files = [(f.name, f.length, f.size, fd) for f, fd in zip(img.files, fds, strict=True)]
+        opts = self.load_options
+        if img.verified:
+            # The keeper checked every leaf after the trainer that staged them died, and nothing
+            # writes to them since (memtier.keeper): only the copy is left, all or nothing
+            # whatever LoadOptions.atomic says: with no checksum to fail, what can still fail (a
+            # key, shape or dtype the template does not match) is raised while planning, before
+            # the first byte is copied.
+            opts = dataclasses.replace(opts or LoadOptions(), verify=False)
+        premap = self.premap  # a save on another thread may drop it meanwhile (premap.done)
+        premapped = premap.take(img, fds) if premap is not None else None
+        if premap is not None and premapped is not None:  # mapped (and pre-faulted) at adoption: kept
+            try:
+                return self.load_image(premapped, step, items, opts)
+            finally:
+                premap.done(premapped)
+        with open_image(img.name, img.manifest.encode(), files) as image:
+            return self.load_image(image, step, items, opts)
+
+    def load_image(self, image: ImageStorage, step: int, items: dict[str, Any] | None,
+                   opts: LoadOptions | None) -> dict[str, Any]:
+        try:
+            return load_items(image.url, image.name, items, opts)
+        except ZerostallError as exc:
+            _name_the_memory_step(exc, image.url, self.step_path(step))
+            raise
+
+    # -- what the keeper reports -----------------------------------------------------------------
+
+    def warn_unadoptable(self, stacklevel: int) -> None:
+        """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
+        after a crash (its Hello said why; it is also in ``keeper_failures``)."""
+        for err in self._engine.writer.take_unadoptable():
+            warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
+
+    def take_markers(self) -> None:
+        """Report (once) and remove the markers a keeper whose persist failed with no trainer to
+        tell left for this directory and rank. Only once our keeper has said Hello: a trainer whose
+        keeper lost the name to another trainer's (KeeperBusy, raised by the constructor or the next
+        save) is not the one the failure is for, and must leave the markers to that one."""
+        if not self.markers_due:
+            return
+        self.markers_due = False
+        rank = self._engine.writer.keeper.rank if self._engine.writer.keeper is not None else 0
+        for failure in take_markers(self._storage, self.directory, rank):
+            self._engine.writer.note_keeper_failure(failure)
+
+    def drop_premap(self) -> None:
+        premap, self.premap = self.premap, None
+        if premap is not None:
+            premap.close()
+
+
+def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -> None:
+    """Name the step as the user knows it, not by the internal ``zsimage://`` URL of the keeper's buffers."""
+    if exc.path is not None and exc.path.startswith(image_url):
+        exc.path = step_path
+        exc.message = f"{exc.message} [read from this host's memory tier]"
+
+
+def _ranks_per_host(hosts: list[str], directory: str) -> int:
+    """How many consecutive ranks each host holds; every host must hold as many (placement needs it)."""
+    world = len(hosts)
+    per = next((i for i, h in enumerate(hosts) if h != hosts[0]), world)
+    if world % per or any(hosts[r] != hosts[(r // per) * per] for r in range(world)) or len(set(hosts)) != world // per:
+        raise InvalidArgumentError(f"MemoryTier(replicas=...) needs every host to hold as many consecutive ranks "
+                                   f"(as torchrun places them); the ranks' hosts are {hosts}", argument="replicas",
+                                   path=directory)
+    return per
+
+
+def plan_steps(views: list[tuple[list[int], int | None, dict[int, int]]]
+               ) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """From every rank's (storage steps, held step, {origin: replica step held}), in rank order:
+    the steps in every rank's storage, and each memory step whose every rank's share is held
+    somewhere, with, per rank, the ranks whose keepers hold that share (the rank itself first).
+
+    Example::
+
+        >>> plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})])
+        ([4], {6: [[0], [1], [0], [1]]})
+    """
+    world = len(views)
+    stored = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:])) if views else set()
+    sources: dict[int, list[list[int]]] = {}
+    candidates = {v[1] for v in views if v[1] is not None} | {s for v in views for s in v[2].values()}
+    for s in candidates:
+        per_rank: list[list[int]] = []
+        for r in range(world):
+            holders = ([r] if views[r][1] == s else []) + [h for h in range(world) if views[h][2].get(r) == s]
+            if not holders:
+                break
+            per_rank.append(holders)
+        else:
+            sources[s] = per_rank
+    return sorted(stored), sources

@@ -1,0 +1,99 @@
+"""One rank of the node-loss tests of replicas (gloo; each rank its own process, its host given
+by ``ZEROSTALL_HOST_ID``; the job's store is the test's, at ``MASTER_ADDR:MASTER_PORT``, as
+torchrun's agent store outlives its workers).
+
+``python _replica_host_trainer.py PHASE RANK WORLD DIR TIMEOUT_S OUT [REPLICAS]`` with PHASE:
+
+- ``first``: train and save steps 1..6 with ``MemoryTier(persist_interval_steps=4, replicas=REPLICAS)``
+  (default 1),
+  each save waited for; print ``KEEPER <pid>``, ``TIERS <tiers of step 6>``, ``INODES <the
+  inodes of this trainer's staging memfds>`` and ``READY``, then wait to be killed;
+- ``resume``: restore the step the ranks agree on, train on to step ``LAST`` and ``close()``;
+  write ``OUT`` (JSON: the agreed step, the step loaded, whether the state after the load and at
+  the end equals an uninterrupted run's, bit for bit, and the keeper failures reported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+import torch
+import torch.distributed as dist
+
+from zerostall import Checkpointer, DistributedOptions, MemoryTier, SaveOptions
+
+LAST = 7
+PERSIST_EVERY = 4
+
+
+def train(rank: int, w: torch.Tensor, step: int) -> torch.Tensor:
+    """One step: depends on the state before it, so a wrong restore shows at the end."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return w * 0.5 + torch.randn(64, 64, generator=g)
+
+
+def uninterrupted(rank: int, step: int) -> torch.Tensor:
+    w = torch.zeros(64, 64)
+    for s in range(1, step + 1):
+        w = train(rank, w, s)
+    return w
+
+
+def main() -> None:
+    phase, rank, world, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    timeout, out = float(sys.argv[5]), sys.argv[6]
+    replicas = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg-{phase}", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=timeout, poll_s=0.05))
+    ck = Checkpointer(d, save_options=opts,
+                      memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas))
+    print("KEEPER", ck._engine.writer.pid, flush=True)
+    if phase == "first":
+        w = torch.zeros(64, 64)
+        for step in range(1, 7):
+            w = train(rank, w, step)
+            ck.save_pytree(step, {"w": w, "step": step})
+        dist.barrier()  # step 6 has returned result() on every rank
+        print("TIERS", ",".join(ck.stats()[-1].tiers), flush=True)
+        inodes = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if "zerostall-stage" in os.readlink(f"/proc/self/fd/{fd}"):
+                    inodes.append(os.stat(f"/proc/self/fd/{fd}").st_ino)
+            except OSError:
+                pass
+        print("INODES", " ".join(map(str, inodes)), flush=True)
+        print("READY", flush=True)
+        sys.stdin.read()
+        return
+    res: dict = {"adopted": ck._engine.writer.adopted}
+    start = ck.latest_step()
+    assert start is not None
+    got = ck.load_pytree(template={"w": torch.zeros(64, 64), "step": 0})
+    loaded = ck.last_loaded_step
+    assert loaded is not None
+    res["agreed"], res["loaded"] = start, loaded
+    res["restored_equal"] = bool(torch.equal(got["w"], uninterrupted(rank, loaded))) and got["step"] == loaded
+    w = got["w"]
+    for step in range(loaded + 1, LAST + 1):
+        w = train(rank, w, step)
+        ck.save_pytree(step, {"w": w, "step": step})
+    res["tiers"] = list(ck.stats()[-1].tiers)
+    res["final_equal"] = bool(torch.equal(w, uninterrupted(rank, LAST)))
+    res["keeper_failures"] = [[e.step, str(e)] for e in ck.keeper_failures]
+    ck.close()
+    with open(out, "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

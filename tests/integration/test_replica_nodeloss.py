@@ -1,0 +1,223 @@
+"""A lost node costs no memory step: every rank's newest step is also in another host's keeper.
+
+Four gloo ranks, each its own process; hosts simulated with ``ZEROSTALL_HOST_ID`` (ranks 0 and 1
+on host A, 2 and 3 on host B); the job's store is this test's (as torchrun's agent store, it
+outlives the workers). ``MemoryTier(persist_interval_steps=4, replicas=1)``: steps 1..6 are saved,
+step 4 persisted, and each rank's step is replicated to the keeper of the rank one host over
+(rank 2's to rank 0's keeper, 3's to 1's, 0's to 2's, 1's to 3's). Then host B is lost (trainers
+and keepers SIGKILLed) and host A's trainers die; the job restarts with ranks 2 and 3 on a new
+host C, whose keepers are empty. Storage holds step 4 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from zerostall.commit import committed_steps
+from zerostall.storage import open_storage
+
+pytest.importorskip("torch")
+
+WORKER = str(Path(__file__).parent / "_replica_host_trainer.py")
+WORLD = 4
+TIMEOUT_S = 20.0
+DEADLINE_S = 120.0
+HOSTS_FIRST = ["A", "A", "B", "B"]
+HOSTS_AFTER = ["A", "A", "C", "C"]
+
+
+@pytest.fixture
+def job_store() -> object:
+    """The job's store, hosted here as torchrun's agent would: (store, port)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    yield store
+    del store
+
+
+def _start(phase: str, d: Path, hosts: list[str], port: int, log: Path, replicas: int = 1
+           ) -> list[subprocess.Popen[str]]:
+    procs = []
+    with open(log, "a") as err:  # stderr to a file: a keeper keeps a pipe open while it persists
+        for r in range(len(hosts)):
+            env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"host-{hosts[r]}",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.pop("ZEROSTALL_FAULTS", None)
+            procs.append(subprocess.Popen(
+                [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d), str(TIMEOUT_S),
+                 str(d.parent / f"out-{r}.json"), str(replicas)], stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE,
+                text=True, env=env))
+    return procs
+
+
+def _read_until(p: subprocess.Popen[str], word: str, log: Path) -> dict[str, str]:
+    assert p.stdout is not None
+    said: dict[str, str] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            raise AssertionError(f"rank exited ({p.poll()}) before {word}:\n{log.read_text()[-4000:]}")
+        head, _, rest = line.strip().partition(" ")
+        said[head] = rest
+        if head == word:
+            return said
+    raise AssertionError(f"timed out waiting for {word}")
+
+
+def _lose_host_b(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_FIRST, lost: str = "B",
+                 replicas: int = 1) -> list[dict[str, str]]:
+    """Run the first job to step 6, lose host ``lost`` entirely, then the other hosts' trainers (not
+    their keepers)."""
+    procs = _start("first", d, hosts, port, log, replicas)
+    said = [_read_until(p, "READY", log) for p in procs]
+    for r, h in enumerate(hosts):
+        if h == lost:  # every process of the lost host
+            os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
+        procs[r].kill()
+    for p in procs:
+        p.wait(timeout=DEADLINE_S)
+    return said
+
+
+def _resume(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_AFTER, replicas: int = 1) -> list[dict]:
+    procs = _start("resume", d, hosts, port, log, replicas)
+    for p in procs:
+        assert p.wait(timeout=DEADLINE_S) == 0, log.read_text()[-6000:]
+    return [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(len(hosts))]
+
+
+def _replica_memfds(keeper: int, trainer_inodes: set[int]) -> list[str]:
+    """The keeper's shared-memory buffers that its trainer did not stage: the replicas it received."""
+    out: dict[int, str] = {}  # one path per buffer (a buffer may be open under two descriptors)
+    for fd in os.listdir(f"/proc/{keeper}/fd"):
+        path = f"/proc/{keeper}/fd/{fd}"
+        try:
+            ino = os.stat(path).st_ino
+            if "zerostall-stage" in os.readlink(path) and ino not in trainer_inodes:
+                out.setdefault(ino, path)
+        except OSError:
+            pass
+    return list(out.values())
+
+
+def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_path: Path, job_store: object) -> None:
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log)
+    assert all(s["TIERS"] == "memory,peer" for s in said)  # result() returned once the replica held step 6
+    assert committed_steps(open_storage(str(d))) == [4]  # step 6 is on no storage: only memory can give it
+    outs = _resume(d, port, log)
+    assert [o["agreed"] for o in outs] == [6] * WORLD
+    assert [o["loaded"] for o in outs] == [6] * WORLD  # ranks 2 and 3 from the replicas on host A
+    assert [o["adopted"] for o in outs] == [True, True, False, False]
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+    assert all(o["tiers"] == ["memory", "peer"] for o in outs)  # step 7, replicated to host C's keepers too
+    assert 7 in committed_steps(open_storage(str(d)))  # close() persisted it
+
+
+def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_store: object) -> None:
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log)
+    keeper0 = int(said[0]["KEEPER"])
+    bufs = _replica_memfds(keeper0, {int(i) for i in said[0]["INODES"].split()})
+    assert bufs, "rank 0's keeper holds no replica"
+    for path in bufs:  # a byte of rank 2's leaf "w" of step 6 (past any header padding), in its only other copy
+        with open(path, "r+b") as f:
+            f.seek(8192)
+            b = f.read(1)
+            f.seek(8192)
+            f.write(bytes([b[0] ^ 0xFF]))
+    outs = _resume(d, port, log)
+    assert [o["agreed"] for o in outs] == [6] * WORLD
+    assert [o["loaded"] for o in outs] == [4] * WORLD  # every rank fell back to storage's newest step
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+    for o in outs:  # each rank was told, naming the step memory could not give
+        assert any(step == 6 and "could not be restored from memory" in msg for step, msg in o["keeper_failures"])
+
+
+def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job_store: object) -> None:
+    # Three hosts, a rank each, two replicas: rank 2's step is held by rank 0's and rank 1's keepers.
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log, hosts=["A", "B", "C"], lost="C", replicas=2)
+    assert all(s["TIERS"] == "memory,peer" for s in said)
+    keeper0 = int(said[0]["KEEPER"])
+    bufs = _replica_memfds(keeper0, {int(i) for i in said[0]["INODES"].split()})
+    assert bufs, "rank 0's keeper holds no replica"
+    for path in bufs:  # rank 0's keeper: every replica it holds has a changed byte in leaf "w"
+        with open(path, "r+b") as f:
+            f.seek(8192)
+            b = f.read(1)
+            f.seek(8192)
+            f.write(bytes([b[0] ^ 0xFF]))
+    outs = _resume(d, port, log, hosts=["A", "B", "D"], replicas=2)
+    assert [o["agreed"] for o in outs] == [6] * 3
+    assert [o["loaded"] for o in outs] == [6] * 3  # rank 2's share came from rank 1's keeper
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+    for o in outs:  # each rank was told of the replica that failed, and of the holder tried next
+        assert any(step == 6 and "trying rank 1's keeper" in msg for step, msg in o["keeper_failures"])
+
+
+def test_both_copies_lost_falls_back_to_storage_without_a_hang(tmp_path: Path, job_store: object) -> None:
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log)
+    for r in (0, 1):  # host A's keepers too: no copy of step 6 is left anywhere
+        os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
+    outs = _resume(d, port, log)
+    assert [o["agreed"] for o in outs] == [4] * WORLD
+    assert [o["loaded"] for o in outs] == [4] * WORLD
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+
+
+ONE_HOST = """
+import datetime, os, sys
+sys.path.insert(0, {src!r})
+import torch.distributed as dist
+from zerostall import Checkpointer, MemoryTier
+from zerostall.errors import InvalidArgumentError
+rank = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+try:
+    Checkpointer({d!r}, memory_tier=MemoryTier(replicas=1))
+except InvalidArgumentError as exc:
+    print("REFUSED", exc.argument, "one host gains nothing" in str(exc), flush=True)
+"""
+
+
+def test_replicas_on_one_host_are_refused_naming_the_argument(tmp_path: Path, job_store: object) -> None:
+    port = job_store.port  # type: ignore[attr-defined]
+    code = ONE_HOST.format(src=str(Path(__file__).parents[2] / "src"), port=port, d=str(tmp_path / "run"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID="host-a", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=DEADLINE_S)[0] for p in procs]
+    assert all(o.strip().splitlines()[-1] == "REFUSED replicas True" for o in outs), outs
+
+
+def test_memory_tier_replicas_is_a_non_negative_int() -> None:
+    from zerostall import MemoryTier
+    from zerostall.errors import ArgumentTypeError, InvalidArgumentError
+
+    assert MemoryTier().replicas == 0
+    assert MemoryTier(replicas=2).replicas == 2
+    with pytest.raises(InvalidArgumentError, match="replicas"):
+        MemoryTier(replicas=-1)
+    with pytest.raises(ArgumentTypeError, match="replicas"):
+        MemoryTier(replicas=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="replicas"):
+        MemoryTier(replicas=True)

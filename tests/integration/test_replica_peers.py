@@ -1,0 +1,78 @@
+"""The keepers' replication path (``memtier.peers``) with real gloo pairs in one process: a holder
+keeps a step only from a keeper of the same job and secret, verified; the ranks' agreement
+counts a memory step only when every rank's share is somewhere."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from zerostall.format.manifest import parse_manifest
+from zerostall.memtier.tier import plan_steps
+from zerostall.messages import HeldReplica, ReplicaSetup
+
+torch = pytest.importorskip("torch")
+
+
+def _saved(tmp_path: Path) -> tuple[bytes, tuple[tuple[str, memoryview], ...]]:
+    """A real step's manifest and data files (a save's, read back)."""
+    import zerostall
+
+    d = tmp_path / "step"
+    zerostall.save_pytree(str(d), {"w": torch.arange(4096.0), "b": torch.ones(7)})
+    manifest = (d / "manifest.json").read_bytes()
+    files = tuple((f.path.rsplit("/", 1)[-1], memoryview(bytearray((d / f.path).read_bytes())))
+                  for f in parse_manifest(manifest, path=str(d)).files)
+    return manifest, files
+
+
+def _setup(port: int, rank: int, job: str, secret: bytes) -> ReplicaSetup:
+    return ReplicaSetup(store=f"127.0.0.1:{port}", job=job, secret=secret.hex(), world=2, rank=rank,
+                        ranks_per_host=1, replicas=1, timeout_s=10.0)
+
+
+def _until(cond, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_holder_keeps_a_step_only_from_a_keeper_with_the_jobs_secret(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from zerostall.memtier.peers import Peers
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    manifest, files = _saved(tmp_path)
+    sender, holder = Peers("inst"), Peers("inst")
+    try:
+        holder.configure(_setup(store.port, 1, "job-a", b"s" * 32))
+        sender.configure(_setup(store.port, 0, "job-a", b"x" * 32))  # another secret
+        assert sender.send(6, manifest, files) is False  # refused: nothing sent
+        assert holder.held() == ()
+        holder.configure(_setup(store.port, 1, "job-b", b"s" * 32))
+        sender.configure(_setup(store.port, 0, "job-b", b"s" * 32))  # the job's secret
+        assert sender.send(6, manifest, files) is True
+        assert _until(lambda: holder.held() == (HeldReplica(origin=0, step=6),))
+        kept: list[bytes] = []
+        holder.with_replica(0, lambda r: kept.extend(bytes(r.view(i)) for i in range(len(r.names))) if r else None)
+        assert kept == [bytes(v) for _, v in files]  # bit for bit
+    finally:
+        sender.close()
+        holder.close()
+
+
+def test_a_memory_step_counts_only_when_every_ranks_share_is_held_somewhere() -> None:
+    # Host B (ranks 2, 3) lost; host A's keepers hold their own step 6 and B's replicas of it.
+    assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})]) == (
+        [4], {6: [[0], [1], [0], [1]]})
+    # Rank 3's replica is of an older step: step 6 is not complete anywhere, step 5 neither.
+    assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 5}), ([4], None, {}), ([4], None, {})]) == ([4], {})
+    # Every rank holds its own step: no replica needed; storage common steps only.
+    assert plan_steps([([2, 4], 6, {1: 6}), ([4], 6, {0: 6})]) == ([4], {6: [[0, 1], [1, 0]]})
