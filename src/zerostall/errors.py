@@ -25,6 +25,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── WriterError(RuntimeError)                    the background writer died or was closed
     │   ├── BackgroundSaveError                      a save that failed in the background, raised later (.step .cause)
     │   ├── ProtocolMismatchError                    trainer and writer speak different protocol versions (zerostall.messages)
+    │   ├── UnknownLayoutError                       a save named a leaf layout its writer does not hold (zerostall.messages)
     │   └── KeeperPersistError                       the memory tier's keeper could not persist a memory-only step (.step .cause)
     │       ├── KeeperLostError                      the keeper ended while only it held the newest step
     │       └── KeeperUnadoptableError               a keeper a restart cannot adopt (listed in keeper_failures, not raised)
@@ -243,9 +244,15 @@ class ReadOnlyError(StorageError):
     """A save was asked of a read-only :class:`~zerostall.Checkpointer` (``errno`` is ``EROFS``)."""
 
 
+class UnknownLayoutError(WriterError):
+    """A save named a leaf layout (:class:`zerostall.messages.LeafLayout`) that its writer was
+    never sent or has forgotten: the writer refuses it, and nothing of that save is written."""
+
+
 _BY_NAME["BackgroundSaveError"] = BackgroundSaveError
 _BY_NAME["ReadOnlyError"] = ReadOnlyError
-__all__ += ["BackgroundSaveError", "ReadOnlyError"]
+_BY_NAME["UnknownLayoutError"] = UnknownLayoutError
+__all__ += ["BackgroundSaveError", "ReadOnlyError", "UnknownLayoutError"]
 
 
 class NoValidCheckpointError(CorruptCheckpointError):

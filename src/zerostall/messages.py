@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from collections import OrderedDict
@@ -31,11 +32,19 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from zerostall._version import __version__
-from zerostall.errors import CheckpointExistsError, StorageError, WriterError, ZerostallError, wire_class
+from zerostall.errors import (
+    CheckpointExistsError,
+    StorageError,
+    UnknownLayoutError,
+    WriterError,
+    ZerostallError,
+    wire_class,
+)
 from zerostall.options import RetentionPolicy
 
 __all__ = [
-    "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob",
+    "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob", "LeafLayout",
+    "ForgetLayout", "resolve_layout", "node_index", "node_delta", "NodeIndex",
     "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
     "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy", "PersistHeld",
     "Persisted", "WireError", "to_wire", "from_wire", "HeldReplica", "ReplicaSetup",
@@ -45,8 +54,9 @@ __all__ = [
 #: 3: KeeperFailed; 4: KeeperBusy; 5: SaveJob.crcs; 6: SaveJob.storage_ref, Adopt.instance (a
 #: keeper that ignored it would offer a deleted directory's step to a trainer of a new one), Closed,
 #: PersistHeld and Persisted; 7: ReplicaSetup, ImageQuery.origin (a keeper that ignored it would
-#: answer with its own step for another rank's replica)
-PROTOCOL = 7
+#: answer with its own step for another rank's replica); 8: LeafLayout, ForgetLayout, SaveJob.layout
+#: and SaveJob.order (a job may name its leaf rows and unchanged item nodes instead of carrying them)
+PROTOCOL = 8
 
 
 class ProtocolMismatchError(WriterError):
@@ -205,6 +215,122 @@ class SaveJob:
     #: the writer imports before it opens ``root`` (:func:`zerostall.storage.import_scheme`); ""
     #: for the built-in schemes
     storage_ref: str = ""
+    #: the :class:`LeafLayout` (sent earlier on the same connection) this job names, 0: none. With
+    #: one, ``leaves`` is empty (the layout's rows are this job's), ``items`` holds only the item
+    #: nodes that differ from the layout's, in which a subtree the layout holds is a reference to
+    #: it (:func:`node_delta`), and ``order`` names every item in order; the writer fills the job
+    #: in (:func:`resolve_layout`) before it runs
+    layout: int = 0
+    order: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafLayout:
+    """What every save of one layout repeats: its leaf rows (~170 bytes of JSON a leaf) and its
+    item nodes as first sent. Sent once per writer connection, ahead of the first job that names
+    ``id``; the writer keeps it until :class:`ForgetLayout` or the end of the connection, so a
+    restarted writer, or a keeper adopted by a new trainer, is sent it again. Ids are never reused
+    by one trainer: a job naming an id its writer does not hold is refused
+    (:class:`~zerostall.errors.UnknownLayoutError`), never run with other rows."""
+
+    id: int
+    leaves: tuple[LeafRow, ...]
+    items: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForgetLayout:
+    """The trainer will name layout ``id`` in no later job: the writer may drop it."""
+
+    id: int
+
+
+def resolve_layout(job: SaveJob, layouts: dict[int, LeafLayout]) -> SaveJob:
+    """``job`` with the rows and item nodes of the layout it names filled in (itself if it names none).
+
+    Raises:
+        UnknownLayoutError: ``layouts`` holds no layout ``job.layout`` (never sent on this
+            connection, or forgotten), or an item ``order`` names is in neither.
+    """
+    if not job.layout:
+        return job
+    known = layouts.get(job.layout)
+    if known is None:
+        raise UnknownLayoutError(f"the save names leaf layout {job.layout}, which this writer (pid {os.getpid()}) "
+                                 "was never sent or has forgotten; nothing of this save was written", path=job.path)
+    items: dict[str, Any] = {}
+    for name in job.order:
+        if name in job.items:
+            items[name] = _resolved(job.items[name], known, job)
+        elif name in known.items:
+            items[name] = known.items[name]
+        else:
+            raise UnknownLayoutError(f"the save names item {name!r} of leaf layout {job.layout}, which has no such "
+                                     "item; nothing of this save was written", path=job.path, key=name)
+    return dataclasses.replace(job, leaves=known.leaves, items=items, layout=0, order=())
+
+
+#: the type of a node that stands for the layout's node at ``path`` (:func:`node_delta`); no
+#: flattener makes nodes of this type
+_REF = "layout-ref"
+
+#: a layout's container nodes (those with ``values``) by identity: (node, path to it)
+NodeIndex = dict[int, tuple[Any, list[Any]]]
+
+
+def node_index(items: dict[str, Any]) -> NodeIndex:
+    """Every container node of a layout's ``items`` (a dict, list, tuple or namedtuple node) by
+    identity, with its path (the item's name, then indices into ``values``). Made once per layout
+    sent; the caller keeps ``items`` alive, so no id is reused while the index is."""
+    out: NodeIndex = {}
+
+    def walk(node: Any, path: list[Any]) -> None:
+        values = node.get("values") if type(node) is dict else None
+        if type(values) is list:
+            out[id(node)] = (node, path)
+            for i, v in enumerate(values):
+                if type(v) is dict and "values" in v:
+                    walk(v, [*path, i])
+
+    for name, node in items.items():
+        walk(node, [name])
+    return out
+
+
+def node_delta(node: Any, index: NodeIndex) -> Any:
+    """``node`` with every subtree that is (by identity) a node of the layout ``index`` was made
+    from replaced by a reference to it: a save whose step count changed sends that scalar and the
+    containers above it, not the model's and optimizer's nodes again. Costs per container node
+    that changed and its direct children."""
+    hit = index.get(id(node))
+    if hit is not None and hit[0] is node:
+        return {"type": _REF, "path": hit[1]}
+    values = node.get("values") if type(node) is dict else None
+    if type(values) is not list:
+        return node
+    return {**node, "values": [node_delta(v, index) if type(v) is dict and "values" in v else v for v in values]}
+
+
+def _resolved(node: Any, layout: LeafLayout, job: SaveJob) -> Any:
+    """``node`` with the references :func:`node_delta` made replaced by the layout's nodes."""
+    if type(node) is not dict:
+        return node
+    if node.get("type") == _REF:
+        path: Any = node.get("path")
+        found: Any = layout.items.get(path[0]) if type(path) is list and path and type(path[0]) is str else None
+        for i in path[1:] if found is not None else ():
+            values = found.get("values") if type(found) is dict else None
+            found = values[i] if type(values) is list and type(i) is int and 0 <= i < len(values) else None
+            if found is None:
+                break
+        if type(found) is not dict:
+            raise UnknownLayoutError(f"the save refers to node {path!r} of leaf layout {layout.id}, which has no "
+                                     "such node; nothing of this save was written", path=job.path)
+        return found
+    values = node.get("values")
+    if type(values) is not list:
+        return node
+    return {**node, "values": [_resolved(v, layout, job) for v in values]}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -429,11 +555,12 @@ class KeeperBusy:
     pid_is_keeper: bool = False
 
 
-Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | Close | Closed | Released | Done | Failed | Adopt | ImageQuery
-           | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted | ReplicaSetup)
+Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | LeafLayout | ForgetLayout | Close | Closed | Released | Done
+           | Failed | Adopt | ImageQuery | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted | ReplicaSetup)
 
 _OPS: dict[str, type[Any]] = {
-    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "close": Close, "closed": Closed,
+    "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "layout": LeafLayout,
+    "forget-layout": ForgetLayout, "close": Close, "closed": Closed,
     "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
     "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy, "persist": PersistHeld, "persisted": Persisted,
     "replica-setup": ReplicaSetup,
@@ -482,15 +609,14 @@ def decode(data: bytes) -> Message:
 
 # -- the codec: dataclass fields <-> JSON, checked against the annotations --------------------
 #
-# Each class's annotations are compiled once into converter functions: a save job's leaf rows
-# (hundreds) are then encoded and checked without re-reading annotations per field, and a
-# plan's rows, identical from save to save, are encoded once (see :func:`_encoded_rows`).
+# Each class's annotations are compiled once into converter functions: a layout's leaf rows
+# (thousands) are then encoded and checked without re-reading annotations per field. A save of a
+# known layout sends neither its rows nor its unchanged item nodes (:class:`LeafLayout`).
 
 Encoder = Callable[[Any], Any]
 _ENCODERS: dict[type[Any], Encoder] = {}
 _DECODERS: dict[Any, Callable[[Any], Any]] = {}
-_ROWS: OrderedDict[int, tuple[tuple[LeafRow, ...], list[Any]]] = OrderedDict()
-_ROWS_KEEP = 16
+_NODES_KEEP = 16
 
 
 def _to_json(value: Any) -> Any:
@@ -498,67 +624,38 @@ def _to_json(value: Any) -> Any:
 
 
 def _encoded_rows(rows: tuple[LeafRow, ...]) -> list[Any]:
-    """The JSON of a tuple of leaf rows, computed once per tuple object (the engine reuses a plan's)."""
-    hit = _ROWS.get(id(rows))
-    if hit is not None and hit[0] is rows:
-        _ROWS.move_to_end(id(rows))
-        return hit[1]
     enc = _encoder(LeafRow)
-    out = [enc(r) for r in rows]
-    _ROWS[id(rows)] = (rows, out)  # holds the tuple, so its id cannot be reused while cached
-    while len(_ROWS) > _ROWS_KEEP:
-        _ROWS.popitem(last=False)
-    return out
-
-
-_ROWS_JSON: OrderedDict[int, tuple[tuple[LeafRow, ...], bytes]] = OrderedDict()
+    return [enc(r) for r in rows]
 
 
 def _encode_job(job: SaveJob) -> bytes:
-    """A ``SaveJob`` as :func:`encode` makes it, with its leaf rows' JSON text made once per rows tuple.
-
-    The rows are ~170 bytes of JSON per leaf and the same at every save of a layout (the engine
-    hands the plan's own tuple): serialising them again was ~3 us per leaf on the training thread
-    (70 ms a save at 20,000 leaves). The rest of the job is encoded as usual and the cached text
-    is spliced in as the object's last member (the decoder does not care about member order).
-    """
+    """A ``SaveJob`` as :func:`encode` makes it, with each item node's JSON text made once per
+    node object (:func:`_node_json`) and spliced in as the object's last member (the decoder does
+    not care about member order)."""
     doc = _to_json(job)
     assert isinstance(doc, dict)
-    doc.pop("leaves")
     doc.pop("items")
     head = json.dumps({"v": PROTOCOL, "op": _OP_OF[SaveJob], **doc}, separators=(",", ":"), allow_nan=False)
     items = b",".join(json.dumps(name).encode() + b":" + _node_json(node) for name, node in job.items.items())
-    return b"".join((head[:-1].encode(), b',"items":{', items, b'},"leaves":', _rows_json(job.leaves), b"}"))
+    return b"".join((head[:-1].encode(), b',"items":{', items, b"}}"))
 
 
 _NODES_JSON: OrderedDict[int, tuple[Any, bytes]] = OrderedDict()
 
 
 def _node_json(node: Any) -> bytes:
-    """The JSON text of one item's tree node, computed once per node object: a save of an
-    unchanged layout hands the previous save's node objects again (zerostall.stage.reuse), and a
-    node of 20,000 leaves is ~40 bytes of JSON each. Nodes are never modified once made."""
+    """The JSON text of one item's tree node, computed once per node object: a save whose layout
+    is not yet its writer's, or whose node changed, may hand the same node objects as an earlier
+    save (zerostall.stage.reuse keeps unchanged subtrees), and a node of 20,000 leaves is ~40 bytes
+    of JSON each. Nodes are never modified once made."""
     hit = _NODES_JSON.get(id(node))
     if hit is not None and hit[0] is node:
         _NODES_JSON.move_to_end(id(node))
         return hit[1]
     out = json.dumps(node, separators=(",", ":"), allow_nan=False).encode()
     _NODES_JSON[id(node)] = (node, out)  # holds the node, so its id cannot be reused while cached
-    while len(_NODES_JSON) > _ROWS_KEEP:
+    while len(_NODES_JSON) > _NODES_KEEP:
         _NODES_JSON.popitem(last=False)
-    return out
-
-
-def _rows_json(rows: tuple[LeafRow, ...]) -> bytes:
-    """The JSON text of a tuple of leaf rows, computed once per tuple object (like :func:`_encoded_rows`)."""
-    hit = _ROWS_JSON.get(id(rows))
-    if hit is not None and hit[0] is rows:
-        _ROWS_JSON.move_to_end(id(rows))
-        return hit[1]
-    out = json.dumps(_encoded_rows(rows), separators=(",", ":"), allow_nan=False).encode()
-    _ROWS_JSON[id(rows)] = (rows, out)  # holds the tuple, so its id cannot be reused while cached
-    while len(_ROWS_JSON) > _ROWS_KEEP:
-        _ROWS_JSON.popitem(last=False)
     return out
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -193,6 +193,9 @@ class ArrayLeaf:
 class FlatState:
     items: dict[str, Node]
     leaves: list[ArrayLeaf]
+    #: per leaf index: the key a registered flattener's ``reuse`` gave for the object that leaf
+    #: came from (:func:`register_flattener`), where it made exactly that one leaf
+    reuse_keys: dict[int, Any] = field(default_factory=dict)
 
     @property
     def signature(self) -> tuple[tuple[str, str, str, tuple[int, ...], bool], ...]:
@@ -202,20 +205,32 @@ class FlatState:
 
 #: adds the leaves of one object of a type zerostall does not know itself and returns its node
 LeafFlattener = Callable[[Any, str, list[ArrayLeaf]], Node]
+#: ``(key, leaf value)`` of an object a flattener makes one leaf of: see :func:`register_flattener`
+LeafReuse = Callable[[Any], tuple[Any, Any]]
 _FLATTENERS: list[tuple[Callable[[type], bool], LeafFlattener]] = []
 _FLATTENER_OF: dict[type, LeafFlattener | None] = {}  # per concrete type: one dict lookup per leaf
+_REUSE: dict[LeafFlattener, LeafReuse] = {}
 
 
-def register_flattener(match: Callable[[type], bool], flatten: LeafFlattener) -> None:
+def register_flattener(match: Callable[[type], bool], flatten: LeafFlattener, *,
+                       reuse: LeafReuse | None = None) -> None:
     """Flatten objects whose type satisfies ``match`` with ``flatten`` (checked before torch and numpy).
 
     How array types from other libraries plug in without this module importing them:
     :mod:`zerostall.distributed` registers ``DTensor``; a JAX integration registers ``jax.Array``.
     ``flatten(obj, key, leaves)`` appends the object's :class:`ArrayLeaf` s to ``leaves`` and
     returns the tree node that refers to them. A later registration wins over an earlier one.
+
+    ``reuse(obj)``, for a flattener that makes one torch leaf of an object, returns ``(key,
+    value)`` cheaply: objects of equal keys flatten to the same node and the same leaf but for
+    its value, which is ``value``, whose type, dtype and shape a save of a kept layout checks in
+    bulk (:class:`Layout`). A save of a kept layout then calls ``reuse`` instead of ``flatten``,
+    and flattens as usual where the key differs.
     """
     with _HANDLER_LOCK:
         _FLATTENERS.insert(0, (match, flatten))
+        if reuse is not None:
+            _REUSE[flatten] = reuse
         _FLATTENER_OF.clear()
         _bump_generation()
 
@@ -269,7 +284,9 @@ def flatten(items: dict[str, Any], *, states: dict[int, tuple[Any, Any]] | None 
     load_lazy_integrations()
     leaves: list[ArrayLeaf] = []
     out: dict[str, Node] = {}
+    reuse_keys: dict[int, Any] = {}
     _local.states = states or None
+    _local.reuse_keys = reuse_keys if _REUSE else None
     try:
         for name, tree in items.items():
             if not isinstance(name, str) or not name or "/" in name:
@@ -278,13 +295,14 @@ def flatten(items: dict[str, Any], *, states: dict[int, tuple[Any, Any]] | None 
             out[name] = _flatten(tree, name, leaves, depth=0)
     finally:
         _local.states = None
+        _local.reuse_keys = None
     keys = [leaf.key for leaf in leaves]
     if len(set(keys)) != len(keys):
         seen: set[str] = set()
         dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise UnsupportedLeafError(
             "two leaves flatten to the same key; rename one of the dict keys", key=dup)
-    return FlatState(items=out, leaves=leaves)
+    return FlatState(items=out, leaves=leaves, reuse_keys=reuse_keys)
 
 
 _MAX_DEPTH = 200
@@ -308,7 +326,15 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
     if _FLATTENERS:
         hook = _flattener_for(t)
         if hook is not None:
-            return hook(obj, key, leaves)
+            recorded: dict[int, Any] | None = getattr(_local, "reuse_keys", None)
+            reuse = _REUSE.get(hook) if recorded is not None else None
+            if reuse is None:
+                return hook(obj, key, leaves)
+            n = len(leaves)
+            node = hook(obj, key, leaves)
+            if len(leaves) == n + 1 and recorded is not None:
+                recorded[n] = reuse(obj)[0]
+            return node
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         return add_torch_leaf(obj, key, leaves)
@@ -531,6 +557,7 @@ class _Op:
         "keys",
         "kind",
         "node",
+        "reuse_key",
         "scalar_types",
         "scalars",
         "seq_type",
@@ -538,8 +565,8 @@ class _Op:
 
     def __init__(self, kind: str, node: Node, *, keys: list[Any] | None = None, children: list[_Op] | None = None,
                  seq_type: type | None = None, first: int = 0, count: int = 0,
-                 scalars: list[Any] | None = None) -> None:
-        self.kind = kind  # "tensors" | "dict" | "seq" | "tensor" | "other"
+                 scalars: list[Any] | None = None, reuse_key: Any = None) -> None:
+        self.kind = kind  # "tensors" | "dict" | "seq" | "tensor" | "keyed" | "other"
         self.node = node
         self.keys = keys or []
         self.key_types = [type(k) for k in self.keys]
@@ -551,6 +578,8 @@ class _Op:
         #: types give the same nodes; floats are not compared: 0.0 == -0.0 but not their nodes)
         self.scalars = scalars
         self.scalar_types = [type(v) for v in scalars] if scalars is not None else None
+        #: "keyed": the key its flattener's ``reuse`` gave (see :func:`register_flattener`)
+        self.reuse_key = reuse_key
 
 
 def _count_leaves(node: Any) -> int:
@@ -561,7 +590,16 @@ def _count_leaves(node: Any) -> int:
     return ("leaf" in node) + sum(_count_leaves(v) for v in node.get("values", ()))
 
 
-def _compile(node: Node, fast: list[bool]) -> _Op:
+def _single_leaf(node: Node) -> int | None:
+    """The leaf index of a node that refers to exactly one leaf (an array, or one shard), else None."""
+    if node.get("type") == "sharded":
+        shards = node.get("shards")
+        return shards[0].get("leaf") if isinstance(shards, list) and len(shards) == 1 else None
+    leaf = node.get("leaf")
+    return leaf if type(leaf) is int and "values" not in node else None
+
+
+def _compile(node: Node, fast: list[bool], keys: dict[int, Any]) -> _Op:
     t = node.get("type")
     if t == "dict":
         values = node["values"]
@@ -569,14 +607,17 @@ def _compile(node: Node, fast: list[bool]) -> _Op:
         first = idx[0] if idx else None
         if first is not None and all(i is not None and fast[i] for i in idx) and idx == list(range(first, first + len(idx))):
             return _Op("tensors", node, keys=list(node["keys"]), first=first, count=len(idx))
-        return _Op("dict", node, keys=list(node["keys"]), children=[_compile(v, fast) for v in values])
+        return _Op("dict", node, keys=list(node["keys"]), children=[_compile(v, fast, keys) for v in values])
     if t in ("list", "tuple"):
         values = node["values"]
         exact = values and all(v.get("type") in _EXACT_SCALARS for v in values)
-        return _Op("seq", node, seq_type=list if t == "list" else tuple, children=[_compile(v, fast) for v in values],
+        return _Op("seq", node, seq_type=list if t == "list" else tuple, children=[_compile(v, fast, keys) for v in values],
                    scalars=[v.get("value") for v in values] if exact else None)
     if t == "array" and fast[node["leaf"]]:
         return _Op("tensor", node, first=node["leaf"])
+    one = _single_leaf(node) if keys else None
+    if one is not None and one in keys and fast[one]:
+        return _Op("keyed", node, first=one, count=1, reuse_key=keys[one])
     return _Op("other", node, count=_count_leaves(node))
 
 
@@ -615,9 +656,10 @@ class Layout:
     :meth:`rewalk` follows a new state along the recorded nodes instead of flattening it: a dict
     whose values were all plain tensors costs one comparison of its keys and one ``extend`` of
     its values, whatever its size; Stateful objects' ``state_dict()`` is called as by
-    :func:`flatten`; scalars and every other kind of leaf (numpy arrays, bytes, handlers'
-    objects, registered flatteners' types such as DTensor) are flattened as usual, and their
-    leaves must be the recorded ones. What :meth:`rewalk` does not check is the plain tensors'
+    :func:`flatten`; an object of a registered flattener with ``reuse`` (DTensor) whose key is
+    the recorded one gives the recorded node and its leaf's value; scalars and every other kind of
+    leaf (numpy arrays, bytes, handlers' objects, a DTensor of another key) are flattened as
+    usual, and their leaves must be the recorded ones. What :meth:`rewalk` does not check is the plain tensors'
     metadata (type, dtype, shape...): the caller checks those in bulk (:mod:`zerostall.stage.reuse`).
     """
 
@@ -634,7 +676,7 @@ class Layout:
             plain = (torch.Tensor, torch.nn.Parameter)
         #: per leaf: a plain tensor reached through dicts, lists and tuples (checked by the caller)
         self.fast = [leaf.kind == "torch" and type(leaf.value) in plain for leaf in flat.leaves]
-        self._ops = [_compile(flat.items[name], self.fast) for name in self.names]
+        self._ops = [_compile(flat.items[name], self.fast, flat.reuse_keys) for name in self.names]
         #: leaf objects lent to one save at a time (see :meth:`flat`), and their attribute dicts
         self._live = [_with_value(leaf, None) for leaf in self.leaves]
         self._dicts = [leaf.__dict__ for leaf in self._live]
@@ -677,6 +719,15 @@ class Layout:
         if kind == "tensor":
             values.append(obj)
             return op.node
+        if kind == "keyed":  # a registered type's one leaf: its key, else flattened as usual
+            hook = _flattener_for(type(obj)) if _FLATTENERS else None
+            reuse = _REUSE.get(hook) if hook is not None else None
+            if reuse is not None:
+                k, v = reuse(obj)
+                if k == op.reuse_key:
+                    values.append(v)
+                    return op.node
+            return self._other(obj, op, key, values, others, depth)
         if kind == "other":
             return self._other(obj, op, key, values, others, depth)
         obj = _unwrap(obj, depth, states)

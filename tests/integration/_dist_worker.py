@@ -465,6 +465,24 @@ def scenario_atomic_device(rank: int, world: int, d: str) -> dict:
         plan.DEVICE_TYPES.discard("cpu")
 
 
+def _step_files(step_dir: str) -> dict[str, bytes]:
+    """A committed step's files by path, its manifest without its creation time and the name of
+    the collective attempt that wrote it (run id and save number: another Checkpointer's differ)."""
+    out = {}
+    for root, _, names in os.walk(step_dir):
+        for n in names:
+            p = os.path.join(root, n)
+            with open(p, "rb") as f:
+                data = f.read()
+            if n == "manifest.json":
+                doc = json.loads(data)
+                doc.pop("created_unix")
+                doc.pop("attempt")
+                data = json.dumps(doc, sort_keys=True).encode()
+            out[os.path.relpath(p, step_dir)] = data
+    return out
+
+
 def scenario_reuse(rank: int, world: int, d: str) -> dict:
     """Collective saves of an unchanged layout (a DDP model, its AdamW, DTensor shards) reuse the
     previous save's work on every rank and save what a full save does; a resharded DTensor and a
@@ -497,16 +515,37 @@ def scenario_reuse(rank: int, world: int, d: str) -> dict:
             for k, v in st.items():
                 assert torch.equal(got[pid][k], v), (step, pid, k)
 
+    from zerostall.distributed import dtensor
+
+    boxes = [0]
+    real_box = dtensor.local_box
+
+    def counted_box(dt: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        boxes[0] += 1
+        return real_box(dt)
+
+    dtensor.local_box = counted_box
     with Checkpointer(f"{d}/ck", keep_last=4, save_options=opts) as ck:
         cache = ck._engine._layouts
         ck.save_pytree(1, tree)
+        assert boxes[0] == 2, boxes  # the first save flattens each DTensor
         train_step(model, opt, 2)
         mine["rng"].add_(1)
         mine["step"] = 2
         dts["rows"].to_local().add_(100)  # in place: the same shard
         ck.save_pytree(2, tree)
         assert (cache.hits, cache.deferrals_reused) == (1, 1), (cache.hits, cache.deferrals_reused)
+        assert boxes[0] == 2, boxes  # the kept layout's DTensors: their keys, no box computed again
         check(ck, 2, full["rows"] + 100)
+        # the cached collective save wrote what a full save of the same state writes
+        with Checkpointer(f"{d}/full", save_options=opts) as fresh:
+            fresh.save_pytree(2, tree)
+            assert fresh._engine._layouts.hits == 0
+        if rank == 0:
+            cached_files, full_files = _step_files(f"{d}/ck/step_00000002"), _step_files(f"{d}/full/step_00000002")
+            assert cached_files.keys() == full_files.keys() and cached_files, (cached_files.keys(), full_files.keys())
+            for name, data in cached_files.items():
+                assert data == full_files[name], name
         # resharded: each rank's box changes (Shard(0) -> Replicate)
         dts["rows"] = dts["rows"].redistribute(mesh, [Replicate()])
         ck.save_pytree(3, tree)

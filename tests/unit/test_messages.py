@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -25,12 +26,14 @@ from zerostall.messages import (
     Done,
     Failed,
     FileRow,
+    ForgetLayout,
     Hello,
     Image,
     ImageFile,
     ImageQuery,
     KeeperBusy,
     KeeperFailed,
+    LeafLayout,
     LeafRow,
     MapBuffer,
     Persisted,
@@ -85,6 +88,9 @@ MESSAGES = [
     Closed(step=10), Closed(step=None),
     # the trainer's wait(): persist the held step now, and the keeper's answer
     PersistHeld(request=3), Persisted(request=3, step=12), Persisted(request=4, step=None),
+    # a layout sent once, then named by the jobs of that layout
+    LeafLayout(id=3, leaves=JOB.leaves, items=JOB.items), ForgetLayout(id=3),
+    dataclasses.replace(JOB, leaves=(), items={}, layout=3, order=("pytree",)),
 ]
 
 
@@ -203,3 +209,29 @@ def test_a_keepers_hello_says_why_it_cannot_be_adopted_without_a_protocol_bump()
     d = _doc(hello)
     del d["unadoptable"]
     assert decode(json.dumps(d).encode()) == Hello(protocol=PROTOCOL, library="0.1.0", pid=5, unadoptable=None)
+
+
+def test_a_job_naming_a_layout_is_filled_in_with_its_rows_and_nodes() -> None:
+    from zerostall.errors import UnknownLayoutError
+    from zerostall.messages import node_delta, node_index, resolve_layout
+
+    model = {"type": "dict", "keys": ["w"], "values": [{"type": "array", "leaf": 0}]}
+    items = {"pytree": {"type": "dict", "keys": ["model", "step"], "values": [model, {"type": "int", "value": 1}]}}
+    layout = LeafLayout(id=2, leaves=JOB.leaves, items=items)
+    index = node_index(items)
+    now = {"type": "dict", "keys": ["model", "step"], "values": [model, {"type": "int", "value": 2}]}
+    delta = node_delta(now, index)
+    assert delta["values"][0] == {"type": "layout-ref", "path": ["pytree", 0]}  # the model's node is not sent
+    job = dataclasses.replace(JOB, leaves=(), items={"pytree": delta}, layout=2, order=("pytree",))
+    sent = decode(encode(job))
+    assert isinstance(sent, SaveJob)
+    full = resolve_layout(sent, {2: layout})
+    assert full.leaves == JOB.leaves and full.items == {"pytree": now} and full.layout == 0
+    assert resolve_layout(dataclasses.replace(job, items={}), {2: layout}).items == items  # unchanged: the layout's
+    for bad, needle in ((dataclasses.replace(job, layout=9), "leaf layout 9"),
+                        (dataclasses.replace(job, order=("other",), items={}), "item 'other'"),
+                        (dataclasses.replace(job, items={"pytree": {"type": "layout-ref", "path": ["pytree", 5]}}),
+                         "node ['pytree', 5]")):
+        with pytest.raises(UnknownLayoutError, match=re.escape(needle)) as info:
+            resolve_layout(bad, {2: layout})
+        assert info.value.path == JOB.path

@@ -6,8 +6,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -15,8 +20,10 @@ import torch
 
 import zerostall
 from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import UnknownLayoutError
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "src")
 
 
 def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -275,3 +282,101 @@ def test_a_layout_lends_its_leaves_to_one_save_at_a_time():
     assert [leaf.value for leaf in second.leaves] == [state["a"], state["b"]["c"]]
     third = layout.flat(*walked)
     assert third.leaves is first.leaves  # lent again
+
+
+# -- the writer keeps each layout: saves name it and send only what changed --------------------
+
+
+def _sent(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Every message this process sends on a writer connection from now on, decoded (the writer
+    is a process: the trainer's sends are the only ones here)."""
+    out: list[dict[str, Any]] = []
+    real = Connection.send_bytes
+
+    def send_bytes(self: Connection, buf: Any, *args: Any) -> None:
+        out.append(json.loads(bytes(buf)))
+        real(self, buf, *args)
+
+    monkeypatch.setattr(Connection, "send_bytes", send_bytes)
+    return out
+
+
+def _ops(sent: list[dict[str, Any]]) -> list[str]:
+    return [m["op"] for m in sent if m["op"] != "map"]
+
+
+def test_a_save_of_a_known_layout_sends_only_what_changed(tmp_path, monkeypatch):
+    model, opt = _trained()
+    tree: dict[str, Any] = {"model": model, "optim": opt, "step": 1, "w": torch.arange(6.0)}
+    sent = _sent(monkeypatch)
+    with Checkpointer(tmp_path / "cached") as ck:
+        ck.save_pytree(1, tree)
+        layout = next(m for m in sent if m["op"] == "layout")
+        assert len(layout["leaves"]) == len(model.state_dict()) + 3 * len(opt.state) + 1  # AdamW: 3 tensors a parameter
+        del sent[:]
+        _step(model, opt)
+        tree["step"] = 2
+        ck.save_pytree(2, tree)
+    assert _ops(sent) == ["save", "close"]  # the writer holds the layout: not sent again
+    job = sent[0]
+    assert job["layout"] == layout["id"] and job["leaves"] == []
+    assert job["order"] == ["pytree"]
+    # only the step count changed: its node and the dict above it are sent, the rest by reference
+    tree_node = job["items"]["pytree"]
+    assert tree_node["keys"] == ["model", "optim", "step", "w"]
+    assert [v["type"] for v in tree_node["values"]] == ["layout-ref", "layout-ref", "int", "array"]
+    assert tree_node["values"][2]["value"] == 2
+    with Checkpointer(tmp_path / "full", save_options=THREAD) as ck:
+        ck.save_pytree(2, tree)
+        assert _reuse(ck).hits == 0
+    cached, full = _files(str(tmp_path / "cached" / "step_00000002")), _files(str(tmp_path / "full" / "step_00000002"))
+    assert cached.keys() == full.keys() and len(cached) == 2
+    for name in cached:
+        assert cached[name] == full[name], name
+
+
+def test_a_restarted_writer_is_sent_the_layout_again(tmp_path, monkeypatch):
+    tree = {"w": torch.arange(4.0), "b": torch.ones(3)}
+    sent = _sent(monkeypatch)
+    with Checkpointer(tmp_path) as ck:
+        ck.save_pytree(1, tree)
+        writer = ck._engine.writer
+        first = writer.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        writer._reap()  # its listener sees the end; the next save starts a fresh writer
+        del sent[:]
+        tree["w"] = torch.arange(4.0) * 2
+        ck.save_pytree(2, tree)  # a fresh writer holds no layout: it is sent again, not named blindly
+        assert writer.pid not in (None, first)
+        assert _ops(sent) == ["layout", "save"]
+        assert torch.equal(ck.load_pytree(2)["w"], tree["w"])
+
+
+def test_a_save_naming_a_layout_its_writer_lacks_is_refused(tmp_path):
+    """A writer refuses a job naming a layout it was never sent, with a typed error; nothing is written."""
+    from zerostall.messages import FileRow, Hello, LeafLayout, LeafRow, SaveJob, WriteOptions, decode, encode, from_wire
+
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = subprocess.Popen([sys.executable, "-m", "zerostall.persist.server", str(child.fileno()), "0"],
+                            pass_fds=(child.fileno(),), env=dict(os.environ, PYTHONPATH=SRC))
+    child.close()
+    conn = Connection(parent.detach())
+    rows = (LeafRow(key="t/w", kind="torch", dtype="F32", shape=(0,), file=0, offset=0, nbytes=0),)
+    job = SaveJob(id=1, root=str(tmp_path), name="step_00000001", path=f"{tmp_path}/step_00000001",
+                  files=(FileRow(name="rank-00000.safetensors", length=0, buffer=1),), leaves=(),
+                  items={}, write=WriteOptions(direct_io=False, io_threads=1, chunk_bytes=1 << 20), layout=5,
+                  order=("t",))
+    try:
+        assert isinstance(decode(conn.recv_bytes()), Hello)
+        conn.send_bytes(encode(LeafLayout(id=4, leaves=rows, items={"t": {"type": "int", "value": 1}})))
+        conn.send_bytes(encode(job))
+        failed = decode(conn.recv_bytes())
+        assert type(failed).__name__ == "Failed" and failed.job == 1  # type: ignore[union-attr]
+        err = from_wire(failed.error)  # type: ignore[union-attr]
+        assert isinstance(err, UnknownLayoutError) and "leaf layout 5" in str(err)
+        assert err.path == job.path
+    finally:
+        conn.close()
+        proc.wait(timeout=60)
+    assert os.listdir(tmp_path) == []

@@ -18,10 +18,12 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
 
 from zerostall.commit import is_committed
 from zerostall.envvars import settled_switches
@@ -41,13 +43,17 @@ from zerostall.messages import (
     Closed,
     Done,
     Failed,
+    ForgetLayout,
     Hello,
     Image,
     ImageQuery,
     KeeperBusy,
     KeeperFailed,
+    LeafLayout,
+    LeafRow,
     MapBuffer,
     Message,
+    NodeIndex,
     Persisted,
     PersistHeld,
     ProtocolMismatchError,
@@ -59,6 +65,8 @@ from zerostall.messages import (
     decode,
     encode,
     from_wire,
+    node_delta,
+    node_index,
 )
 from zerostall.options import WriterKind
 from zerostall.stage.buffers import HostBuffer
@@ -70,6 +78,9 @@ __all__ = ["WriterClient", "OnDone"]
 OnDone = Callable[[WriterStats | None, BaseException | None], None]
 
 log = logging.getLogger("zerostall")
+#: leaf layouts a client names (the engine keeps 8 plans); the writer drops those it is told to forget
+_LAYOUTS_KEEP = 16
+_ABSENT = object()
 _PKG_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CLIENTS: weakref.WeakSet[WriterClient] = weakref.WeakSet()
 
@@ -162,6 +173,14 @@ class WriterClient:
         self._deferred: list[Callable[[], None]] = []
         #: replication settings the keeper is told after each Hello (a new or adopted keeper)
         self.replica_setup: ReplicaSetup | None = None
+        #: the leaf layouts of this trainer's saves (:class:`LeafLayout`), by the identity of their
+        #: rows tuple (the engine hands a plan's own): id(rows) -> (rows, layout id); ids are never
+        #: reused, so a writer that holds an id holds that layout
+        self._layouts: OrderedDict[int, tuple[tuple[LeafRow, ...], int]] = OrderedDict()
+        self._layout_ids = itertools.count(1)
+        #: the layouts the running writer holds (for its connection only: a restarted writer or an
+        #: adopted keeper holds none), with the item nodes each was sent with and their index
+        self._sent_layouts: dict[int, tuple[dict[str, Any], NodeIndex]] = {}
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -176,6 +195,7 @@ class WriterClient:
         self._listener = None
         self._pending = {}
         self._mapped = set()
+        self._sent_layouts = {}
         self._held = {}
         self._adopted_pid = None
         self._busy = None
@@ -231,6 +251,7 @@ class WriterClient:
                 self._ready = threading.Event()
                 self._ready.set()  # adopt() read its Hello already
                 self._mapped = set()
+                self._sent_layouts = {}  # a keeper holds layouts per trainer connection
                 self._listener = threading.Thread(target=self._listen, args=(self._conn,),
                                                   name="zerostall-listener", daemon=True)
                 self._listener.start()
@@ -258,6 +279,7 @@ class WriterClient:
         self._conn = Connection(parent.detach())
         self._ready = threading.Event()
         self._mapped = set()
+        self._sent_layouts = {}
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
         self._listener.start()
@@ -353,6 +375,34 @@ class WriterClient:
             if fd is not None:
                 send_handle(self._conn, fd, self._proc.pid if self._proc is not None else os.getpid())
 
+    def _send_job(self, job: SaveJob) -> None:
+        """Send ``job`` naming its leaf layout: the rows and the item nodes the writer already
+        holds are not sent again (~170 bytes of JSON a leaf, decoded again by the writer). The
+        layout goes first if the running writer does not hold it."""
+        assert self._conn is not None
+        rows = job.leaves
+        with self._send_lock:
+            entry = self._layouts.get(id(rows))
+            if entry is not None and entry[0] is rows:
+                self._layouts.move_to_end(id(rows))
+                lid = entry[1]
+            else:
+                lid = next(self._layout_ids)
+                self._layouts[id(rows)] = (rows, lid)  # holds the tuple: its id is not reused while kept
+                while len(self._layouts) > _LAYOUTS_KEEP:
+                    _, (_, old) = self._layouts.popitem(last=False)
+                    if self._sent_layouts.pop(old, None) is not None:
+                        self._conn.send_bytes(encode(ForgetLayout(id=old)))
+            held = self._sent_layouts.get(lid)
+            if held is None:
+                self._conn.send_bytes(encode(LeafLayout(id=lid, leaves=rows, items=job.items)))
+                held = self._sent_layouts[lid] = (job.items, node_index(job.items))
+            nodes, index = held
+            changed = {name: node_delta(node, index) for name, node in job.items.items()
+                       if nodes.get(name, _ABSENT) is not node}
+            self._conn.send_bytes(encode(dataclasses.replace(job, leaves=(), items=changed, layout=lid,
+                                                             order=tuple(job.items))))
+
     def forget(self, buf: HostBuffer) -> None:
         """The trainer is about to free ``buf``: the writer drops its mapping."""
         if buf.id in self._mapped and self.alive():
@@ -379,7 +429,7 @@ class WriterClient:
                     if b.id not in self._mapped:
                         self._send(MapBuffer(buffer=b.id, size=b.size), fd=b.fd)
                         self._mapped.add(b.id)
-                self._send(job)
+                self._send_job(job)
                 return
             except OSError:
                 # The writer died under us: its listener fails what it had; try once more on a new one.

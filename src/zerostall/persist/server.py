@@ -26,8 +26,10 @@ from zerostall.messages import (
     Closed,
     Done,
     Failed,
+    ForgetLayout,
     Hello,
     ImageQuery,
+    LeafLayout,
     MapBuffer,
     Message,
     Persisted,
@@ -40,6 +42,7 @@ from zerostall.messages import (
     WireError,
     WriterStats,
     encode,
+    resolve_layout,
     to_wire,
 )
 from zerostall.persist.intake import Intake
@@ -99,9 +102,14 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
 
     Returns True when the trainer said :class:`Close`, False when the connection ended. With a
     ``keeper`` (the memory tier), memory jobs and image queries go to it.
+
+    The leaf layouts the trainer sends (:class:`LeafLayout`) are kept for this connection only: a
+    trainer that adopts a keeper starts a new one and sends them again. A job naming a layout not
+    held fails with :class:`~zerostall.errors.UnknownLayoutError`.
     """
     maps: dict[int, mmap.mmap] = {}
     views: dict[int, memoryview] = {}
+    layouts: dict[int, LeafLayout] = {}
     _send(conn, Hello(protocol=PROTOCOL, library=__version__, pid=os.getpid(),
                       unadoptable=keeper.unadoptable if keeper is not None else None))
     if keeper is not None:  # an adopting trainer hears first of what its predecessor's step lacks
@@ -136,8 +144,12 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
                     _close(m)
                 if keeper is not None:
                     keeper.on_unmap(msg.buffer)
+            elif isinstance(msg, LeafLayout):
+                layouts[msg.id] = msg
+            elif isinstance(msg, ForgetLayout):
+                layouts.pop(msg.id, None)
             elif isinstance(msg, SaveJob):
-                _run(conn, msg, views, keeper)
+                _run(conn, msg, views, keeper, layouts)
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ImageQuery):
@@ -166,8 +178,10 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
         conn.close()
 
 
-def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None) -> None:
+def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None,
+         layouts: dict[int, LeafLayout] | None = None) -> None:
     try:
+        job = resolve_layout(job, layouts or {})
         import_scheme(job.root, job.storage_ref)  # a scheme the trainer registered opens here too
         if keeper is not None and job.memory:
             stats = keeper.run(job, views, lambda m: _send(conn, m))

@@ -7,8 +7,10 @@ engine, a few layouts, no tensors held) and a later save only checks that it sti
 
 * the tree is re-walked along the recorded nodes (:class:`zerostall.tree.Layout`): the same item
   names, container types and dict keys (and key types); Stateful objects' ``state_dict()`` is
-  called as always; scalars and leaves other than plain tensors are flattened as usual and must
-  give the recorded leaves; a dict of plain tensors is one comparison of its keys;
+  called as always; a DTensor is taken by its key (mesh, placements, global shape and dtype:
+  ``zerostall.distributed.dtensor.dtensor_reuse``) and its local shard checked with the plain
+  tensors; scalars and other leaves are flattened as usual and must give the recorded leaves; a
+  dict of plain tensors is one comparison of its keys;
 * every tensor leaf is then checked in bulk, one list comprehension per property compared with the
   recorded list in C: its type, dtype and shape (a tensor of no bytes is also checked as
   :func:`zerostall.tree.add_torch_leaf` does). That is all the plan, the leaf rows and the staging
