@@ -45,7 +45,7 @@ from zerostall.errors import (
 from zerostall.format.manifest import MANIFEST_NAME, parse_manifest
 from zerostall.memtier.image import ImageStorage, open_image
 from zerostall.memtier.instance import ensure_instance, read_instance
-from zerostall.memtier.keeperfail import take_markers
+from zerostall.memtier.keeperfail import UnadoptableKeeper, take_markers
 from zerostall.memtier.premap import Premap
 from zerostall.memtier.spec import KeeperSpec
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
@@ -349,7 +349,7 @@ class Checkpointer:
         return [r.stats for r in list(self._committed)]
 
     @property
-    def keeper_failures(self) -> list[KeeperPersistError]:
+    def keeper_failures(self) -> list[KeeperPersistError | UnadoptableKeeper]:
         """The memory tier's failed persists reported to this Checkpointer, oldest first.
 
         After a crash the keeper persists the newest memory-only step in the background; if that
@@ -362,8 +362,8 @@ class Checkpointer:
         "When the keeper's persist fails".
 
         A keeper that serves this trainer but cannot be adopted after a crash (it could not bind
-        its name, or another user's process holds it) is listed here too, as a
-        :class:`~zerostall.errors.KeeperUnadoptableError` (``step`` None), and warned of with a
+        its name, or another user's process holds it) is listed here too, as a record,
+        :class:`~zerostall.UnadoptableKeeper` (``step`` None), and warned of with a
         :class:`~zerostall.errors.ZerostallWarning` instead of the log line (docs/guarantees.md,
         "A keeper that cannot be adopted").
 
@@ -544,8 +544,8 @@ class Checkpointer:
     def _warn_unadoptable(self, stacklevel: int) -> None:
         """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
         after a crash (its Hello said why; it is also in :attr:`keeper_failures`)."""
-        for err in self._engine.writer.take_unadoptable():
-            warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
+        for record in self._engine.writer.take_unadoptable():
+            warnings.warn(str(record), ZerostallWarning, stacklevel=stacklevel + 1)
 
     def _take_markers(self) -> None:
         """Report (once) and remove the markers a keeper whose persist failed with no trainer to

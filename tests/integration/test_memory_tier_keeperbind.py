@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from zerostall import Checkpointer, InvalidArgumentError, KeeperUnadoptableError, MemoryTier, ZerostallWarning
+from zerostall import Checkpointer, InvalidArgumentError, MemoryTier, UnadoptableKeeper, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError
 from zerostall.memtier.keeperfail import KeeperFailure, marker_key, write_marker
@@ -106,12 +106,12 @@ def test_a_trainer_refused_the_memory_tier_leaves_the_keeper_failure_markers(tmp
 # -- a keeper that serves but cannot be adopted after a crash ---------------------------------
 
 
-def _unadoptable(ck: Checkpointer, caught: list[warnings.WarningMessage], d: Path) -> KeeperUnadoptableError:
+def _unadoptable(ck: Checkpointer, caught: list[warnings.WarningMessage], d: Path) -> UnadoptableKeeper:
     """The one warning and the one keeper failure a Checkpointer with an unadoptable keeper has."""
     (w,) = [x for x in caught if issubclass(x.category, ZerostallWarning)]
     assert w.filename == __file__  # raised on the training thread, pointing at the user's line
     (err,) = ck.keeper_failures
-    assert isinstance(err, KeeperUnadoptableError) and isinstance(err, KeeperPersistError)
+    assert isinstance(err, UnadoptableKeeper) and not isinstance(err, BaseException)  # a record: never raised
     assert str(w.message) == str(err)
     assert err.path == str(d) and err.rank == 0 and err.step is None
     assert f"pid {ck._engine.writer.pid}" in str(err) and "cannot be adopted after a crash" in str(err)
