@@ -62,15 +62,19 @@ class KeeperFailure:
                              time=float(at) if isinstance(at, (int, float)) else 0.0)
 
 
+def _errno_tag(cause: BaseException) -> str:
+    """``"[ENOSPC] "`` for a cause with an errno, else nothing: how a keeper failure names its errno."""
+    code = getattr(cause, "errno", None)
+    return f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
+
+
 def as_error(f: KeeperFailure) -> KeeperPersistError:
     """The user-facing error of a failure: names the step, the path and the cause."""
     cause = from_wire(f.error)
     step = f"step {f.step}" if f.step is not None else "a step"
-    code = getattr(cause, "errno", None)
-    tag = f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
     return KeeperPersistError(f"the memory tier's keeper (rank {f.rank}) could not persist {step}, which only its "
-                              f"memory held, to storage: {type(cause).__name__}: {tag}{cause.message}", path=f.path, rank=f.rank, step=f.step,
-                              cause=cause)
+                              f"memory held, to storage: {type(cause).__name__}: {_errno_tag(cause)}{cause.message}",
+                              path=f.path, rank=f.rank, step=f.step, cause=cause)
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,8 @@ class UnadoptableKeeper:
         return value if isinstance(value, int) else None
 
     def __str__(self) -> str:
-        code = self.errno
-        tag = f"[{errno.errorcode.get(code, code)}] " if code is not None else ""
         return (f"the memory tier's keeper (pid {self.keeper_pid}, rank {self.rank}) serves this trainer but cannot be "
-                f"adopted after a crash: {tag}{self.cause.message}. Saves work as usual; after a crash the keeper "
+                f"adopted after a crash: {_errno_tag(self.cause)}{self.cause.message}. Saves work as usual; after a crash the keeper "
                 "persists the newest memory-only step and exits, so the restart resumes from storage, not from memory "
                 f"(checkpoint {self.path!r}, rank {self.rank})")
 
