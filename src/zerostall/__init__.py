@@ -32,7 +32,6 @@ from zerostall.errors import (
     InvalidArgumentError,
     KeeperLostError,
     KeeperPersistError,
-    KeeperUnadoptableError,
     MetadataError,
     MetadataTypeError,
     MismatchError,
@@ -48,6 +47,7 @@ from zerostall.errors import (
     ZerostallError,
     ZerostallWarning,
 )
+from zerostall.memtier.keeperfail import UnadoptableKeeper
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, Replicated, SaveOptions, Staging, WriterKind
 from zerostall.response import Response, SaveStats
 from zerostall.tree import LeafHandler, Stateful, register_handler, unregister_handler
@@ -71,7 +71,9 @@ __all__ = [
     "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
-    "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+    "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+    # a keeper a restart cannot adopt (listed in Checkpointer.keeper_failures, not raised)
+    "UnadoptableKeeper",
 ]
 
 import importlib as _importlib

@@ -41,6 +41,7 @@ from zerostall.errors import (
 )
 from zerostall.format.manifest import MANIFEST_NAME
 from zerostall.memtier.instance import ensure_instance, read_instance
+from zerostall.memtier.keeperfail import UnadoptableKeeper
 from zerostall.memtier.premap import Premap
 from zerostall.memtier.spec import KeeperSpec
 from zerostall.memtier.tier import MemorySide
@@ -360,7 +361,7 @@ class Checkpointer:
         return [r.stats for r in list(self._committed)]
 
     @property
-    def keeper_failures(self) -> list[KeeperPersistError]:
+    def keeper_failures(self) -> list[KeeperPersistError | UnadoptableKeeper]:
         """The memory tier's failed persists reported to this Checkpointer, oldest first.
 
         After a crash the keeper persists the newest memory-only step in the background; if that
@@ -373,8 +374,8 @@ class Checkpointer:
         "When the keeper's persist fails".
 
         A keeper that serves this trainer but cannot be adopted after a crash (it could not bind
-        its name, or another user's process holds it) is listed here too, as a
-        :class:`~zerostall.errors.KeeperUnadoptableError` (``step`` None), and warned of with a
+        its name, or another user's process holds it) is listed here too, as a record,
+        :class:`~zerostall.UnadoptableKeeper` (``step`` None), and warned of with a
         :class:`~zerostall.errors.ZerostallWarning` instead of the log line (docs/guarantees.md,
         "A keeper that cannot be adopted").
 

@@ -27,8 +27,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     │   ├── ProtocolMismatchError                    trainer and writer speak different protocol versions (zerostall.messages)
     │   ├── UnknownLayoutError                       a save named a leaf layout its writer does not hold (zerostall.messages)
     │   └── KeeperPersistError                       the memory tier's keeper could not persist a memory-only step (.step .cause)
-    │       ├── KeeperLostError                      the keeper ended while only it held the newest step
-    │       └── KeeperUnadoptableError               a keeper a restart cannot adopt (listed in keeper_failures, not raised)
+    │       └── KeeperLostError                      the keeper ended while only it held the newest step
     ├── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
     │   └── DonatedArrayError                        a jax.Array donated before its background copy
     └── ReplicaError(RuntimeError)                   a replica in another host's memory could not be formed, sent or received intact
@@ -335,12 +334,14 @@ __all__ += ["MissingDependencyError"]
 
 
 class KeeperPersistError(WriterError):
-    """The memory tier's keeper could not persist a memory-only step after its trainer died.
+    """The memory tier's keeper could not persist a memory-only step.
 
-    Not raised: the restarted trainer still resumes from memory, and under torch.distributed an
-    aborted persist of the keepers is an expected outcome (a rank did not hold the step). It is
-    reported instead (docs/guarantees.md, "When the keeper's persist fails"): logged at WARNING
-    on the ``zerostall`` logger and listed in :attr:`zerostall.Checkpointer.keeper_failures` of
+    ``wait()`` and ``close()`` raise it for the persist they ask for (the newest memory-only
+    step). A persist the keeper runs on its own after its trainer died is not raised: the
+    restarted trainer still resumes from memory, and under torch.distributed an aborted persist
+    of the keepers is an expected outcome (a rank did not hold the step). That one is reported
+    (docs/guarantees.md, "When the keeper's persist fails"): logged at WARNING on the
+    ``zerostall`` logger and listed in :attr:`zerostall.Checkpointer.keeper_failures` of
     the trainer that adopts the keeper, or, when no trainer adopts it before its linger expires,
     kept in a marker file that the next ``Checkpointer`` of that directory and rank reports.
     ``step`` and ``path`` name the step that storage lacks, ``cause`` is the persist's own error
@@ -391,22 +392,7 @@ class ZerostallWarning(UserWarning):
     than documented (``warnings.filterwarnings("error", category=ZerostallWarning)`` makes them fatal)."""
 
 
-class KeeperUnadoptableError(KeeperPersistError):
-    """The memory tier's keeper serves its trainer but cannot be adopted after a crash.
-
-    It could not bind its name (``cause``: a ``StorageError`` with the bind's errno), or another
-    user's process holds that name (a squatter; ``cause`` says which pid and uid, errno
-    ``EADDRINUSE``). Not raised: the trainer's saves to memory and storage work as usual. What is
-    lost is the restart from memory: after a crash this keeper persists the newest memory-only
-    step and exits, and the restart resumes from storage. Warned (:class:`ZerostallWarning`) on the
-    training thread at the ``Checkpointer`` construction (or the first save after the keeper
-    started) and listed in :attr:`zerostall.Checkpointer.keeper_failures`; ``step`` is None
-    (docs/guarantees.md, "A keeper that cannot be adopted").
-    """
-
-
-_BY_NAME["KeeperUnadoptableError"] = KeeperUnadoptableError
-__all__ += ["ZerostallWarning", "KeeperUnadoptableError"]
+__all__ += ["ZerostallWarning"]
 
 
 class ReplicaError(ZerostallError, RuntimeError):

@@ -4,7 +4,7 @@ A load that raises leaves every template exactly as it was: a flipped byte in an
 mid-size, small neighbours read with one vectored call, numpy), the file warm or evicted from the
 page cache, through the local backend (verified in the page cache) and through a backend
 without ``scan`` (verified in a staging copy); ``load_state_dict`` of a Stateful template is not
-called. ``atomic=False`` (the default since the fourteenth session) streams and leaves what
+called. ``atomic=False`` (the default) streams and leaves what
 docs/guarantees.md says it leaves, and its error says so.
 """
 

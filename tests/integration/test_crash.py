@@ -66,7 +66,9 @@ for step in range(first, last + 1):
         print("COMMITTED", step, flush=True)
     except ZerostallError as exc:
         print("FAILED", step, type(exc).__name__, flush=True)
-        os.environ.pop(ENV, None)  # the replacement writer starts without the fault
+    # The fault is for the first save's writer: a replacement writer (the test killed the first,
+    # whether its save failed or was already committed) starts without it.
+    os.environ.pop(ENV, None)
     print("WRITER", ckpt._engine.writer.pid, flush=True)
 ckpt.close()
 print("CLOSED", flush=True)

@@ -6,23 +6,33 @@ itself plays the restarted trainer, so it adopts the keeper the dead trainer lef
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from memtier_procs import (
+    DEADLINE_S,
+    assert_state,
+    keeper_sockets,
+    memory_tier,
+    parse_trainer_output,
+    run_trainer,
+    running,
+    squatter,
+    start_trainer,
+    storage_steps,
+    wait_for,
+)
 
 from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
 from zerostall.commit import step_name
@@ -36,134 +46,58 @@ from zerostall.persist.faults import MARK_ENV
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
 
-TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "torchrun_ddp.py")
-DEADLINE_S = 120.0  # generous: only a hung keeper takes this long
-
-
-def _trainer(d: Path, first: int, last: int, every: int, linger: float, mode: str,
-             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, TRAINER, str(d), str(first), str(last), str(every), str(linger), mode],
-                            stdout=subprocess.PIPE, text=True, env=env)
-
-
-def _run(d: Path, first: int, last: int, every: int, linger: float, mode: str) -> tuple[int, int, dict[int, str]]:
-    """Run a trainer to its end: (return code, keeper pid, {step: tiers})."""
-    p = _trainer(d, first, last, every, linger, mode)
-    out, _ = p.communicate(timeout=DEADLINE_S)
-    keeper, saved = _parse(out.splitlines())
-    return p.returncode, keeper, saved
-
-
-def _parse(lines: list[str]) -> tuple[int, dict[int, str]]:
-    keeper = -1
-    saved: dict[int, str] = {}
-    for line in lines:
-        parts = line.split()  # a SIGKILL can cut the last line short: only whole lines count
-        if len(parts) == 2 and parts[0] == "KEEPER":
-            keeper = int(parts[1])
-        elif len(parts) == 3 and parts[0] == "SAVED" and parts[2] in ("memory", "memory,storage"):
-            saved[int(parts[1])] = parts[2]
-    return keeper, saved
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _wait(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def _storage_steps(d: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
-
-
-def _keeper_sockets() -> set[bytes]:
-    names = set()
-    with open("/proc/net/unix") as f:
-        for line in f:
-            parts = line.split()
-            if parts and parts[-1].startswith("@zerostall-keeper-"):
-                names.add(b"\0" + parts[-1][1:].encode())
-    return names
-
-
-def _assert_state(got: dict, want: dict) -> None:
-    """Bit for bit: same keys, dtypes, shapes and bytes."""
-    assert got.keys() == want.keys()
-    for k, w in want.items():
-        g = got[k]
-        if isinstance(w, np.ndarray):
-            assert isinstance(g, np.ndarray) and g.dtype == w.dtype and g.shape == w.shape, k
-            assert g.tobytes() == w.tobytes(), k
-        elif isinstance(w, dict):
-            _assert_state(g, w)
-        else:
-            assert list(g) == list(w) if isinstance(w, list) else g == w, k
-
-
-def _memory(every: int = 3, linger: float = 60.0) -> MemoryTier:
-    return MemoryTier(persist_interval_steps=every, linger_s=linger)
 
 
 def test_resume_from_memory_after_sigkill(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    rc, keeper, saved = _run(d, 1, 7, 3, 60, "kill")
+    rc, keeper, saved = run_trainer(d, 1, 7, 3, 60, "kill")
     assert rc == -signal.SIGKILL
     assert saved == {s: ("memory,storage" if s % 3 == 0 else "memory") for s in range(1, 8)}
     # Once its trainer is gone the keeper persists the newest memory-only step.
-    _wait(lambda: 7 in _storage_steps(d), "step 7 on storage")
-    assert _storage_steps(d) == [3, 6, 7]
-    assert _running(keeper)  # lingering
+    wait_for(lambda: 7 in storage_steps(d), "step 7 on storage")
+    assert storage_steps(d) == [3, 6, 7]
+    assert running(keeper)  # lingering
     # Remove step 7 from storage: what the new trainer restores can only come from memory.
     shutil.rmtree(d / step_name(7))
-    with Checkpointer(d, memory_tier=_memory()) as ck:
+    with Checkpointer(d, memory_tier=memory_tier()) as ck:
         assert ck._engine.writer.adopted and ck._engine.writer.pid == keeper
         assert ck.memory_step() == 7 and ck.latest_step() == 7 and ck.steps() == [3, 6, 7]
-        _assert_state(ck.load_pytree(), state(7))
+        assert_state(ck.load_pytree(), state(7))
         tmpl = state(0)
         w = tmpl["w"]
         out = ck.load_pytree(template=tmpl)
         assert out["w"] is w and w.tobytes() == state(7)["w"].tobytes()  # in place
         ck.save_pytree(8, state(8))
         assert ck.stats()[-1].tiers == ("memory",)
-        assert ck.memory_step() == 8 and 8 not in _storage_steps(d)
+        assert ck.memory_step() == 8 and 8 not in storage_steps(d)
     # A clean close persists what only memory holds, and the keeper exits without lingering.
-    assert 8 in _storage_steps(d)
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
-    assert keeper_address(str(d), 0) not in _keeper_sockets()
+    assert 8 in storage_steps(d)
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
+    assert keeper_address(str(d), 0) not in keeper_sockets()
     with Checkpointer(d) as ck:
-        _assert_state(ck.load_pytree(8), state(8))
+        assert_state(ck.load_pytree(8), state(8))
 
 
 def test_linger_expiry_leaves_nothing_behind(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    rc, keeper, saved = _run(d, 1, 2, 5, 0.5, "kill")
+    rc, keeper, saved = run_trainer(d, 1, 2, 5, 0.5, "kill")
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    _wait(lambda: not _running(keeper), "the keeper to exit after linger_s")
-    assert not Path(f"/proc/{keeper}/fd").exists() or not _running(keeper)
-    assert keeper_address(str(d), 0) not in _keeper_sockets()
+    wait_for(lambda: not running(keeper), "the keeper to exit after linger_s")
+    assert not Path(f"/proc/{keeper}/fd").exists() or not running(keeper)
+    assert keeper_address(str(d), 0) not in keeper_sockets()
     # persisted before it left; no temp dirs (the directory's instance marker stays)
     assert sorted(p.name for p in d.iterdir()) == sorted([INSTANCE_KEY, step_name(2)])
-    with Checkpointer(d, memory_tier=_memory()) as ck:  # no keeper to adopt: a fresh writer
+    with Checkpointer(d, memory_tier=memory_tier()) as ck:  # no keeper to adopt: a fresh writer
         assert not ck._engine.writer.adopted and ck.memory_step() is None and ck.latest_step() == 2
-        _assert_state(ck.load_pytree(), state(2))
+        assert_state(ck.load_pytree(), state(2))
 
 
 @pytest.mark.parametrize("run", range(20 if os.environ.get("ZEROSTALL_STRESS") else 3))
 def test_kill_during_saves_restores_a_complete_verified_step(tmp_path: Path, run: int) -> None:
     rng = random.Random(run)
     d = tmp_path / "run"
-    p = _trainer(d, 1, 0, 3, 60, "loop")
+    p = start_trainer(d, 1, 0, 3, 60, "loop")
     assert p.stdout is not None
     lines: list[str] = []
     want = rng.randint(1, 8)
@@ -174,13 +108,13 @@ def test_kill_during_saves_restores_a_complete_verified_step(tmp_path: Path, run
     time.sleep(rng.random() * 0.05)  # a random moment: staging, checksumming or persisting
     p.send_signal(signal.SIGKILL)
     rest, _ = p.communicate(timeout=DEADLINE_S)
-    keeper, saved = _parse(lines + rest.splitlines())
+    keeper, saved = parse_trainer_output(lines + rest.splitlines())
     newest_saved = max(saved)
-    with Checkpointer(d, memory_tier=_memory()) as ck:
+    with Checkpointer(d, memory_tier=memory_tier()) as ck:
         assert ck._engine.writer.pid == keeper
         latest = ck.latest_step()
         assert latest is not None and latest >= newest_saved
-        _assert_state(ck.load_pytree(), state(latest, big=True))
+        assert_state(ck.load_pytree(), state(latest, big=True))
     assert not any(".zs-tmp-" in x.name for x in d.iterdir())
 
 
@@ -189,8 +123,8 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
         pytest.skip("needs root to run a process as another user")
     d = tmp_path / "run"
     os.chmod(tmp_path, 0o755)
-    rc, keeper, _ = _run(d, 1, 1, 5, 60, "kill")
-    assert rc == -signal.SIGKILL and _running(keeper)
+    rc, keeper, _ = run_trainer(d, 1, 1, 5, 60, "kill")
+    assert rc == -signal.SIGKILL and running(keeper)
     address = keeper_address(str(d), 0)
     # A process of another user finds the keeper's name but is refused: no Hello, no image.
     child = os.fork()
@@ -221,42 +155,8 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     # ...and the keeper is still ours to adopt.
-    with Checkpointer(d, memory_tier=_memory()) as ck:
+    with Checkpointer(d, memory_tier=memory_tier()) as ck:
         assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
-
-
-@contextlib.contextmanager
-def squatter(address: str) -> Iterator[int]:
-    """Another user's process (nobody, uid 65534; needs root) listening on ``address`` while the
-    block runs; yields its pid and checks that it ended cleanly."""
-    ready_r, ready_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(stop_w)
-            os.setgid(65534)
-            os.setuid(65534)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(address)
-            s.listen(8)
-            os.write(ready_w, b"x")
-            os.read(stop_r, 1)  # until the block ends
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(ready_w)
-    os.close(stop_r)
-    try:
-        assert os.read(ready_r, 1) == b"x", "the squatter did not start"
-        yield pid
-    finally:
-        os.close(stop_w)
-        os.close(ready_r)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_a_trainer_does_not_adopt_another_users_socket(tmp_path: Path) -> None:
@@ -265,7 +165,7 @@ def test_a_trainer_does_not_adopt_another_users_socket(tmp_path: Path) -> None:
     d = tmp_path / "run"
     # (the trainer is told; test_memory_tier_keeperbind.py checks what it is told)
     with (squatter(keeper_address(str(d), 0)), pytest.warns(ZerostallWarning, match="cannot be adopted"),
-          Checkpointer(d, memory_tier=_memory()) as ck):
+          Checkpointer(d, memory_tier=memory_tier()) as ck):
         assert not ck._engine.writer.adopted
         ck.save_pytree(1, state(1))
         assert ck.memory_step() == 1  # the memory tier works; only adoption after a crash is lost
@@ -291,7 +191,7 @@ def test_persist_interval_s_persists_the_first_save_after_it(tmp_path: Path) -> 
         ck.save_pytree(2, state(2))
         ck.save_pytree(3, state(3))
         assert [s.tiers for s in ck.stats()] == [("memory",), ("memory", "storage"), ("memory",)]
-        assert _storage_steps(tmp_path) == [2]
+        assert storage_steps(tmp_path) == [2]
         assert ck.latest_step() == 3
 
 
@@ -367,10 +267,10 @@ def test_torchrun_restart_resumes_from_memory_bit_for_bit(tmp_path: Path) -> Non
                 assert v == flat_b[k], k
     for d in (plain, crashed):
         for rank in (0, 1):
-            _wait(lambda d=d, rank=rank: keeper_address(str(d), rank) not in _keeper_sockets(), "keepers to exit")
+            wait_for(lambda d=d, rank=rank: keeper_address(str(d), rank) not in keeper_sockets(), "keepers to exit")
     # Meanwhile the crashed group's keepers persisted step 6 together, in the background (the
     # restarted trainers did not wait for it), and left no attempt, decision or lease behind.
-    assert 6 in _storage_steps(crashed) and 6 not in _storage_steps(plain)
+    assert 6 in storage_steps(crashed) and 6 not in storage_steps(plain)
     assert not [p.name for p in crashed.iterdir() if p.name.startswith(".") and p.name != INSTANCE_KEY]
     stored = _flatten(zerostall.load_pytree(crashed / step_name(6)))  # verified: every CRC32C checked
     assert [v for k, v in stored.items() if k.endswith("position")] == [6], stored.keys()
@@ -397,10 +297,10 @@ def test_keeper_crash_leaves_storage_only(tmp_path: Path) -> None:
         keeper = ck._engine.writer.pid
         assert keeper is not None and ck.memory_step() == 4
         os.kill(keeper, signal.SIGKILL)
-        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
+        wait_for(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper die")
         # Step 4 lived only in the dead keeper's memory: storage's newest is what is left.
         assert ck.memory_step() is None and ck.latest_step() == 3
-        _assert_state(ck.load_pytree(), state(3))
+        assert_state(ck.load_pytree(), state(3))
         ck.save_pytree(5, state(5))  # a new keeper takes the next save
         assert ck._engine.writer.pid != keeper and ck.memory_step() == 5
     assert ck.memory_step() is None and ck.steps() == [3, 5]
@@ -412,12 +312,12 @@ def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path)
         ck.save_pytree(1, state(1))
         keeper = ck._engine.writer.pid
         raise RuntimeError("boom")
-    assert keeper is not None and _running(keeper)  # lingering, as after a crash
-    _wait(lambda: 1 in _storage_steps(tmp_path), "step 1 persisted by the keeper")
+    assert keeper is not None and running(keeper)  # lingering, as after a crash
+    wait_for(lambda: 1 in storage_steps(tmp_path), "step 1 persisted by the keeper")
     with Checkpointer(tmp_path, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60)) as ck:
         assert ck._engine.writer.pid == keeper and ck.memory_step() == 1
-        _assert_state(ck.load_pytree(), state(1))
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+        assert_state(ck.load_pytree(), state(1))
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
 
 
 # -- the keeper's check after a crash: a restart's load only copies ----------------------------
@@ -435,16 +335,16 @@ def _image(ck: Checkpointer) -> Image:
 
 def test_restart_loads_the_image_its_keeper_verified(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    rc, keeper, saved = _run(d, 1, 2, 5, 60, "kill")
+    rc, keeper, saved = run_trainer(d, 1, 2, 5, 60, "kill")
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+    with Checkpointer(d, memory_tier=memory_tier(every=5)) as ck:
         assert ck._engine.writer.pid == keeper
         img = _image(ck)
         assert img.step == 2 and img.verified  # every leaf checked by the keeper after the trainer died
         tmpl = state(0)
         w = tmpl["w"]
         out = ck.load_pytree(2, template=tmpl)
-        _assert_state(out, state(2))
+        assert_state(out, state(2))
         assert out["w"] is w  # in place, bit for bit
         # Still all or nothing with the checksum pass skipped: a template that does not match is
         # refused before any of its bytes changes.
@@ -461,18 +361,18 @@ def test_restart_loads_the_image_its_keeper_verified(tmp_path: Path) -> None:
         ck.save_pytree(3, state(3))
         img = _image(ck)
         assert img.step == 3 and not img.verified
-        _assert_state(ck.load_pytree(3), state(3))
+        assert_state(ck.load_pytree(3), state(3))
 
 
 def test_a_byte_changed_in_memory_after_the_save_is_never_loaded(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    p = _trainer(d, 1, 2, 5, 60, "corrupt")
+    p = start_trainer(d, 1, 2, 5, 60, "corrupt")
     out, _ = p.communicate(timeout=DEADLINE_S)
-    keeper, saved = _parse(out.splitlines())
+    keeper, saved = parse_trainer_output(out.splitlines())
     assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
     keys = [line.split()[1] for line in out.splitlines() if line.startswith("CORRUPTED ")]
     assert len(keys) == 1
-    with Checkpointer(d, memory_tier=_memory(every=5), load_options=LoadOptions(atomic=True)) as ck:
+    with Checkpointer(d, memory_tier=memory_tier(every=5), load_options=LoadOptions(atomic=True)) as ck:
         assert ck._engine.writer.pid == keeper
         img = _image(ck)
         assert img.step == 2 and not img.verified  # the keeper's check found it
@@ -482,23 +382,23 @@ def test_a_byte_changed_in_memory_after_the_save_is_never_loaded(tmp_path: Path)
             ck.load_pytree(2, template=tmpl)
         assert err.value.key == keys[0]
         assert tmpl["w"].tobytes() == state(0)["w"].tobytes()  # all or nothing
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
     # The keeper never persisted the changed bytes (under checksums taken afresh they would verify).
-    assert 2 not in _storage_steps(d)
+    assert 2 not in storage_steps(d)
 
 
 def test_a_query_during_the_keepers_check_waits_for_it(tmp_path: Path) -> None:
     d, marks, go = tmp_path / "run", tmp_path / "marks", tmp_path / "go"
     marks.mkdir()
     env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_check": f"wait:{go}"}), MARK_ENV: str(marks)})
-    p = _trainer(d, 1, 2, 5, 60, "kill", env=env)
+    p = start_trainer(d, 1, 2, 5, 60, "kill", env=env)
     out, _ = p.communicate(timeout=DEADLINE_S)
-    keeper, saved = _parse(out.splitlines())
+    keeper, saved = parse_trainer_output(out.splitlines())
     assert p.returncode == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    _wait(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
+    wait_for(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
     look = query_held(str(d), 0)  # a look (zerostall list) does not wait: not verified yet
     assert look is not None and look.step == 2 and not look.verified
-    with Checkpointer(d, memory_tier=_memory(every=5)) as ck:
+    with Checkpointer(d, memory_tier=memory_tier(every=5)) as ck:
         assert ck._engine.writer.pid == keeper  # adopting does not wait for the check
         got: list[Image] = []
         asker = threading.Thread(target=lambda: got.append(_image(ck)))
@@ -508,4 +408,4 @@ def test_a_query_during_the_keepers_check_waits_for_it(tmp_path: Path) -> None:
         go.touch()
         asker.join(DEADLINE_S)
         assert len(got) == 1 and got[0].step == 2 and got[0].verified
-        _assert_state(ck.load_pytree(2), state(2))
+        assert_state(ck.load_pytree(2), state(2))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from memtier_procs import DEADLINE_S as TRAINER_DEADLINE_S
+from memtier_procs import TRAINER, keeper_processes, keeper_sockets, running, wait_for
 
 from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
 from zerostall.commit import step_name
@@ -24,8 +26,6 @@ from zerostall.memtier.spec import KeeperSpec, busy_error, keeper_address
 from zerostall.messages import KeeperBusy, decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_memory_tier import DEADLINE_S as TRAINER_DEADLINE_S
-from test_memory_tier import TRAINER, _keeper_sockets, _running, _wait
 
 TIER = MemoryTier(persist_interval_steps=3, linger_s=5)
 
@@ -121,20 +121,6 @@ def _send_all(procs: list[subprocess.Popen[str]], line: str) -> None:
         p.stdin.flush()
 
 
-def _keeper_processes(d: Path) -> list[int]:
-    """Processes whose command line names the keeper of ``d`` (rank 0)."""
-    tag = keeper_address(str(d), 0).hex().encode()
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if tag in (proc / "cmdline").read_bytes():
-                    out.append(int(proc.name))
-            except OSError:
-                pass
-    return out
-
-
 def _stage_memfds(pid: int) -> list[str]:
     """The staging buffers (memfds) process ``pid`` still holds open or mapped."""
     fd_dir = Path(f"/proc/{pid}/fd")
@@ -170,14 +156,13 @@ def test_two_trainers_started_at_once_one_is_refused_never_both(tmp_path):
             assert [q.get(timeout=DEADLINE_S) for q in outs] == ["CLOSED", "CLOSED"]
             # The winner's close persisted its memory-only step; nothing of either is left behind.
             assert (d / step_name(1) / "manifest.json").exists()
-            assert _keeper_processes(d) == []
-            assert keeper_address(str(d), 0) not in _keeper_sockets()
+            assert keeper_processes(d) == []
+            assert keeper_address(str(d), 0) not in keeper_sockets()
             assert _stage_memfds(pids[0]) == [] and _stage_memfds(pids[1]) == []
     finally:
         for p in procs:
             p.kill()
             p.wait()
-
 
 
 def test_a_keeper_that_finds_a_lingering_keeper_on_its_name_names_it_and_leaves_it_adoptable(tmp_path):
@@ -212,4 +197,4 @@ def test_a_keeper_that_finds_a_lingering_keeper_on_its_name_names_it_and_leaves_
     with Checkpointer(d, memory_tier=TIER) as ck:  # the retry adopts the lingering keeper
         assert ck._engine.writer.adopted and ck._engine.writer.pid == lingering
         assert ck.latest_step() == 2
-    _wait(lambda: not _running(lingering), "the adopted keeper to exit at close")
+    wait_for(lambda: not running(lingering), "the adopted keeper to exit at close")

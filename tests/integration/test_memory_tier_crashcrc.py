@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from memtier_procs import DEADLINE_S, TRAINER, assert_state, parse_trainer_output, running, storage_steps, wait_for
+
 from zerostall import Checkpointer, MemoryTier
 from zerostall.commit import step_name
 from zerostall.persist.faults import ENV as FAULTS_ENV
@@ -30,9 +32,6 @@ from zerostall.restore import verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import DEADLINE_S, _assert_state, _parse, _running, _storage_steps, _wait
-
-TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
 
 
 def test_the_persist_after_a_crash_reuses_the_keepers_verified_checksums(tmp_path: Path) -> None:
@@ -44,24 +43,24 @@ def test_the_persist_after_a_crash_reuses_the_keepers_verified_checksums(tmp_pat
     p = subprocess.run([sys.executable, TRAINER, str(d), "1", "4", "3", "60", "kill"], stdout=subprocess.PIPE,
                        text=True, env=env, timeout=DEADLINE_S)
     assert p.returncode == -signal.SIGKILL
-    keeper, saved = _parse(p.stdout.splitlines())
+    keeper, saved = parse_trainer_output(p.stdout.splitlines())
     assert saved == {1: "memory", 2: "memory", 3: "memory,storage", 4: "memory"}
     mark = marks / f"checksum-{keeper}"
     assert mark.exists()  # the trainer's saves checksummed (the hook is live in this keeper)
     # The keeper has started its check after the death and holds there; its persist waits for it.
-    _wait(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
+    wait_for(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
     mark.unlink()
     check_go.touch()
-    _wait(lambda: 4 in _storage_steps(d), "step 4 on storage")
+    wait_for(lambda: 4 in storage_steps(d), "step 4 on storage")
     assert not mark.exists(), "the keeper's persist checksummed the held step a second time"
     # What it committed verifies, leaf by leaf, and loads bit for bit from storage.
     report = verify_checkpoint(str(d / step_name(4)))
     assert report.ok and report.leaves > 0, report.problems
     with Checkpointer(d, read_only=True) as ro:
-        _assert_state(ro.load_pytree(4), state(4))
+        assert_state(ro.load_pytree(4), state(4))
     # The restart adopts the keeper (and its close ends it).
-    assert _running(keeper)
+    assert running(keeper)
     with Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=3, linger_s=60)) as ck:
         assert ck._engine.writer.adopted and ck.latest_step() == 4
-        _assert_state(ck.load_pytree(), state(4))
-    _wait(lambda: not _running(keeper), "the keeper to exit")
+        assert_state(ck.load_pytree(), state(4))
+    wait_for(lambda: not running(keeper), "the keeper to exit")

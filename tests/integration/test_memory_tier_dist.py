@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from memtier_procs import DEADLINE_S, keeper_sockets, running, wait_for
 
 pytest.importorskip("torch")
 
@@ -27,7 +28,6 @@ from zerostall.persist.gc import collect_garbage
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_memory_tier import DEADLINE_S, _keeper_sockets, _running, _wait
 
 WORKER = str(Path(__file__).parent / "_memory_dist_trainer.py")
 WORLD = 2
@@ -91,9 +91,9 @@ def _failed(d: Path) -> dict[int, list[tuple[int | None, str]]]:
 def _keepers_gone(d: Path, keepers: list[int]) -> None:
     """Every keeper has exited, and nothing of the job is left running or listening anywhere."""
     for k in keepers:
-        _wait(lambda k=k: not _running(k), f"keeper {k} to exit")
+        wait_for(lambda k=k: not running(k), f"keeper {k} to exit")
     for r in range(WORLD):
-        assert keeper_address(str(d), r) not in _keeper_sockets()
+        assert keeper_address(str(d), r) not in keeper_sockets()
     assert _holders(d) == [], "a process that names the run (and so holds its memfds) is left"
 
 
@@ -107,7 +107,7 @@ def _holders(d: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if str(d).encode() in cmd.split(b"\0") and _running(int(proc.name)):
+        if str(d).encode() in cmd.split(b"\0") and running(int(proc.name)):
             out.append(int(proc.name))
     return out
 
@@ -214,13 +214,13 @@ def test_a_keeper_whose_peer_never_joins_gives_up_after_the_collective_timeout(t
             lines.append(line)
         keepers.append(_parse(lines)[0])
     os.kill(keepers[1], signal.SIGKILL)  # rank 1's keeper (and its memory) is gone: a node lost
-    _wait(lambda: not _running(keepers[1]), "rank 1's keeper to die")
+    wait_for(lambda: not running(keepers[1]), "rank 1's keeper to die")
     for p in procs:
         p.kill()
         p.communicate(timeout=DEADLINE_S)
     # Rank 0's keeper waits for rank 1's part of step 12 up to timeout_s, aborts, cleans up, exits.
     # While it waits, its lease makes it a live writer to any collector: its attempt stays.
-    _wait(lambda: any(".zs-tmp-" in n for n in _storage(d)), "rank 0's keeper to start its attempt")
+    wait_for(lambda: any(".zs-tmp-" in n for n in _storage(d)), "rank 0's keeper to start its attempt")
     report = collect_garbage(open_storage(str(d)))
     assert report.kept_live and not report.removed, report
     _keepers_gone(d, keepers)

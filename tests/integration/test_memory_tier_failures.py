@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from memtier_procs import DEADLINE_S, TRAINER, assert_state, running, storage_steps, wait_for
 
 from zerostall import Checkpointer, MemoryTier
 from zerostall.cli import main as cli_main
@@ -38,9 +39,6 @@ from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import DEADLINE_S, _assert_state, _running, _storage_steps, _wait
-
-TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
 
 
 def _killed_trainer(d: Path, last: int, every: int, linger: float, err: Path) -> int:
@@ -65,21 +63,21 @@ def test_failed_persist_reaches_the_adopting_trainer(tmp_path: Path, caplog: pyt
     d, err = tmp_path / "run", tmp_path / "keeper.err"
     keeper = _killed_trainer(d, 4, 3, 60, err)
     # The keeper's persist of step 4 has failed (it says so on the stderr it inherited) before we adopt.
-    _wait(lambda: "failed" in err.read_text(), "the keeper's persist to fail")
-    assert _running(keeper) and _storage_steps(d) == [3]
+    wait_for(lambda: "failed" in err.read_text(), "the keeper's persist to fail")
+    assert running(keeper) and storage_steps(d) == [3]
     with caplog.at_level(logging.WARNING, logger="zerostall"), \
             Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=3, linger_s=60)) as ck:
         assert ck._engine.writer.adopted
         # Nothing committed is lost: step 4 is still in memory, loaded bit for bit.
         assert ck.latest_step() == 4
-        _assert_state(ck.load_pytree(), state(4))
+        assert_state(ck.load_pytree(), state(4))
         (failure,) = ck.keeper_failures
         _check(failure, d, 4)
         ck.save_pytree(6, state(6))  # persisted by the trainer's own save: the fault never fires
         assert ck.keeper_failures == [failure]  # reported once
     assert any(r.levelno == logging.WARNING and "step 4" in r.getMessage() and "ENOSPC" in r.getMessage()
                for r in caplog.records)
-    assert _storage_steps(d) == [3, 6]
+    assert storage_steps(d) == [3, 6]
     assert not (d / marker_key(0)).exists()
 
 
@@ -87,8 +85,8 @@ def test_failed_persist_with_nobody_adopting_leaves_a_marker(tmp_path: Path, cap
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     d, err = tmp_path / "run", tmp_path / "keeper.err"
     keeper = _killed_trainer(d, 2, 5, 0.5, err)
-    _wait(lambda: not _running(keeper), "the keeper to exit after linger_s")
-    assert _storage_steps(d) == []
+    wait_for(lambda: not running(keeper), "the keeper to exit after linger_s")
+    assert storage_steps(d) == []
     assert (d / marker_key(0)).exists()
     # zerostall list shows it (and leaves it for the next trainer).
     assert cli_main(["list", str(d)]) == 0
@@ -138,7 +136,7 @@ def test_a_failed_persist_at_close_is_raised_by_close(tmp_path: Path, monkeypatc
         ck.close()
     _check(got.value, d, 6)
     assert ck.keeper_failures == [got.value]
-    assert _storage_steps(d) == [5] and not (d / marker_key(0)).exists()
+    assert storage_steps(d) == [5] and not (d / marker_key(0)).exists()
 
 
 def test_a_persist_failing_after_the_adoption_reaches_the_trainer_after_its_next_save(tmp_path: Path) -> None:
@@ -154,12 +152,12 @@ def test_a_persist_failing_after_the_adoption_reaches_the_trainer_after_its_next
     ck = Checkpointer(d, memory_tier=MemoryTier(persist_interval_steps=5, linger_s=60))
     assert ck._engine.writer.adopted and ck.keeper_failures == []  # nothing has failed yet
     go.touch()
-    _wait(lambda: "failed" in err.read_text(), "the keeper's persist to fail")
+    wait_for(lambda: "failed" in err.read_text(), "the keeper's persist to fail")
     ck.save_pytree(3, state(3))  # memory only: the keeper tells us after this job
-    _wait(lambda: ck.keeper_failures, "the failure to reach the trainer")
+    wait_for(lambda: ck.keeper_failures, "the failure to reach the trainer")
     (failure,) = ck.keeper_failures
     _check(failure, d, 2)
-    _assert_state(ck.load_pytree(), state(3))
+    assert_state(ck.load_pytree(), state(3))
     # The keeper still cannot write: close()'s own persist of step 3 fails too, and close() raises it
     # (the keeper exits with the step), while step 2's crash-time failure stayed a warning.
     with pytest.raises(KeeperPersistError) as got:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from memtier_procs import DEADLINE_S, running, wait_for
 
 pytest.importorskip("torch")
 
@@ -31,7 +32,6 @@ from zerostall.commit import committed_steps
 from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_memory_tier import DEADLINE_S, _running, _wait
 
 WORKER = str(Path(__file__).parent / "_memory_host_trainer.py")
 WORLD = 4
@@ -97,8 +97,8 @@ def _lose_hosts(d: Path, log: Path) -> list[int]:
         p.wait(timeout=DEADLINE_S)
     assert committed_steps(open_storage(str(d))) == [4]
     # Host A's keepers persist step 6 together, an attempt host B's keepers will never join.
-    _wait(lambda: any(n.startswith(".step_00000006.") for n in os.listdir(d)), "host A's keepers' attempt at step 6")
-    assert all(_running(keepers[r]) for r in (0, 1))
+    wait_for(lambda: any(n.startswith(".step_00000006.") for n in os.listdir(d)), "host A's keepers' attempt at step 6")
+    assert all(running(keepers[r]) for r in (0, 1))
     return keepers[:2]
 
 
@@ -125,7 +125,7 @@ def test_a_restart_beside_keepers_persisting_for_a_lost_host_stores_its_last_ste
     # FIRST_TIMEOUT_S): the adopted keepers abandoned it once step 10 was stored, removed their
     # parts and exited.
     for k in old:
-        _wait(lambda k=k: not _running(k), f"old keeper {k} to exit")
+        wait_for(lambda k=k: not running(k), f"old keeper {k} to exit")
     left = [n for n in os.listdir(d) if n.startswith(".step_00000006.")]
     assert left == [], left
 

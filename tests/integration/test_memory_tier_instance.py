@@ -15,12 +15,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from memtier_procs import DEADLINE_S, TRAINER, keeper_sockets, running, storage_steps, wait_for
 
 from zerostall import Checkpointer, DirectoryReplacedError, KeeperPersistError, MemoryTier
 from zerostall.memtier.instance import INSTANCE_KEY
@@ -28,8 +27,6 @@ from zerostall.memtier.spec import keeper_address, query_held
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
 
-TRAINER = str(Path(__file__).parent / "_memory_trainer.py")
-DEADLINE_S = 120.0  # only a keeper that never exits takes this long
 LINGER_S = 300.0  # longer than DEADLINE_S: a keeper that merely expires fails the tests
 
 
@@ -44,26 +41,6 @@ def _kill_after(d: str, last: int, every: int, env: dict[str, str] | None = None
     return keeper
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _wait(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _steps(d: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in d.iterdir() if p.name.startswith("step_") and (p / "manifest.json").exists())
-
-
 def _rm_rf(d: Path) -> None:
     """``rm -rf d``: a file the keeper removes meanwhile (its lease, released) is no error."""
     while d.exists():
@@ -75,7 +52,7 @@ def _memory() -> MemoryTier:
 
 
 def _stop(pid: int) -> None:
-    if _running(pid):
+    if running(pid):
         os.kill(pid, signal.SIGKILL)
 
 
@@ -84,7 +61,7 @@ def test_a_new_trainer_on_a_deleted_directorys_path_starts_fresh(tmp_path: Path)
     keeper = _kill_after(str(d), 7, 5)
     try:
         # The keeper holds step 7 (and persists it after the crash): the directory is still its own.
-        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
+        wait_for(lambda: 7 in storage_steps(d), "the keeper's persist of step 7")
         held = query_held(str(d), 0)
         assert held is not None and held.step == 7
         old_instance = json.loads((d / INSTANCE_KEY).read_bytes())["instance"]
@@ -94,9 +71,9 @@ def test_a_new_trainer_on_a_deleted_directorys_path_starts_fresh(tmp_path: Path)
             assert ckpt.latest_step() is None and ckpt.steps() == [] and ckpt.memory_step() is None
             assert not ckpt._engine.writer.adopted and ckpt._engine.writer.pid != keeper
             assert json.loads((d / INSTANCE_KEY).read_bytes())["instance"] != old_instance
-            _wait(lambda: not _running(keeper), "the old keeper to exit")
+            wait_for(lambda: not running(keeper), "the old keeper to exit")
             ckpt.save_pytree(1, {"x": np.arange(4)})
-        assert _steps(d) == [1]  # nothing of the deleted directory's steps
+        assert storage_steps(d) == [1]  # nothing of the deleted directory's steps
         assert query_held(str(d), 0) is None  # the new keeper closed with its trainer
     finally:
         _stop(keeper)
@@ -109,16 +86,16 @@ def test_a_keepers_persist_never_writes_into_a_new_directory_at_its_path(tmp_pat
     keeper = _kill_after(str(d), 7, 5, env)
     try:
         # The keeper's persist of step 7 has started; the directory is deleted and a new run begins.
-        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
-        assert _steps(d) == [5]
+        wait_for(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
+        assert storage_steps(d) == [5]
         _rm_rf(d)
         with Checkpointer(d, memory_tier=_memory()) as ckpt:
             assert ckpt.latest_step() is None and ckpt.memory_step() is None
             go.touch()  # the old keeper's persist goes on now
-            _wait(lambda: not _running(keeper), "the old keeper to exit")
-            assert _steps(d) == []  # step 7 did not go into the new directory
+            wait_for(lambda: not running(keeper), "the old keeper to exit")
+            assert storage_steps(d) == []  # step 7 did not go into the new directory
             ckpt.save_pytree(1, {"x": np.arange(4)})
-        assert _steps(d) == [1]
+        assert storage_steps(d) == [1]
         assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".zs-instance")) == ["step_00000001"]
     finally:
         _stop(keeper)
@@ -130,14 +107,14 @@ def test_a_lingering_keeper_exits_once_its_directory_is_deleted(tmp_path: Path) 
     env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_persist": f"wait:{go}"}), MARK_ENV: str(mark)})
     keeper = _kill_after(str(d), 7, 5, env)
     try:
-        _wait(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
+        wait_for(lambda: any(p.name.startswith("keeper_persist-") for p in mark.iterdir()), "the keeper's persist")
         _rm_rf(d)
         go.touch()
         # No new trainer comes: the keeper finds its directory gone, persists nothing and exits
         # (long before its linger would expire).
-        _wait(lambda: not _running(keeper), "the keeper to exit")
+        wait_for(lambda: not running(keeper), "the keeper to exit")
         assert not d.exists()
-        assert keeper_address(str(d), 0) not in _keeper_names()
+        assert keeper_address(str(d), 0) not in keeper_sockets()
     finally:
         _stop(keeper)
 
@@ -146,7 +123,7 @@ def test_a_directory_without_a_marker_gets_one_and_resumes_as_before(tmp_path: P
     d = tmp_path / "run"
     keeper = _kill_after(str(d), 7, 5)
     try:
-        _wait(lambda: 7 in _steps(d), "the keeper's persist of step 7")
+        wait_for(lambda: 7 in storage_steps(d), "the keeper's persist of step 7")
         # A directory an older version wrote: no marker. A new Checkpointer writes one; it resumes
         # from storage, as before (the lingering keeper's step is another instance's now).
         (d / INSTANCE_KEY).unlink()
@@ -156,8 +133,8 @@ def test_a_directory_without_a_marker_gets_one_and_resumes_as_before(tmp_path: P
             got = ckpt.load_pytree(7)
             assert int(got["step"]) == 7
             ckpt.save_pytree(8, {"x": np.arange(4)})
-        assert _steps(d) == [5, 7, 8]
-        _wait(lambda: not _running(keeper), "the old keeper to exit")
+        assert storage_steps(d) == [5, 7, 8]
+        wait_for(lambda: not running(keeper), "the old keeper to exit")
         # The marker stays the same for as long as the directory exists.
         first = (d / INSTANCE_KEY).read_bytes()
         with Checkpointer(d, memory_tier=_memory()) as ckpt:
@@ -180,11 +157,3 @@ def test_close_raises_when_the_directory_was_deleted_under_a_live_trainer(tmp_pa
     assert not (d / "step_00000006").exists()
 
 
-def _keeper_names() -> set[bytes]:
-    names = set()
-    with open("/proc/net/unix") as f:
-        for line in f:
-            parts = line.split()
-            if parts and parts[-1].startswith("@zerostall-keeper-"):
-                names.add(b"\0" + parts[-1][1:].encode())
-    return names

@@ -22,8 +22,19 @@ import warnings
 from pathlib import Path
 
 import pytest
+from memtier_procs import (
+    DEADLINE_S,
+    TRAINER,
+    assert_state,
+    keeper_processes,
+    keeper_sockets,
+    running,
+    squatter,
+    storage_steps,
+    wait_for,
+)
 
-from zerostall import Checkpointer, InvalidArgumentError, KeeperUnadoptableError, MemoryTier, ZerostallWarning
+from zerostall import Checkpointer, InvalidArgumentError, MemoryTier, UnadoptableKeeper, ZerostallWarning
 from zerostall.commit import step_name
 from zerostall.errors import KeeperPersistError, StorageError
 from zerostall.memtier.keeperfail import KeeperFailure, marker_key, write_marker
@@ -34,17 +45,6 @@ from zerostall.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import (
-    DEADLINE_S,
-    TRAINER,
-    _assert_state,
-    _keeper_sockets,
-    _running,
-    _storage_steps,
-    _wait,
-    squatter,
-)
-from test_memory_tier_busy import _keeper_processes
 
 TIER = MemoryTier(persist_interval_steps=1000, linger_s=5)
 
@@ -100,18 +100,18 @@ def test_a_trainer_refused_the_memory_tier_leaves_the_keeper_failure_markers(tmp
         assert isinstance(failure, KeeperPersistError) and failure.step == 7 and failure.errno == errno.ENOSPC
         assert not (d / marker_key(0)).exists()  # reported once
         ck.save_pytree(1, state(1))
-        _assert_state(ck.load_pytree(1), state(1))
+        assert_state(ck.load_pytree(1), state(1))
 
 
 # -- a keeper that serves but cannot be adopted after a crash ---------------------------------
 
 
-def _unadoptable(ck: Checkpointer, caught: list[warnings.WarningMessage], d: Path) -> KeeperUnadoptableError:
+def _unadoptable(ck: Checkpointer, caught: list[warnings.WarningMessage], d: Path) -> UnadoptableKeeper:
     """The one warning and the one keeper failure a Checkpointer with an unadoptable keeper has."""
     (w,) = [x for x in caught if issubclass(x.category, ZerostallWarning)]
     assert w.filename == __file__  # raised on the training thread, pointing at the user's line
     (err,) = ck.keeper_failures
-    assert isinstance(err, KeeperUnadoptableError) and isinstance(err, KeeperPersistError)
+    assert isinstance(err, UnadoptableKeeper) and not isinstance(err, BaseException)  # a record: never raised
     assert str(w.message) == str(err)
     assert err.path == str(d) and err.rank == 0 and err.step is None
     assert f"pid {ck._engine.writer.pid}" in str(err) and "cannot be adopted after a crash" in str(err)
@@ -124,11 +124,11 @@ def _still_serves(ck: Checkpointer, d: Path) -> None:
         warnings.simplefilter("error", ZerostallWarning)
         r = ck.save_pytree_async(1, state(1))
         assert r.result().tiers == ("memory",)
-        _assert_state(ck.load_pytree(1), state(1))
+        assert_state(ck.load_pytree(1), state(1))
         ck.save_pytree(2, state(2))
     assert len(ck.keeper_failures) == 1
     ck.close()
-    assert _storage_steps(d) == [2]  # the clean close persisted what only memory held
+    assert storage_steps(d) == [2]  # the clean close persisted what only memory held
 
 
 def test_a_keeper_that_cannot_bind_its_name_is_heard_by_its_trainer(tmp_path: Path,
@@ -143,7 +143,7 @@ def test_a_keeper_that_cannot_bind_its_name_is_heard_by_its_trainer(tmp_path: Pa
     monkeypatch.delenv(FAULTS_ENV)
     err = _unadoptable(ck, caught, d)
     assert err.errno == errno.EACCES and "[EACCES]" in str(err)
-    assert keeper_address(str(d), 0) not in _keeper_sockets()  # no restart could find it
+    assert keeper_address(str(d), 0) not in keeper_sockets()  # no restart could find it
     _still_serves(ck, d)
 
 
@@ -158,11 +158,11 @@ def test_an_unadoptable_keeper_still_persists_after_its_trainer_dies(tmp_path: P
     assert p.returncode == -signal.SIGKILL
     assert "ZerostallWarning" in p.stderr and "cannot be adopted after a crash" in p.stderr
     keeper = next(int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("KEEPER "))
-    _wait(lambda: not _running(keeper), "the unadoptable keeper to exit after its persist")  # linger_s is 60
-    assert _storage_steps(d) == [2]
+    wait_for(lambda: not running(keeper), "the unadoptable keeper to exit after its persist")  # linger_s is 60
+    assert storage_steps(d) == [2]
     with Checkpointer(d, memory_tier=TIER) as ck:
         assert not ck._engine.writer.adopted and ck.keeper_failures == []
-        _assert_state(ck.load_pytree(), state(2))
+        assert_state(ck.load_pytree(), state(2))
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="starting another user's process (the squatter) needs root")
@@ -189,4 +189,4 @@ def test_the_unadoptable_warning_as_an_error_leaves_nothing_running(tmp_path: Pa
         with pytest.raises(ZerostallWarning, match=r"\[EPERM\]"):
             Checkpointer(d, memory_tier=TIER)
     monkeypatch.delenv(FAULTS_ENV)
-    _wait(lambda: _keeper_processes(d) == [], "the keeper to exit")
+    wait_for(lambda: keeper_processes(d) == [], "the keeper to exit")

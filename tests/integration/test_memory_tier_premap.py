@@ -16,108 +16,69 @@ import threading
 from pathlib import Path
 
 import pytest
+from memtier_procs import (
+    DEADLINE_S,
+    assert_state,
+    fds_of,
+    held_inodes,
+    killed_trainer,
+    mappings_of,
+    memory_tier,
+    parse_trainer_output,
+    run_trainer,
+    running,
+    start_trainer,
+    wait_for,
+)
 
 from zerostall import Checkpointer, LoadOptions
 from zerostall.errors import ChecksumMismatchError
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
-from zerostall.storage.release import wait_unmapped
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import DEADLINE_S, _assert_state, _memory, _parse, _run, _running, _trainer, _wait
-
-
-def _held_inodes(ck: Checkpointer) -> set[tuple[int, int]]:
-    """The (device, inode) of each memfd of the step the keeper holds."""
-    got = ck._engine.writer.query_image()
-    assert got is not None
-    img, fds = got
-    try:
-        return {(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in fds}
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _mappings_of(inodes: set[tuple[int, int]]) -> dict[str, int]:
-    """This process's mappings of those memfds: address range -> resident KiB in this process's
-    page tables (``Rss`` in /proc/self/smaps: the pages a read through that mapping faulted in)."""
-    wait_unmapped(DEADLINE_S)  # a load hands large unmaps to a background thread
-    out: dict[str, int] = {}
-    current: str | None = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if parts and "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header
-                current = None
-                if len(parts) >= 6 and "memfd:" in parts[5]:
-                    dev_major, dev_minor = (int(x, 16) for x in parts[3].split(":"))
-                    if (os.makedev(dev_major, dev_minor), int(parts[4])) in inodes:
-                        current = parts[0]
-                        out[current] = 0
-            elif current is not None and parts and parts[0] == "Rss:":
-                out[current] = int(parts[1])
-    return out
-
-
-def _fds_of(inodes: set[tuple[int, int]]) -> list[int]:
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            st = os.stat(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in inodes:
-            out.append(int(name))
-    return out
-
-
-def _killed_trainer(d: Path, last: int = 3, mode: str = "kill") -> int:
-    rc, keeper, saved = _run(d, 1, last, 1000, 60, mode)
-    assert rc == -signal.SIGKILL and saved == dict.fromkeys(range(1, last + 1), "memory")
-    return keeper
 
 
 def test_first_load_after_adoption_reuses_the_premapped_step(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    keeper = _killed_trainer(d)
-    ck = Checkpointer(d, memory_tier=_memory(every=1000))
+    keeper = killed_trainer(d)
+    ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
     assert ck._engine.writer.pid == keeper and ck._premap is not None
     tmpl = state(0)
     w = tmpl["w"]
     out = ck.load_pytree(3, template=tmpl)  # the restart's first load, right after the adoption
-    _assert_state(out, state(3))
+    assert_state(out, state(3))
     assert out["w"] is w
     assert ck._premap.reused == 1  # it copied out of the mapping made at adoption
-    inodes = _held_inodes(ck)
+    inodes = held_inodes(ck)
     assert ck._premap.join(DEADLINE_S) and ck._premap.populated > 0
-    held = _mappings_of(inodes)
+    held = mappings_of(inodes)
     assert len(held) == len(inodes) >= 1  # each memfd mapped once, and kept for the next load
     assert all(kib > 0 for kib in held.values())  # pre-faulted
-    _assert_state(ck.load_pytree(), state(3))
+    assert_state(ck.load_pytree(), state(3))
     assert ck._premap.reused == 2
-    assert _mappings_of(inodes).keys() == held.keys()  # the same mappings: none made, none left behind
+    assert mappings_of(inodes).keys() == held.keys()  # the same mappings: none made, none left behind
     # Nothing of the step stays mapped or open here once the Checkpointer is closed.
     ck.close()
-    assert _mappings_of(inodes) == {} and _fds_of(inodes) == []
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    assert mappings_of(inodes) == {} and fds_of(inodes) == []
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
 
 
 def test_a_save_releases_the_premapped_step(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    _killed_trainer(d)
-    with Checkpointer(d, memory_tier=_memory(every=1000)) as ck:
+    killed_trainer(d)
+    with Checkpointer(d, memory_tier=memory_tier(every=1000)) as ck:
         premap = ck._premap
         assert premap is not None
-        _assert_state(ck.load_pytree(3), state(3))
-        inodes = _held_inodes(ck)
-        assert len(_mappings_of(inodes)) == len(inodes)
+        assert_state(ck.load_pytree(3), state(3))
+        inodes = held_inodes(ck)
+        assert len(mappings_of(inodes)) == len(inodes)
         # The keeper lets go of step 3 once step 4 is in memory: a mapping here would keep it.
         ck.save_pytree(4, state(4))
-        assert ck._premap is None and _mappings_of(inodes) == {}
+        assert ck._premap is None and mappings_of(inodes) == {}
         assert ck.latest_step() == 4
-        _assert_state(ck.load_pytree(4), state(4))
+        assert_state(ck.load_pytree(4), state(4))
         assert premap.reused == 1  # step 4 was mapped by its own load
 
 
@@ -127,14 +88,14 @@ def test_a_load_while_the_premap_is_not_done(tmp_path: Path, monkeypatch: pytest
     d, marks, go_check, go_fault = tmp_path / "run", tmp_path / "marks", tmp_path / "go-check", tmp_path / "go-fault"
     marks.mkdir()
     env = dict(os.environ, **{FAULTS_ENV: json.dumps({"keeper_check": f"wait:{go_check}"}), MARK_ENV: str(marks)})
-    p = _trainer(d, 1, 3, 1000, 60, "kill", env=env)
+    p = start_trainer(d, 1, 3, 1000, 60, "kill", env=env)
     out_text, _ = p.communicate(timeout=DEADLINE_S)
-    keeper, saved = _parse(out_text.splitlines())
+    keeper, saved = parse_trainer_output(out_text.splitlines())
     assert p.returncode == -signal.SIGKILL and saved == dict.fromkeys((1, 2, 3), "memory")
-    _wait(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
+    wait_for(lambda: (marks / f"keeper_check-{keeper}").exists(), "the keeper's check to start")
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"premap_populate": f"wait:{go_fault}"}))
     monkeypatch.setenv(MARK_ENV, str(marks))
-    with Checkpointer(d, memory_tier=_memory(every=1000)) as ck:
+    with Checkpointer(d, memory_tier=memory_tier(every=1000)) as ck:
         premap = ck._premap
         assert premap is not None
         got: list[dict] = []
@@ -145,47 +106,47 @@ def test_a_load_while_the_premap_is_not_done(tmp_path: Path, monkeypatch: pytest
         go_check.touch()
         loader.join(DEADLINE_S)
         assert len(got) == 1
-        _assert_state(got[0], state(3))
+        assert_state(got[0], state(3))
         assert (marks / f"premap_populate-{os.getpid()}").exists()  # mapped, pre-fault held back
         assert premap.reused == 1 and premap.populated == 0
         # The load read through the mapping made at adoption (its pages are now in this process's
         # page tables there; a load that mapped the step itself would have left them empty).
-        held = _mappings_of(_held_inodes(ck))
+        held = mappings_of(held_inodes(ck))
         assert len(held) >= 1 and sum(held.values()) * 1024 >= state(3)["w"].nbytes
         # The load stopped the pre-fault: released now, the thread faults nothing more.
         go_fault.touch()
         assert premap.join(DEADLINE_S) and premap.populated == 0
         for _ in range(3):
-            _assert_state(ck.load_pytree(3, template=state(0)), state(3))
-        assert premap.reused == 4 and len(_mappings_of(_held_inodes(ck))) == len(held)
+            assert_state(ck.load_pytree(3, template=state(0)), state(3))
+        assert premap.reused == 4 and len(mappings_of(held_inodes(ck))) == len(held)
 
 
 def test_close_while_the_premap_waits_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d, marks, go = tmp_path / "run", tmp_path / "marks", tmp_path / "go"
     marks.mkdir()
-    keeper = _killed_trainer(d)
+    keeper = killed_trainer(d)
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"premap_populate": f"wait:{go}"}))
     monkeypatch.setenv(MARK_ENV, str(marks))
-    ck = Checkpointer(d, memory_tier=_memory(every=1000))
+    ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
     premap = ck._premap
     assert premap is not None
-    inodes = _held_inodes(ck)
-    _wait(lambda: (marks / f"premap_populate-{os.getpid()}").exists(), "the step to be mapped")
-    assert set(_mappings_of(inodes).values()) == {0}  # mapped, nothing read through it yet
-    assert len(_mappings_of(inodes)) == len(inodes)
+    inodes = held_inodes(ck)
+    wait_for(lambda: (marks / f"premap_populate-{os.getpid()}").exists(), "the step to be mapped")
+    assert set(mappings_of(inodes).values()) == {0}  # mapped, nothing read through it yet
+    assert len(mappings_of(inodes)) == len(inodes)
     ck.close()  # the pre-fault has not started: the close unmaps, the thread then does nothing
-    assert _mappings_of(inodes) == {} and _fds_of(inodes) == []
+    assert mappings_of(inodes) == {} and fds_of(inodes) == []
     go.touch()
     assert premap.join(DEADLINE_S) and premap.populated == 0
-    assert _mappings_of(inodes) == {}
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    assert mappings_of(inodes) == {}
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
 
 
 def test_a_corrupted_step_is_still_caught(tmp_path: Path) -> None:
     d = tmp_path / "run"
-    rc, keeper, saved = _run(d, 1, 2, 5, 60, "corrupt")  # flips a byte of leaf "w" after the save
+    rc, keeper, saved = run_trainer(d, 1, 2, 5, 60, "corrupt")  # flips a byte of leaf "w" after the save
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
-    with Checkpointer(d, memory_tier=_memory(every=5), load_options=LoadOptions(atomic=True)) as ck:
+    with Checkpointer(d, memory_tier=memory_tier(every=5), load_options=LoadOptions(atomic=True)) as ck:
         assert ck._engine.writer.pid == keeper and ck._premap is not None
         tmpl = state(0)
         with pytest.raises(ChecksumMismatchError) as err:
@@ -200,16 +161,16 @@ def test_a_forked_child_does_not_inherit_the_premapped_step(tmp_path: Path) -> N
     """A DataLoader's workers fork after the load: their copy of the mapping would keep the
     step's memory alive after the next save lets go of it."""
     d = tmp_path / "run"
-    _killed_trainer(d)
-    with Checkpointer(d, memory_tier=_memory(every=1000)) as ck:
-        _assert_state(ck.load_pytree(3), state(3))
-        inodes = _held_inodes(ck)
-        assert len(_mappings_of(inodes)) == len(inodes)  # held here, for the next load
+    killed_trainer(d)
+    with Checkpointer(d, memory_tier=memory_tier(every=1000)) as ck:
+        assert_state(ck.load_pytree(3), state(3))
+        inodes = held_inodes(ck)
+        assert len(mappings_of(inodes)) == len(inodes)  # held here, for the next load
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: report its mappings of the step, then close what it inherited
             try:
-                n = len(_mappings_of(inodes))
+                n = len(mappings_of(inodes))
                 assert ck._premap is not None
                 ck._premap.close()
                 os.write(w, f"{n}".encode())
@@ -220,5 +181,5 @@ def test_a_forked_child_does_not_inherit_the_premapped_step(tmp_path: Path) -> N
             got = f.read()
         assert os.waitpid(pid, 0)[1] == 0
         assert got == "0"
-        _assert_state(ck.load_pytree(3), state(3))  # the parent's mapping is untouched
+        assert_state(ck.load_pytree(3), state(3))  # the parent's mapping is untouched
         assert ck._premap is not None and ck._premap.reused == 2

@@ -16,14 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from memtier_procs import (
+    DEADLINE_S,
+    assert_state,
+    fds_of,
+    held_inodes,
+    killed_trainer,
+    mappings_of,
+    memory_tier,
+    running,
+    wait_for,
+)
 
 from zerostall import Checkpointer
 from zerostall.memtier import image as image_mod
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import DEADLINE_S, _assert_state, _memory, _running, _wait
-from test_memory_tier_premap import _fds_of, _held_inodes, _killed_trainer, _mappings_of
 
 
 def _gate_copies(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
@@ -68,11 +77,11 @@ def _load_on_thread(ck: Checkpointer, step: int, got: dict[str, Any]) -> threadi
 def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     d = tmp_path / "run"
-    keeper = _killed_trainer(d)
-    ck = Checkpointer(d, memory_tier=_memory(every=1000))
+    keeper = killed_trainer(d)
+    ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
     premap = ck._premap
     assert ck._engine.writer.pid == keeper and premap is not None
-    inodes = _held_inodes(ck)
+    inodes = held_inodes(ck)
     copying, go = _gate_copies(monkeypatch)
     got: dict[str, Any] = {}
     loader = _load_on_thread(ck, 3, got)
@@ -86,16 +95,16 @@ def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Pat
         loader.join(DEADLINE_S)
     assert not loader.is_alive()
     assert "err" not in got, got.get("err")
-    _assert_state(got["out"], state(3))  # bit for bit, though the save released the mapping meanwhile
+    assert_state(got["out"], state(3))  # bit for bit, though the save released the mapping meanwhile
     monkeypatch.undo()
     got.clear()  # the loaded arrays: the load holds nothing of the mapping after this
     gc.collect()
     # The load has let go of its views: the step is unmapped and no descriptor of it is open here.
-    assert _mappings_of(inodes) == {} and _fds_of(inodes) == []
+    assert mappings_of(inodes) == {} and fds_of(inodes) == []
     assert ck.latest_step() == 4
-    _assert_state(ck.load_pytree(4), state(4))
+    assert_state(ck.load_pytree(4), state(4))
     ck.close()
-    _wait(lambda: not _running(keeper), "the keeper to exit after close()")
+    wait_for(lambda: not running(keeper), "the keeper to exit after close()")
 
 
 def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
@@ -105,7 +114,7 @@ def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
     after that would stage into the very bytes the load copies from: the load then read a mix of
     two steps (its checksum pass, when it made one, reported the held step corrupt). The slot now
     goes back to the pool only when the load has ended; that next save waits for it meanwhile."""
-    ck = Checkpointer(tmp_path / "run", memory_tier=_memory(every=1000))  # 2 slots: one held, one free
+    ck = Checkpointer(tmp_path / "run", memory_tier=memory_tier(every=1000))  # 2 slots: one held, one free
     ck.save_pytree(1, state(1))
     copying, go = _gate_copies(monkeypatch)
     got: dict[str, Any] = {}
@@ -124,7 +133,7 @@ def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
         saver.start()
         # Either that slot came back and the save of 3 is done (staged into the bytes being loaded),
         # or it is kept for the load, and the save of 3 waits for it.
-        _wait(lambda: not saver.is_alive() or getattr(ck._engine.writer, "_deferred", []),
+        wait_for(lambda: not saver.is_alive() or getattr(ck._engine.writer, "_deferred", []),
               "the save of 3 to stage or to wait")
     finally:
         go.set()
@@ -132,8 +141,8 @@ def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
     saver.join(DEADLINE_S)
     assert not loader.is_alive() and not saver.is_alive()
     assert "err" not in got and "save_err" not in got, got
-    _assert_state(got["out"], state(1))  # bit for bit: nothing was staged into it meanwhile
+    assert_state(got["out"], state(1))  # bit for bit: nothing was staged into it meanwhile
     monkeypatch.undo()
     assert ck.latest_step() == 3
-    _assert_state(ck.load_pytree(3), state(3))
+    assert_state(ck.load_pytree(3), state(3))
     ck.close()

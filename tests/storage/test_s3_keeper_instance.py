@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memtier_procs import DEADLINE_S, TRAINER, running, wait_for
 
 from zerostall import Checkpointer, MemoryTier
 from zerostall.commit import committed_steps
@@ -27,25 +27,7 @@ from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
 from zerostall.storage import open_storage
 
-TRAINER = str(Path(__file__).parents[1] / "integration" / "_memory_trainer.py")
-DEADLINE_S = 120.0
 LINGER_S = 300.0  # longer than DEADLINE_S: a keeper that merely expires fails the test
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def _wait(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _delete_prefix(s3_server: Any, url: str) -> None:
@@ -74,7 +56,7 @@ def test_a_new_trainer_on_a_deleted_and_recreated_s3_prefix_starts_fresh(s3_url:
         assert committed_steps(storage) == [5]
         old = read_instance(storage)
         assert old is not None
-        _wait(lambda: any(f.name.startswith("keeper_persist-") for f in mark.iterdir()), "the keeper's persist")
+        wait_for(lambda: any(f.name.startswith("keeper_persist-") for f in mark.iterdir()), "the keeper's persist")
         held = query_held(s3_url, 0)
         assert held is not None and held.step == 7
 
@@ -83,11 +65,11 @@ def test_a_new_trainer_on_a_deleted_and_recreated_s3_prefix_starts_fresh(s3_url:
             assert ckpt.latest_step() is None and ckpt.steps() == [] and ckpt.memory_step() is None
             assert read_instance(storage) not in (None, old)
             go.touch()
-            _wait(lambda: not _running(keeper), "the old keeper to exit")
+            wait_for(lambda: not running(keeper), "the old keeper to exit")
             assert committed_steps(storage) == []  # step 7 did not go into the new prefix
             ckpt.save_pytree(1, {"x": np.arange(4)})
         assert committed_steps(storage) == [1]
         assert INSTANCE_KEY in [n.rstrip("/") for n in storage.list("")]
     finally:
-        if _running(keeper):
+        if running(keeper):
             os.kill(keeper, signal.SIGKILL)

@@ -384,7 +384,7 @@ def test_public_api_is_frozen():
         "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
         "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
-        "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+        "UnadoptableKeeper", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
         "Advice", "MeasuredCosts", "AdviceError", "FailureMix", "ReplicaCost", "TierAdvice"])
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import importlib
 import pkgutil
+import re
 
 import pytest
 
 import zerostall
 from zerostall import errors
+from zerostall.memtier.keeperfail import UnadoptableKeeper
 from zerostall.messages import from_wire, to_wire
 
 
@@ -32,6 +36,25 @@ def test_the_drawn_tree_names_every_error_class_of_the_package():
     missing = sorted(c.__name__ for c in _all_error_classes() if f" {c.__name__}" not in doc)
     assert not missing, f"errors.py's tree does not draw {missing}"
     assert "ZerostallWarning" in doc
+
+
+def test_the_drawn_tree_names_only_classes_the_package_has():
+    drawn = set(re.findall(r"[├└]── (\w+)", errors.__doc__ or ""))
+    assert drawn, "the tree's branches were not found"
+    stale = sorted(drawn - {c.__name__ for c in _all_error_classes()})
+    assert not stale, f"errors.py's tree draws {stale}, which the package does not define"
+
+
+def test_an_unadoptable_keeper_is_a_plain_record_not_an_error():
+    """Never raised, so not an exception: a frozen record with the fields every entry of
+    Checkpointer.keeper_failures has (step, path, rank, cause, errno)."""
+    cause = errors.StorageError("bind refused", errno=errno.EACCES)
+    record = UnadoptableKeeper(path="/ckpt", rank=0, keeper_pid=42, cause=cause)
+    assert not isinstance(record, BaseException) and zerostall.UnadoptableKeeper is UnadoptableKeeper
+    assert record.step is None and record.errno == errno.EACCES and record.cause is cause
+    assert "pid 42, rank 0" in str(record) and "[EACCES] bind refused" in str(record) and "'/ckpt'" in str(record)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.rank = 1  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("cls", sorted(

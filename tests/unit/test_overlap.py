@@ -651,7 +651,7 @@ def test_an_unreceived_torn_save_is_raised_by_the_next_save(ckdir):
         assert ckpt.steps() == []
 
 
-def _cpu_task(tensors: list[torch.Tensor], *, idle: bool = False):
+def _cpu_task(tensors: list[torch.Tensor]):
     """A task over CPU tensors as ``build_task`` makes it (not submitted: no background thread)."""
     from zerostall.stage import overlap
     from zerostall.tree import flatten
@@ -659,7 +659,6 @@ def _cpu_task(tensors: list[torch.Tensor], *, idle: bool = False):
     flat = flatten({"t": {str(i): t for i, t in enumerate(tensors)}})
     dsts = [torch.empty_like(t) for t in tensors]
     task = overlap.build_task("mem://x", flat.leaves, dsts, [True] * len(tensors))
-    task.idle = idle
     outcome: list[BaseException | None] = []
     task.on_staged = outcome.append
     return task, dsts, outcome
@@ -667,12 +666,13 @@ def _cpu_task(tensors: list[torch.Tensor], *, idle: bool = False):
 
 def test_the_guard_copies_what_the_background_has_not_started(monkeypatch):
     """A step before the background reached the copy: the training thread copies it itself
-    (never waits on a starved idle worker), and the background, once there, copies nothing."""
+    (never waits on a background thread that did not get a core), and the background, once
+    there, copies nothing."""
     from zerostall.stage import overlap
 
     monkeypatch.setattr(overlap, "CHUNK", 1 << 16)  # several pieces per tensor
     src = [torch.arange(100_000, dtype=torch.float32) + i for i in range(3)]
-    task, dsts, outcome = _cpu_task(src, idle=True)
+    task, dsts, outcome = _cpu_task(src)
     assert task.pieces is not None and task.pieces.left > 3
     task.order_step()  # the guard, on this thread
     assert task.cpu_done.is_set() and task.pieces.left == 0 and task.error is None
@@ -680,9 +680,9 @@ def test_the_guard_copies_what_the_background_has_not_started(monkeypatch):
         assert torch.equal(d, s)
     for s in src:
         s.zero_()  # the step's own changes, after the copy
-    copied: list[int] = []
-    overlap._run_task(task, lambda p: copied.append(p.work()))  # the copier reaching it later
-    assert outcome == [None] and copied == [0]
+    assert task.pieces.work() == 0  # nothing left for the copier to claim
+    overlap._run_task(task)  # the copier reaching it later
+    assert outcome == [None]
     assert all(torch.equal(d, torch.arange(100_000, dtype=torch.float32) + i) for i, d in enumerate(dsts))
 
 
@@ -699,13 +699,13 @@ def test_a_change_before_the_guard_finished_the_copy_fails_the_save():
     assert isinstance(outcome[0], TornSnapshotError)
 
 
-def test_guard_and_idle_worker_share_the_pieces(monkeypatch):
+def test_guard_and_copier_share_the_pieces(monkeypatch):
     """Both threads claim pieces of one copy; each piece is copied once, every byte lands."""
     from zerostall.stage import overlap
 
     monkeypatch.setattr(overlap, "CHUNK", 1 << 12)
     src = [torch.randn(1 << 18) for _ in range(4)]
-    task, dsts, outcome = _cpu_task(src, idle=True)
+    task, dsts, outcome = _cpu_task(src)
     copier = overlap.Copier("zerostall-test-copier")
     copier._put(task)
     task.order_step()
@@ -713,45 +713,6 @@ def test_guard_and_idle_worker_share_the_pieces(monkeypatch):
     assert outcome == [None]
     for d, s in zip(dsts, src):
         assert torch.equal(d, s)
-
-
-def test_the_idle_worker_runs_under_sched_idle(ckdir, monkeypatch):
-    """With the idle policy the snapshot is still the state at the call, and the worker that
-    copies it runs under SCHED_IDLE."""
-    import os
-
-    from zerostall.stage import overlap
-
-    monkeypatch.setattr(overlap, "COPIER_POLICY", "idle")
-    case = _Case("adamw_foreach")
-    case.step()
-    with Checkpointer(ckdir, save_options=THREAD) as ckpt:
-        for step in range(3):
-            expected = _snapshot(case.state())
-            r = ckpt.save_pytree_async(step, case.tree())
-            case.step()
-            r.result()
-            loaded = ckpt.load_pytree(step)
-            _equal(expected["model"], loaded["model"], "model")
-            _equal(expected["optim"][0]["state"], {int(k): v for k, v in loaded["optim"][0]["state"].items()}, "optim")
-    idle = [t for t in threading.enumerate() if t.name.endswith("-idle") and t.native_id is not None]
-    assert idle and all(os.sched_getscheduler(t.native_id) == os.SCHED_IDLE for t in idle)
-
-
-def test_auto_policy_follows_torchs_thread_count(monkeypatch):
-    from zerostall.stage import overlap
-
-    assert not overlap._idle_policy()  # the default ("normal"): the copier thread copies
-    monkeypatch.setattr(overlap, "COPIER_POLICY", "auto")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(overlap._cpus())
-        assert overlap._idle_policy()  # the trainer's threads fill every CPU: copy in idle time
-        if overlap._cpus() > 1:
-            torch.set_num_threads(overlap._cpus() - 1)
-            assert not overlap._idle_policy()  # a spare core: copy at the trainer's priority
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_wait_staged_copies_on_the_waiting_thread(ckdir):
@@ -772,87 +733,6 @@ def test_wait_staged_copies_on_the_waiting_thread(ckdir):
             case.model[0].weight.clamp_(-0.01, 0.01)
         r.result()
         _equal(expected, ckpt.load_pytree(0)["model"])
-
-
-def _with_threads(n: int) -> int:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    return before
-
-
-def test_yield_policy_hands_a_thread_to_the_copy_and_takes_it_back(ckdir, monkeypatch):
-    """With ``"yield"`` and torch's threads covering every CPU, the saving thread runs one thread
-    fewer while the copy is in flight, gets it back at the next step, and the snapshot is the
-    state at the call."""
-    from zerostall.stage import overlap
-
-    monkeypatch.setattr(overlap, "COPIER_POLICY", "yield")
-    monkeypatch.setattr(overlap, "_cpus", lambda: 2)  # the same on any machine: two CPUs
-    before = _with_threads(2)
-    try:
-        case = _Case("adamw_foreach")
-        case.step()
-        with Checkpointer(ckdir, save_options=THREAD) as ckpt:
-            for step in range(3):
-                expected = _snapshot(case.state())
-                timer = _gate(ckpt)
-                r = ckpt.save_pytree_async(step, case.tree())
-                assert not r.staged() and torch.get_num_threads() == 1  # the copy has the other core
-                case.step()  # the guard copies what is left, then the thread comes back
-                assert torch.get_num_threads() == 2
-                timer.join()
-                r.result()
-                loaded = ckpt.load_pytree(step)
-                _equal(expected["model"], loaded["model"], "model")
-        assert overlap.YIELD.thread is None
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_yield_policy_leaves_a_spare_core_and_a_users_own_count_alone(ckdir, monkeypatch):
-    from zerostall.stage import overlap
-
-    monkeypatch.setattr(overlap, "COPIER_POLICY", "yield")
-    monkeypatch.setattr(overlap, "_cpus", lambda: 4)
-    before = _with_threads(2)  # two of four CPUs: the copier has a core without taking one
-    try:
-        case = _Case("sgd")
-        case.step()
-        with Checkpointer(ckdir, save_options=THREAD) as ckpt:
-            timer = _gate(ckpt)
-            r = ckpt.save_pytree_async(0, case.tree())
-            assert torch.get_num_threads() == 2
-            timer.join()
-            r.result()
-            monkeypatch.setattr(overlap, "_cpus", lambda: 2)
-            timer = _gate(ckpt)
-            r = ckpt.save_pytree_async(1, case.tree())
-            assert torch.get_num_threads() == 1
-            torch.set_num_threads(3)  # the user's own choice while the copy is in flight
-            timer.join()
-            r.result()
-            ckpt.wait()
-            assert torch.get_num_threads() == 3 and overlap.YIELD.thread is None
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_yield_is_given_back_only_on_the_thread_that_took_it(monkeypatch):
-    from zerostall.stage import overlap
-
-    monkeypatch.setattr(overlap, "_cpus", lambda: 2)
-    before = _with_threads(2)
-    try:
-        overlap.YIELD.take()
-        assert torch.get_num_threads() == 1
-        other = threading.Thread(target=overlap.YIELD.give_back)
-        other.start()
-        other.join()
-        assert overlap.YIELD.thread is not None and torch.get_num_threads() == 1
-        overlap.YIELD.give_back()
-        assert overlap.YIELD.thread is None and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_change_after_the_copy_but_before_any_sync_fails_the_save(ckdir):

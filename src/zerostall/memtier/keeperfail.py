@@ -27,13 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zerostall.errors import KeeperPersistError, KeeperUnadoptableError
+from zerostall.errors import KeeperPersistError, ZerostallError
 from zerostall.format.layout import KEEPER_FAILED_PREFIX as MARKER_PREFIX
 from zerostall.messages import WireError, from_wire
 from zerostall.storage import Storage, local_path
 
 __all__ = ["KeeperFailure", "marker_key", "local_marker", "write_marker", "read_markers", "take_markers",
-           "as_error", "MARKER_PREFIX", "unadoptable_error"]
+           "as_error", "MARKER_PREFIX", "UnadoptableKeeper"]
 
 
 @dataclass(frozen=True)
@@ -62,27 +62,65 @@ class KeeperFailure:
                              time=float(at) if isinstance(at, (int, float)) else 0.0)
 
 
+def _errno_tag(cause: BaseException) -> str:
+    """``"[ENOSPC] "`` for a cause with an errno, else nothing: how a keeper failure names its errno."""
+    code = getattr(cause, "errno", None)
+    return f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
+
+
 def as_error(f: KeeperFailure) -> KeeperPersistError:
     """The user-facing error of a failure: names the step, the path and the cause."""
     cause = from_wire(f.error)
     step = f"step {f.step}" if f.step is not None else "a step"
-    code = getattr(cause, "errno", None)
-    tag = f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
     return KeeperPersistError(f"the memory tier's keeper (rank {f.rank}) could not persist {step}, which only its "
-                              f"memory held, to storage: {type(cause).__name__}: {tag}{cause.message}", path=f.path, rank=f.rank, step=f.step,
-                              cause=cause)
+                              f"memory held, to storage: {type(cause).__name__}: {_errno_tag(cause)}{cause.message}",
+                              path=f.path, rank=f.rank, step=f.step, cause=cause)
 
 
-def unadoptable_error(root: str, rank: int, keeper_pid: int, cause: WireError) -> KeeperUnadoptableError:
-    """The user-facing error of a keeper that serves but cannot be adopted (its Hello's
-    ``unadoptable``): names the directory, the rank, the keeper and the cause."""
-    err = from_wire(cause)
-    code = getattr(err, "errno", None)
-    tag = f"[{errno.errorcode.get(code, code)}] " if isinstance(code, int) else ""
-    return KeeperUnadoptableError(
-        f"the memory tier's keeper (pid {keeper_pid}, rank {rank}) serves this trainer but cannot be adopted after a "
-        f"crash: {tag}{err.message}. Saves work as usual; after a crash the keeper persists the newest memory-only "
-        "step and exits, so the restart resumes from storage, not from memory", path=root, rank=rank, cause=err)
+@dataclass(frozen=True)
+class UnadoptableKeeper:
+    """A memory tier's keeper that serves its trainer but cannot be adopted after a crash.
+
+    A record, not an error: nothing failed that the trainer could catch. The keeper could not
+    bind its name (``cause``: a ``StorageError`` with the bind's errno), or another user's process
+    holds that name (a squatter; ``cause`` says which pid and uid, errno ``EADDRINUSE``). The
+    trainer's saves to memory and storage work as usual; what is lost is the restart from memory:
+    after a crash this keeper persists the newest memory-only step and exits, and the restart
+    resumes from storage. Warned of (:class:`~zerostall.errors.ZerostallWarning`, with ``str()`` of
+    this record) on the training thread at the ``Checkpointer`` construction (or the first save
+    after the keeper started) and listed in :attr:`zerostall.Checkpointer.keeper_failures`
+    (docs/guarantees.md, "A keeper that cannot be adopted").
+    """
+
+    #: the checkpoint directory
+    path: str
+    rank: int
+    #: the keeper process
+    keeper_pid: int
+    #: why it cannot be adopted, as the keeper's Hello reported it
+    cause: ZerostallError
+
+    @staticmethod
+    def from_hello(root: str, rank: int, keeper_pid: int, cause: WireError) -> UnadoptableKeeper:
+        """The record of a keeper whose Hello said it cannot be adopted (its ``unadoptable``)."""
+        return UnadoptableKeeper(path=root, rank=rank, keeper_pid=keeper_pid, cause=from_wire(cause))
+
+    @property
+    def step(self) -> None:
+        """Always None: no step failed to persist (every entry of ``keeper_failures`` has a ``step``)."""
+        return None
+
+    @property
+    def errno(self) -> int | None:
+        """The cause's errno (the bind's, or ``EADDRINUSE`` for a squatter), if it has one."""
+        value = getattr(self.cause, "errno", None)
+        return value if isinstance(value, int) else None
+
+    def __str__(self) -> str:
+        return (f"the memory tier's keeper (pid {self.keeper_pid}, rank {self.rank}) serves this trainer but cannot be "
+                f"adopted after a crash: {_errno_tag(self.cause)}{self.cause.message}. Saves work as usual; after a crash the keeper "
+                "persists the newest memory-only step and exits, so the restart resumes from storage, not from memory "
+                f"(checkpoint {self.path!r}, rank {self.rank})")
 
 
 def marker_key(rank: int) -> str:

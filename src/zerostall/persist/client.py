@@ -31,11 +31,10 @@ from zerostall.errors import (
     InvalidArgumentError,
     KeeperLostError,
     KeeperPersistError,
-    KeeperUnadoptableError,
     WriterError,
     ZerostallError,
 )
-from zerostall.memtier.keeperfail import KeeperFailure, as_error, unadoptable_error
+from zerostall.memtier.keeperfail import KeeperFailure, UnadoptableKeeper, as_error
 from zerostall.memtier.spec import KeeperSpec, adopt, busy_error
 from zerostall.messages import (
     PROTOCOL,
@@ -147,7 +146,7 @@ class WriterClient:
         self._ready = threading.Event()
         #: the keeper's failed persists of memory-only steps it reported (oldest first); see
         #: :attr:`zerostall.Checkpointer.keeper_failures`
-        self.keeper_failures: list[KeeperPersistError] = []
+        self.keeper_failures: list[KeeperPersistError | UnadoptableKeeper] = []
         #: those of them that a persist this trainer asked for itself (its clean close, or
         #: :meth:`persist_held`) reported; each is raised once, by whichever asked
         self.close_failures: list[KeeperPersistError] = []
@@ -166,7 +165,7 @@ class WriterClient:
         #: instead of its Hello) and exited: raised by the next wait_ready(), start() or the jobs it had
         self._busy: InvalidArgumentError | None = None
         #: our keeper said in its Hello that it cannot be adopted: to be warned of on the training thread
-        self._unadoptable: list[KeeperUnadoptableError] = []
+        self._unadoptable: list[UnadoptableKeeper] = []
         #: loads from memory in progress (:meth:`pin_held`), and the slots the keeper let go of
         #: meanwhile, handed back for staging only when the last of those loads has ended
         self._pins = 0
@@ -643,12 +642,12 @@ class WriterClient:
         """Our keeper serves but cannot be adopted: list it with the keeper failures, and keep it
         for the training thread to warn of (:meth:`take_unadoptable`)."""
         assert self.keeper is not None and hello.unadoptable is not None
-        err = unadoptable_error(self.keeper.root, self.keeper.rank, hello.pid, hello.unadoptable)
-        self.keeper_failures.append(err)
+        record = UnadoptableKeeper.from_hello(self.keeper.root, self.keeper.rank, hello.pid, hello.unadoptable)
+        self.keeper_failures.append(record)
         with self._lock:
-            self._unadoptable.append(err)
+            self._unadoptable.append(record)
 
-    def take_unadoptable(self) -> list[KeeperUnadoptableError]:
+    def take_unadoptable(self) -> list[UnadoptableKeeper]:
         """The unadoptable keepers reported since the last call (each warned of once)."""
         if not self._unadoptable:
             return []

@@ -7,12 +7,9 @@ can run while the next forward and backward passes do. Two parts make that safe:
   one :func:`zerostall.memcopy.copy` (streaming stores) per 64 MiB piece: no torch kernel, so none of torch's intra-op (OpenMP)
   threads, and the GIL is released during each piece. The copy is cut into pieces that any
   thread may claim: the guard copies whatever the background has not started (see below), so
-  a step never waits on a thread that did not get a core. :data:`COPIER_POLICY` ``"idle"`` (or
-  ``"auto"``) copies in the background under ``SCHED_IDLE`` instead, only on a core training
-  leaves idle (a copy that takes a core from a barrier-synchronised OpenMP loop stalls the
-  whole team: the iteration in flight ran 3.2-3.4x slower at the trainer's priority). A CUDA
-  tensor is copied on a side stream that first waits for an event recorded on the caller's
-  current stream at the call; one background thread enqueues those copies (the call only
+  a step never waits on a thread that did not get a core. The copier thread runs at the
+  trainer's priority. A CUDA tensor is copied on a side stream that first waits for an event
+  recorded on the caller's current stream at the call; one background thread enqueues those copies (the call only
   records the event, see :data:`CUDA_ENQUEUE_THREAD`) and the copier waits for their event.
   Each source's storage is referenced until its copy is done, so a parameter whose ``.data`` is
   replaced, or a block the CUDA caching allocator would hand out again, still yields the bytes
@@ -44,22 +41,20 @@ import atexit
 import collections
 import functools
 import logging
-import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 
 from zerostall import envvars
 from zerostall.checksum import join_crcs
-from zerostall.cpus import usable_cpus as _cpus
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.memcopy import copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
-__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "YIELD", "build_task", "CHUNK", "BackgroundSource",
+__all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK", "BackgroundSource",
            "register_background_source", "deferrable_any", "sync_all"]
 
 log = logging.getLogger("zerostall")
@@ -67,20 +62,6 @@ log = logging.getLogger("zerostall")
 #: bytes per copy call: large enough to run at memory bandwidth, small enough that the GIL
 #: is taken back often (other Python threads are never held up for long)
 CHUNK = 64 << 20
-#: Who copies a CPU save's pieces in the background. ``"normal"`` (default): the copier thread, at
-#: the trainer's priority; ``"idle"``: a ``SCHED_IDLE`` worker thread, which only gets a core
-#: training leaves idle; ``"auto"``: ``"idle"`` when ``torch.get_num_threads()`` (read on the
-#: training thread) covers every CPU of ``sched_getaffinity``, else ``"normal"``; ``"yield"``: the
-#: copier thread, and while the copy is in flight the saving thread runs torch's intra-op
-#: parallel regions on one thread fewer when they would cover every CPU (the copier gets a core
-#: of its own instead of stalling a barrier-synchronised OpenMP team; see :class:`_Yield`). Opt-in:
-#: torch splits reductions by its thread count, so the iterations that run beside a copy may
-#: round differently, and a resumed run is no longer bit for bit an uninterrupted one. In
-#: every case the guard copies the pieces nobody has started. ``"normal"`` is the default because two
-#: consecutive quiet-machine runs showed no gain in training lost per save for ``"idle"`` and it
-#: leaves the whole copy to the guard when the trainer uses every core (measured with an A/B
-#: script now in git history).
-COPIER_POLICY: Literal["auto", "idle", "normal", "yield"] = "normal"
 #: Seconds the copier waits after a CPU copy for a thread that may modify the tensors to judge it
 #: (:meth:`OverlapTask.sync`: the next guarded ``step()``, save, ``wait_staged()``, ``result()``,
 #: ``wait()``, ``close()``, exit) before judging it itself and handing the save on. An in-place
@@ -106,7 +87,7 @@ class _Pieces:
     """A task's CPU copies cut into ``CHUNK`` pieces that any thread may claim.
 
     The background thread copies them; the guard copies the ones nobody has started instead of
-    waiting (a starved idle worker must never hold up a step).
+    waiting (a background thread that did not get a core must never hold up a step).
     """
 
     def __init__(self, copies: list[_CpuCopy], crc: bool = False) -> None:
@@ -328,8 +309,6 @@ class OverlapTask:
     crc: bool = False
     #: the CRC32Cs the background sources' copies computed, by leaf index
     host_crcs: dict[int, int] = field(default_factory=dict)
-    #: copy ``pieces`` on the copier's ``SCHED_IDLE`` worker (see :data:`COPIER_POLICY`)
-    idle: bool = False
     #: set once a thread that may modify the tensors (the training thread: the guard, the next
     #: save, ``wait_staged()``, ``result()``...) judged the versions after the copy; the copier
     #: hands the save on only then (see :meth:`sync`)
@@ -448,13 +427,10 @@ class OverlapTask:
             finally:
                 judged.set()
 
-    def _run(self, idle_worker: Callable[[_Pieces], None] | None = None) -> None:
+    def _run(self) -> None:
         """Copy, check, hand on (copier thread)."""
         if self.pieces is not None:
-            if self.idle and idle_worker is not None:
-                idle_worker(self.pieces)  # this thread sleeps in _finish_cpu meanwhile
-            else:
-                self.pieces.work()
+            self.pieces.work()
         self._finish_cpu()
         for h in self.host:
             if self.error is not None:
@@ -580,61 +556,7 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
         task.synced.set()
     else:
         task.pieces = _Pieces(task.cpu, crc)
-        task.idle = _idle_policy()
-        if COPIER_POLICY == "yield":
-            YIELD.take()
     return task
-
-
-def _idle_policy() -> bool:
-    """Whether this save's CPU pieces go to the idle worker (training thread: torch's own count)."""
-    if COPIER_POLICY != "auto":
-        return COPIER_POLICY == "idle"
-    torch = sys.modules.get("torch")
-    threads = int(torch.get_num_threads()) if torch is not None else 1
-    return threads >= _cpus()
-
-
-class _Yield:
-    """One of torch's intra-op threads handed to the copier while a CPU copy is in flight.
-
-    A copy thread that shares a core with one member of a barrier-synchronised OpenMP team
-    stalls the whole team at every barrier (the iteration in flight ran 3.2-3.4x slower here).
-    With one thread fewer in the team, the copy has a core of its own. torch's thread count is
-    a per-thread OpenMP setting, so it is lowered and restored on the saving thread only: in the
-    save call, and back at the first step pre-hook, next save, ``wait()`` or ``close()`` on that
-    thread once no CPU copy is in flight. A count the user changed meanwhile is left as it is.
-    """
-
-    def __init__(self) -> None:
-        self.thread: int | None = None
-        self._before = 0
-        self._lowered = 0
-
-    def take(self) -> None:
-        """Lower this thread's torch thread count by one if it covers every CPU (training thread)."""
-        if self.thread is not None:
-            return  # an earlier copy still holds it
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return
-        n = int(torch.get_num_threads())
-        if n < 2 or n < _cpus():
-            return  # one thread, or a core to spare: the copier does not compete with the team
-        torch.set_num_threads(n - 1)
-        self.thread, self._before, self._lowered = threading.get_ident(), n, n - 1
-
-    def give_back(self) -> None:
-        """Restore the count (only on the thread that lowered it; the caller checks no copy is in flight)."""
-        if self.thread is None or self.thread != threading.get_ident():
-            return
-        torch = sys.modules["torch"]
-        if int(torch.get_num_threads()) == self._lowered:
-            torch.set_num_threads(self._before)
-        self.thread = None
-
-
-YIELD = _Yield()
 
 
 class Guard:
@@ -708,7 +630,6 @@ class Guard:
                 if self._handle is not None:
                     self._handle.remove()
                     self._handle = None
-        self._settle()
 
     def order_access(self, t: Any) -> None:
         """Order what the caller does next with ``t`` after the in-flight copies of memory it shares.
@@ -736,18 +657,8 @@ class Guard:
         try:
             for task in hit:
                 task.order_step()
-            self._settle()
         finally:
             _THREAD.ours = False
-
-    def _settle(self) -> None:
-        """Give torch's thread back (see :class:`_Yield`) once no CPU copy is in flight."""
-        if YIELD.thread is None:
-            return
-        with self._lock:
-            busy = any(not t.cpu_done.is_set() for t in self._tasks)
-        if not busy:
-            YIELD.give_back()
 
     @property
     def installed(self) -> bool:
@@ -765,7 +676,6 @@ class Guard:
         def order() -> None:
             for task in tasks:
                 task.order_step()
-            self._settle()
 
         later = _order_after_closure(optimizer, args, kwargs, order) if tasks else None
         if later is not None:
@@ -885,7 +795,6 @@ def sync_all() -> None:
         tasks = list(GUARD._tasks)
     for task in tasks:
         task.sync()
-    GUARD._settle()
 
 
 @atexit.register
@@ -910,7 +819,6 @@ class Copier:
         self._busy = 0  # queued or running items
         self._thread: threading.Thread | None = None
         self._name = name
-        self._idle: _IdleWorker | None = None
         _COPIERS.add(self)
 
     def submit(self, task: OverlapTask) -> None:
@@ -944,12 +852,6 @@ class Copier:
         with self._cond:
             return self._cond.wait_for(lambda: self._busy == 0, timeout=timeout)
 
-    def _idle_worker(self) -> Callable[[_Pieces], None] | None:
-        """The ``SCHED_IDLE`` worker's intake (copier thread), None where the policy cannot be had."""
-        if self._idle is None:
-            self._idle = _IdleWorker(self._name + "-idle")
-        return self._idle.give if self._idle.ok else None
-
     def _loop(self) -> None:
         _THREAD.ours = True  # never ordered after its own copies (see Guard.order_access)
         while True:
@@ -959,7 +861,7 @@ class Copier:
                 item = self._queue.popleft()
             try:
                 if isinstance(item, OverlapTask):
-                    _run_task(item, self._idle_worker() if item.idle else None)
+                    _run_task(item)
                 else:
                     item()
             except BaseException:
@@ -970,49 +872,9 @@ class Copier:
                     self._cond.notify_all()
 
 
-class _IdleWorker:
-    """A daemon thread under ``SCHED_IDLE`` that copies the pieces it is given, in order.
-
-    A thread cannot leave ``SCHED_IDLE`` without privilege (``RLIMIT_NICE``), so the copier
-    thread, which hands saves to the writer, stays at the trainer's priority and only sleeps
-    while this one copies.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: collections.deque[_Pieces] = collections.deque()
-        self._cond = threading.Condition()
-        self._ready = threading.Event()
-        self.ok = False
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-        self._ready.wait()
-
-    def give(self, pieces: _Pieces) -> None:
-        with self._cond:
-            self._queue.append(pieces)
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        _THREAD.ours = True
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread (Linux)
-            self.ok = True
-        except (OSError, AttributeError) as exc:  # pragma: no cover - not Linux, or refused
-            log.debug("zerostall: no SCHED_IDLE copy worker (%s); the copier thread copies", exc)
-        finally:
-            self._ready.set()
-        if not self.ok:  # pragma: no cover
-            return
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                pieces = self._queue.popleft()
-            pieces.work()
-
-
-def _run_task(task: OverlapTask, idle_worker: Callable[[_Pieces], None] | None = None) -> None:
+def _run_task(task: OverlapTask) -> None:
     try:
-        task._run(idle_worker)
+        task._run()
     finally:
         GUARD.discard(task)
         try:
