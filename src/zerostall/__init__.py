@@ -39,6 +39,7 @@ from zerostall.errors import (
     MissingDependencyError,
     MissingKeyError,
     NoValidCheckpointError,
+    PreemptionError,
     ReadOnlyError,
     StorageError,
     TornSnapshotError,
@@ -72,6 +73,7 @@ __all__ = [
     "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
     "KeeperPersistError",
     "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+    "PreemptionError",
 ]
 
 import importlib as _importlib

@@ -385,6 +385,7 @@ def test_public_api_is_frozen():
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
         "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
         "KeeperUnadoptableError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+        "PreemptionError",
         "Advice", "MeasuredCosts", "AdviceError"])
 
 
