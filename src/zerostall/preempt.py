@@ -52,8 +52,8 @@ log = logging.getLogger("zerostall")
 #: the ranks meeting at a first collective save); a longer one skips the immediate persist on every
 #: rank, and the final save makes a newer step durable instead
 _SAVE_QUIET_S = 10.0
-#: how long one blocking wait of the store watcher lasts before it looks whether it should end
-_WATCH_S = 1.0
+#: how long one wait of the store watcher lasts (it is woken by a notice or by close(), never polls)
+_WATCH = timedelta(days=1)
 #: signals no process can catch
 _UNCATCHABLE = {int(getattr(signal, n)) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 _instances = itertools.count()
@@ -121,7 +121,10 @@ class Preemption:
         self.held_durable_at: float | None = None
         #: the memory-only step persisted at once (None: none was, or not yet)
         self.held_persisted: int | None = None
-        self._rank, self._world, self._store, self._prefix = 0, 1, None, ""
+        self._rank, self._world, self._prefix = 0, 1, ""
+        self._store: Any = None
+        self._watch_client: Any = None
+        self._notice_client: Any = None
         if active(dist):
             import torch.distributed as tdist
 
@@ -129,6 +132,9 @@ class Preemption:
             ranks = tdist.get_process_group_ranks(group) if group is not None else list(range(self._world))
             ident = hashlib.sha1(f"{path}|{ranks}".encode()).hexdigest()[:16]
             self._store = tdist.distributed_c10d._get_default_store()
+            # one client per thread: a TCPStore client runs one request at a time, and the watcher's
+            # wait would hold up the notice
+            self._watch_client, self._notice_client = _clone(self._store), _clone(self._store)
             self._prefix = f"zerostall/preempt/{ident}/{next(_instances)}"
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
@@ -242,7 +248,9 @@ class Preemption:
                 self._agree_alone()
                 return
             try:
-                self._store.set(f"{self._prefix}/notice", str(self._rank))
+                self._notice_client.set(f"{self._prefix}/notice", str(self._rank))
+                for r in range(self._world):  # wakes every rank's watcher (the store server notifies)
+                    self._notice_client.set(self._wake(r), str(self._rank))
             except Exception as exc:  # noqa: BLE001 - the store is gone: told on the training thread
                 self._fail(f"could not post the preemption notice to the job's store: {exc}")
                 return
@@ -257,19 +265,20 @@ class Preemption:
         self._persist_now(lambda held: held)
 
     def _watch_store(self) -> None:
-        store = self._store
+        """Wait on this rank's wake key, set by a notice (every rank's) or by this rank's close()."""
+        store = self._watch_client
         assert store is not None
-        key = f"{self._prefix}/notice"
-        while not self._closed:
+        while True:
             try:
-                store.wait([key], timedelta(seconds=_WATCH_S))
+                store.wait([self._wake(self._rank)], _WATCH)
+            except Exception as exc:  # noqa: BLE001 - the store went away: no notice can reach this rank now
+                if not self._closed:
+                    log.info("zerostall: the preemption watcher stops: the job's store failed: %s", exc)
+                return
+            if self._closed:
+                return
+            if store.check([f"{self._prefix}/notice"]):
                 break
-            except Exception:  # noqa: BLE001 - a timeout (or a store that went away at close): look again
-                if self._closed:
-                    return
-                continue
-        else:
-            return
         try:
             self._agree(store)
         except Exception as exc:  # noqa: BLE001 - told on the training thread
@@ -285,6 +294,9 @@ class Preemption:
         if self._rank == 0:
             log.warning("zerostall: preemption notice: the %d ranks save step %d last", self._world, self._final)
         self._persist_now(lambda held: _common(self._exchange(store, "held", held)))
+
+    def _wake(self, rank: int) -> str:
+        return f"{self._prefix}/wake/{rank}"
 
     def _exchange(self, store: Any, what: str, value: int | None) -> list[int | None]:
         """Post ``value`` and return every rank's, in rank order (bounded by ``timeout_s``)."""
@@ -334,6 +346,9 @@ class Preemption:
         restored = self._restore()
         with contextlib.suppress(OSError):
             os.write(self._wfd, b"c")
+        if self._store is not None and self._threads[-1].is_alive():
+            with contextlib.suppress(Exception):  # the store is gone: so is the watcher's wait
+                self._store.set(self._wake(self._rank), "closed")
         t = self._threads[0]
         if t is not threading.current_thread():
             t.join(timeout=5.0)
@@ -359,3 +374,10 @@ def _common(held: list[int | None]) -> int | None:
     first = held[0]
     return first if first is not None and all(h == first for h in held) else None
 
+
+def _clone(store: Any) -> Any:
+    """A client of ``store`` of its own (the store itself where it cannot be cloned)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - a store type without clone(): share the one client
+        return store
