@@ -130,7 +130,9 @@ class Preemption:
 
             group, self._rank, self._world = group_rank_world(dist)
             ranks = tdist.get_process_group_ranks(group) if group is not None else list(range(self._world))
-            ident = hashlib.sha1(f"{path}|{ranks}".encode()).hexdigest()[:16]
+            # a worker group torchrun restarted must not see the notice of the one before it
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+            ident = hashlib.sha1(f"{path}|{ranks}|{attempt}".encode()).hexdigest()[:16]
             self._store = tdist.distributed_c10d._get_default_store()
             # one client per thread: a TCPStore client runs one request at a time, and the watcher's
             # wait would hold up the notice
@@ -293,7 +295,11 @@ class Preemption:
             self._known.notify_all()
         if self._rank == 0:
             log.warning("zerostall: preemption notice: the %d ranks save step %d last", self._world, self._final)
-        self._persist_now(lambda held: _common(self._exchange(store, "held", held)))
+        try:
+            self._persist_now(lambda held: _common(self._exchange(store, "held", held)))
+        except Exception as exc:  # noqa: BLE001 - the final save still makes a newer step durable
+            log.warning("zerostall: the ranks did not persist their memory-only step after the preemption "
+                        "notice (the final save will): %s", exc)
 
     def _wake(self, rank: int) -> str:
         return f"{self._prefix}/wake/{rank}"
