@@ -2,7 +2,10 @@
 saves (and persists) one agreed final step, then stops.
 
 The signal handler only records the signal and writes one byte to a pipe (no lock, no I/O
-beyond that write). A thread of this module reads the pipe and does the rest:
+beyond that write); the pipe is also the process's wakeup fd (``signal.set_wakeup_fd``), to
+which Python's C-level handler writes the signal's number at once, even while the main thread
+is inside a long C call and the Python handler has to wait for it. A thread of this module reads
+the pipe and does the rest:
 
 * **One rank** (no ``torch.distributed``): the final step is the first step after the one the
   training thread last passed to ``should_save``; then the newest memory-only step is persisted.
@@ -57,6 +60,8 @@ _WATCH = timedelta(days=1)
 #: signals no process can catch
 _UNCATCHABLE = {int(getattr(signal, n)) for n in ("SIGKILL", "SIGSTOP") if hasattr(signal, n)}
 _instances = itertools.count()
+#: what our handler writes to the pipe (above any signal number the wakeup fd writes)
+_WAKE = b"\xff"
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -141,9 +146,20 @@ class Preemption:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._wfd, False)
         self._previous: dict[int, Handler] = {}
+        self._signals = frozenset(signals)
+        self._noticed = False
+        self._wakeup = False
         try:
             for s in signals:
                 self._previous[s] = signal.signal(s, self._on_signal)
+            # Python's C-level handler writes the signal's number to this fd at once, even while the
+            # main thread is inside a long C call (a collective, a kernel) and our handler cannot
+            # run yet. One fd per process: one an event loop set up first is left alone (then the
+            # notice waits for our handler).
+            old = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
+            self._wakeup = old == -1
+            if not self._wakeup:
+                signal.set_wakeup_fd(old)
         except BaseException:
             self._restore()
             os.close(self._rfd)
@@ -165,7 +181,7 @@ class Preemption:
         if self.signalled_at is None:
             self.signalled_at = time.time()
         with contextlib.suppress(OSError):  # a full pipe already holds a wake-up
-            os.write(self._wfd, b"s")
+            os.write(self._wfd, _WAKE)
         self._pass_on(signum, frame, reraise=False)
 
     def _pass_on(self, signum: int, frame: FrameType | None, *, reraise: bool) -> None:
@@ -246,6 +262,11 @@ class Preemption:
                 return
             if not got or self._closed:
                 return
+            if self._noticed or not any(b in self._signals or b == _WAKE[0] for b in got):
+                continue  # another signal Python handles (the wakeup fd carries them all), or a repeat
+            self._noticed = True
+            if self.signalled_at is None:
+                self.signalled_at = time.time()
             if self._store is None:
                 self._agree_alone()
                 return
@@ -367,6 +388,12 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             return False
         ours = True
+        if self._wakeup:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._wfd:  # set by someone after us: theirs stays, and may still write to ours
+                signal.set_wakeup_fd(current)
+                ours = False
+            self._wakeup = False
         for s, prev in self._previous.items():
             if signal.getsignal(s) == self._on_signal:
                 signal.signal(s, prev if prev is not None else signal.SIG_DFL)

@@ -3,8 +3,9 @@
 ``python _preempt_trainer.py solo DIR PAUSE`` or ``python _preempt_trainer.py RANK WORLD PORT DIR PAUSE``
 (gloo ranks; each step all-reduces, as DDP does). Every step is saved to the memory tier only
 (``persist_interval_steps`` is far away). With ``PAUSE > 0``, after the save of step PAUSE is in
-memory the loop prints ``HELD PAUSE`` and waits for ``DIR/go`` inside that step (a long step), so
-the test can see what a signal does before the next step. With ``PAUSE == 0`` it runs on (a step
+memory the loop prints ``HELD PAUSE`` and rank 0 waits for ``DIR/go`` inside that step (a long
+step); the other ranks go on into the next step's all-reduce and wait there, inside a C call where
+no Python signal handler runs. The test can then see what a signal does before the next step. With ``PAUSE == 0`` it runs on (a step
 every 20 ms). It stops when ``ckpt.preempted`` says so, printing ``FINAL <step>`` and, after
 ``close()``, ``CLOSED <memory-only step persisted at once or -1> <handler restored>``.
 
@@ -68,7 +69,8 @@ def main() -> None:
             if step == pause:
                 r.result()
                 print("HELD", step, flush=True)
-                _wait_for(os.path.join(d, "go"))
+                if rank == 0:
+                    _wait_for(os.path.join(d, "go"))
         if ck.preempted:
             print("FINAL", step, flush=True)
             break
