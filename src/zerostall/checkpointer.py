@@ -714,10 +714,14 @@ class Checkpointer:
     def _settle_memory_only(self, timeout: float) -> int | None:
         """For the persist after a preemption signal (saves are held back meanwhile): wait up to
         ``timeout`` for the saves in flight, then the step only memory holds (None: none, or still busy)."""
-        if self._engine.closed:
-            return None
-        self._engine.wait(timeout)
-        return self._engine.writer.memory_only_step if self._engine.idle() else None
+        # Not Engine.wait(): it syncs overlapped copies, which only the training thread may do
+        # (their versions are judged against its steps); unsynced, each finishes on its own.
+        deadline = time.monotonic() + timeout
+        while not self._engine.closed and not self._engine.idle():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.005)
+        return None if self._engine.closed else self._engine.writer.memory_only_step
 
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.
