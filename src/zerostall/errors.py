@@ -427,4 +427,6 @@ class PreemptionError(ZerostallError, RuntimeError):
     """
 
 
+
+_BY_NAME["PreemptionError"] = PreemptionError
 __all__ += ["PreemptionError"]
