@@ -1,7 +1,7 @@
 """A training loop with ``Checkpointer(preemption_signals=(SIGTERM,))`` for the preemption tests.
 
-``python _preempt_trainer.py solo DIR PAUSE`` or ``python _preempt_trainer.py RANK WORLD PORT DIR PAUSE``
-(gloo ranks; each step all-reduces, as DDP does). Every step is saved to the memory tier only
+``python _preempt_trainer.py solo DIR PAUSE``, ``python _preempt_trainer.py RANK WORLD PORT DIR PAUSE``
+(gloo ranks; each step all-reduces, as DDP does) or, under torchrun, ``_preempt_trainer.py env DIR PAUSE``. Every step is saved to the memory tier only
 (``persist_interval_steps`` is far away). With ``PAUSE > 0``, after the save of step PAUSE is in
 memory the loop prints ``HELD PAUSE`` and rank 0 waits for ``DIR/go`` inside that step (a long
 step); the other ranks go on into the next step's all-reduce and wait there, inside a C call where
@@ -47,6 +47,13 @@ def main() -> None:
 
         signal.signal(signal.SIGTERM, user)
         previous = user
+    elif sys.argv[1] == "env":  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        import torch.distributed as dist
+
+        d, pause = sys.argv[2], int(sys.argv[3])
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        previous = signal.getsignal(signal.SIGTERM)
     else:
         import torch.distributed as dist
 

@@ -27,14 +27,14 @@ DEADLINE_S = 90.0  # generous: only a hang takes this long
 
 
 class Proc:
-    """A trainer process whose stdout lines are collected as they come."""
+    """A trainer process (or ``launcher`` + the trainer) whose stdout lines are collected as they come."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, launcher: tuple[str, ...] = ()) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         env.pop("ZEROSTALL_FAULTS", None)
         with open(log, "a") as err:  # a keeper writing to a pipe we read would keep it open
-            self.p = subprocess.Popen([sys.executable, TRAINER, *args], stdout=subprocess.PIPE, stderr=err,
-                                      text=True, env=env)
+            self.p = subprocess.Popen([sys.executable, *launcher, TRAINER, *args], stdout=subprocess.PIPE,
+                                      stderr=err, text=True, env=env)
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._read, daemon=True)
         self._t.start()
@@ -145,3 +145,22 @@ def test_sigterm_to_both_ranks_saves_one_final_step(tmp_path: Path) -> None:
     assert _committed(d)[-1] == final  # the final step is on storage, and nothing newer was saved
     for p in procs:
         assert not p.seen(f"STEP {final}")  # the loop stopped at it
+
+
+def test_sigterm_to_torchrun_reaches_its_workers_and_both_save_the_same_final_step(tmp_path: Path) -> None:
+    """The preemption a scheduler sends: SIGTERM to torchrun, which passes it on to every worker
+    and SIGKILLs them 30 s later; the workers persist, save the final step and exit in time."""
+    d = tmp_path / "run"
+    run = Proc(["env", str(d), "0"], tmp_path / "stderr.log",
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    try:
+        _wait(lambda: len(run.seen("STEP 5")) == 2, "five steps on both ranks")
+        os.kill(run.p.pid, signal.SIGTERM)
+        run.finish()  # torchrun itself reports the signal (SignalException): its code says nothing here
+    finally:
+        run.kill()
+    finals = run.seen("FINAL")
+    assert len(finals) == 2 and finals[0] == finals[1], run.lines[-10:]
+    final = int(finals[0].split()[1])
+    assert _committed(d)[-1] == final
+    assert [ln.split()[2] for ln in run.seen("CLOSED")] == ["True", "True"]  # each worker's handler restored
