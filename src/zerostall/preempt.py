@@ -272,8 +272,9 @@ class Preemption:
                 return
             try:
                 self._notice_client.set(f"{self._prefix}/notice", str(self._rank))
-                for r in range(self._world):  # wakes every rank's watcher (the store server notifies)
-                    self._notice_client.set(self._wake(r), str(self._rank))
+                # wakes every rank's watcher (the store server notifies its wait), in one request
+                self._notice_client.multi_set([self._wake(r) for r in range(self._world)],
+                                              [str(self._rank)] * self._world)
             except Exception as exc:  # noqa: BLE001 - the store is gone: told on the training thread
                 self._fail(f"could not post the preemption notice to the job's store: {exc}")
                 return
@@ -330,7 +331,7 @@ class Preemption:
         keys = [f"{self._prefix}/{what}/{r}" for r in range(self._world)]
         store.set(keys[self._rank], json.dumps(value))
         store.wait(keys, timedelta(seconds=self._timeout_s))
-        return [json.loads(store.get(k)) for k in keys]
+        return [json.loads(v) for v in store.multi_get(keys)]
 
     def _persist_now(self, agree: Callable[[int | None], int | None]) -> None:
         """Persist the newest memory-only step if ``agree`` (given this rank's) says every rank holds it."""
