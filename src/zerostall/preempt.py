@@ -37,6 +37,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import FrameType
@@ -171,11 +172,12 @@ class Preemption:
                                                   daemon=True))
         for t in self._threads:
             t.start()
+        _ACTIVE.add(self)
 
     # -- the signal handler (main thread, between bytecodes) -----------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._closed:  # closed off the main thread: behave as the handler we replaced
+        if self._closed:  # closed off the main thread, or a forked child: behave as the handler we replaced
             self._pass_on(signum, frame, reraise=True)
             return
         if self.signalled_at is None:
@@ -369,6 +371,7 @@ class Preemption:
         if self._closed:
             return
         self._closed = True
+        _ACTIVE.discard(self)
         with self._gate:  # a persist the notice started ends first
             pass
         restored = self._restore()
@@ -381,6 +384,15 @@ class Preemption:
         if t is not threading.current_thread():
             t.join(timeout=5.0)
         if restored and not t.is_alive():  # else our handler may still write to the pipe
+            os.close(self._rfd)
+            os.close(self._wfd)
+
+    def _forget_in_child(self) -> None:
+        """In a child forked from this process (a DataLoader worker, say): the signal is not a
+        notice to it, and must never wake this process's threads through the inherited pipe (the
+        wakeup fd): the previous handlers and wakeup fd come back, the pipe is closed."""
+        self._closed = True
+        if self._restore():
             os.close(self._rfd)
             os.close(self._wfd)
 
@@ -415,3 +427,16 @@ def _clone(store: Any) -> Any:
         return store.clone()
     except Exception:  # noqa: BLE001 - a store type without clone(): share the one client
         return store
+
+
+#: the Preemptions with handlers installed, for the fork hook below
+_ACTIVE: weakref.WeakSet[Preemption] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for p in list(_ACTIVE):
+        p._forget_in_child()
+    _ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

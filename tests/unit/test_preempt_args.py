@@ -107,3 +107,22 @@ def test_without_preemption_signals_no_handler_is_installed(tmp_path: Path) -> N
     with Checkpointer(tmp_path / "run") as ck:
         assert signal.getsignal(signal.SIGTERM) == before
         assert not ck.preempted
+
+
+def test_a_forked_child_gets_the_previous_handler_and_wakeup_fd_back(tmp_path: Path) -> None:
+    """A child forked while the handlers are installed (a DataLoader worker) must neither swallow
+    the signal nor write it into the parent's pipe (the wakeup fd it inherited)."""
+    with Checkpointer(tmp_path / "run", preemption_signals=(signal.SIGUSR1,)) as ck:
+        assert signal.set_wakeup_fd(-1) != -1  # the parent's is zerostall's pipe (put back below)
+        wake = ck._preemption._wfd if ck._preemption is not None else -1
+        signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+        pid = os.fork()
+        if pid == 0:  # the child: report what it has, then take the signal as before zerostall
+            ok = signal.set_wakeup_fd(-1) == -1 and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+            if not ok:
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os._exit(4)  # not reached: SIGUSR1's default action ends the child
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1, status
+        assert ck._preemption is not None and ck._preemption.final_step is None and not ck._preemption._noticed
