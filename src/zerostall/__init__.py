@@ -38,6 +38,7 @@ from zerostall.errors import (
     MissingDependencyError,
     MissingKeyError,
     NoValidCheckpointError,
+    PreemptionError,
     ReadOnlyError,
     StorageError,
     TornSnapshotError,
@@ -74,6 +75,7 @@ __all__ = [
     "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
     # a keeper a restart cannot adopt (listed in Checkpointer.keeper_failures, not raised)
     "UnadoptableKeeper",
+    "PreemptionError",
 ]
 
 import importlib as _importlib

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -47,6 +48,7 @@ from zerostall.memtier.spec import KeeperSpec
 from zerostall.memtier.tier import MemorySide
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
+from zerostall.preempt import Preemption, check_signals
 from zerostall.response import Response, SaveStats
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
@@ -106,6 +108,16 @@ class Checkpointer:
         costs: with ``save_interval="auto"``, use these costs (a :class:`~zerostall.advice.MeasuredCosts`,
             say a previous run's ``advice().costs``) instead of measuring them: no warm-up, the
             interval is fixed by them and ``mtbf_s``.
+        preemption_signals: signals that announce a preemption (``(signal.SIGTERM,)``: what
+            Kubernetes, Slurm and torchrun send before they kill). On one, the newest step only
+            this host's memory holds is persisted at once, and :meth:`should_save` is true at one
+            final step, the same on every rank, whose save is persisted; then :attr:`preempted`
+            is true and the loop should stop. Off by default: a library does not take over a
+            process's signals unasked. The handlers are installed here (create the Checkpointer
+            on the main thread), chain to the ones installed before (a default action, which would
+            end the process before the final save, is not chained) and are restored by
+            :meth:`close`. Under torch.distributed, create it after ``init_process_group``; the
+            ranks agree through the job's store (docs/design.md, "Preemption").
 
     Raises:
         ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
@@ -161,12 +173,17 @@ class Checkpointer:
         save_interval: Literal["auto"] | None = None,
         mtbf_s: float | None = None,
         costs: MeasuredCosts | None = None,
+        preemption_signals: tuple[int, ...] | None = None,
     ) -> None:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
                                 load_options=load_options, on_error=on_error, read_only=read_only)
         _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
                             save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
+        signals = check_signals(preemption_signals, path=directory)
+        if signals and read_only:
+            raise InvalidArgumentError("preemption_signals needs a Checkpointer that saves (read_only=False)",
+                                       argument="preemption_signals", path=directory)
         if not read_only:
             check_writer_reaches(directory, save_options)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
@@ -249,6 +266,16 @@ class Checkpointer:
         self.last_loaded_step: int | None = None
         if self._memory is not None:
             self._memory.start_premap()
+        self._preemption: Preemption | None = None
+        if signals:
+            try:
+                self._preemption = Preemption(
+                    signals, path=self.directory, dist=so.distributed,
+                    settle=self._settle_memory_only if keeper is not None else None,
+                    persist=self._engine.writer.persist_held if keeper is not None else None)
+            except BaseException:
+                self._engine.close()
+                raise
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -267,9 +294,18 @@ class Checkpointer:
         """
         step = check_step(step, path=self.directory)  # a str step would fail deep inside (str % int)
         if self._cadence.auto is not None:
-            return self._should_save_auto(step)
-        self._cadence.observe_step(step)
-        return self.save_interval_steps is None or step % self.save_interval_steps == 0
+            due = self._should_save_auto(step)
+        else:
+            self._cadence.observe_step(step)
+            due = self.save_interval_steps is None or step % self.save_interval_steps == 0
+        final = self._preemption is not None and self._preemption.observe(step)
+        return due or final
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption signal arrived and :meth:`should_save` has answered true for the
+        final step: save it, then stop the loop (``preemption_signals``)."""
+        return self._preemption is not None and self._preemption.preempted
 
     def prepare(self, items: dict[str, Any] | None = None, *, tree: Any = None) -> int:
         """Allocate the staging buffers for this state's layout now, so the first save only copies.
@@ -305,21 +341,23 @@ class Checkpointer:
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
         persist = True
-        if self.memory_tier is not None:
-            mem = self._memory
-            assert mem is not None
-            if mem.markers_due and self._engine.writer_ready(0):
-                mem.take_markers()  # our keeper's Hello came after the constructor stopped waiting
-            mem.warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
-            mem.drop_premap()  # the keeper lets go of the step it held once this one is in memory
-            persist = self._persists(step)
-            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                        retention=self.retention, memory=True, persist=persist)
-            if persist:
-                self._last_persist = time.monotonic()
-        else:
-            r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                        retention=self.retention)
+        # the immediate persist after a preemption signal never runs while a save is handed over
+        with self._preemption.saving() if self._preemption is not None else contextlib.nullcontext():
+            if self.memory_tier is not None:
+                mem = self._memory
+                assert mem is not None
+                if mem.markers_due and self._engine.writer_ready(0):
+                    mem.take_markers()  # our keeper's Hello came after the constructor stopped waiting
+                mem.warn_unadoptable(stacklevel=2)  # a keeper started after the constructor (the last one died)
+                mem.drop_premap()  # the keeper lets go of the step it held once this one is in memory
+                persist = self._persists(step)
+                r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                            retention=self.retention, memory=True, persist=persist)
+                if persist:
+                    self._last_persist = time.monotonic()
+            else:
+                r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
+                                            retention=self.retention)
         self._cadence.started()
         r._add_before_done(self._record)
         r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc, persisted=persist))
@@ -338,6 +376,8 @@ class Checkpointer:
         """Whether a memory-tier save of ``step`` also goes to storage."""
         mt = self.memory_tier
         assert mt is not None
+        if self._preemption is not None and self._preemption.is_final(step):  # the save before stopping
+            return True
         if self._cadence.auto is not None:  # save_interval="auto": the advisor chose the kind
             return self._cadence.persist_at(step)
         if step % mt.persist_interval_steps == 0:
@@ -580,6 +620,18 @@ class Checkpointer:
         if self.memory_tier is not None and not self.read_only and not self._engine.closed and self._engine.idle():
             self._engine.writer.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
+    def _settle_memory_only(self, timeout: float) -> int | None:
+        """For the persist after a preemption signal (saves are held back meanwhile): wait up to
+        ``timeout`` for the saves in flight, then the step only memory holds (None: none, or still busy)."""
+        # Not Engine.wait(): it syncs overlapped copies, which only the training thread may do
+        # (their versions are judged against its steps); unsynced, each finishes on its own.
+        deadline = time.monotonic() + timeout
+        while not self._engine.closed and not self._engine.idle():
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.005)
+        return None if self._engine.closed else self._engine.writer.memory_only_step
+
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.
 
@@ -589,6 +641,8 @@ class Checkpointer:
                 memory held (storage full, say); the keeper has exited, so that step is lost.
                 It is also in :attr:`keeper_failures`.
         """
+        if self._preemption is not None:
+            self._preemption.close()
         told = len(self._engine.writer.close_failures)
         memory: MemorySide | None = getattr(self, "_memory", None)
         if memory is not None:

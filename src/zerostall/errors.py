@@ -30,7 +30,8 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     │       └── KeeperLostError                      the keeper ended while only it held the newest step
     ├── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
     │   └── DonatedArrayError                        a jax.Array donated before its background copy
-    └── ReplicaError(RuntimeError)                   a replica in another host's memory could not be formed, sent or received intact
+    ├── ReplicaError(RuntimeError)                   a replica in another host's memory could not be formed, sent or received intact
+    └── PreemptionError(RuntimeError)                the ranks could not agree on the final step after a preemption notice
 
     ZerostallWarning(UserWarning)                    a guarantee is weaker than documented; what was asked for still works
 
@@ -409,3 +410,16 @@ class ReplicaError(ZerostallError, RuntimeError):
 
 _BY_NAME["ReplicaError"] = ReplicaError
 __all__ += ["ReplicaError"]
+
+
+class PreemptionError(ZerostallError, RuntimeError):
+    """After a preemption notice (``Checkpointer(preemption_signals=...)``), the ranks could not
+    agree on the final step: a rank's watcher did not answer within ``DistributedOptions.timeout_s``,
+    or the job's ``torch.distributed`` store failed. Raised by ``should_save`` on the training
+    thread, once; ``step`` is the step it was called with, where known.
+    """
+
+
+
+_BY_NAME["PreemptionError"] = PreemptionError
+__all__ += ["PreemptionError"]

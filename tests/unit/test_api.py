@@ -385,6 +385,7 @@ def test_public_api_is_frozen():
         "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
         "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
         "UnadoptableKeeper", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+        "PreemptionError",
         "Advice", "MeasuredCosts", "AdviceError", "FailureMix", "ReplicaCost", "TierAdvice"])
 
 

@@ -577,6 +577,12 @@ class WriterClient:
         if err is not None:
             self.close_failures.append(err)
 
+    @property
+    def memory_only_step(self) -> int | None:
+        """The newest step this trainer saved if only the keeper's memory holds it (None: none)."""
+        job = self._memory_only
+        return job.step if job is not None else None
+
     def persist_held(self, timeout: float | None = None) -> None:
         """Have the keeper persist the newest step this trainer saved that only memory holds (none:
         return at once), and return once it is on storage; the keeper goes on serving. Call after
