@@ -39,7 +39,9 @@ HOST_ID = Var("ZEROSTALL_HOST_ID",
               "namespace). Set it where hostnames collide; tests simulate several hosts on one machine with it.")
 LEASE_S = Var("ZEROSTALL_LEASE_S",
               "How long a writer's lease on a partial checkpoint lasts without renewal, in seconds (default 60): "
-              "after it, another host may clean the partial directory up.")
+              "after it, another host may clean the partial directory up. With memory-tier replicas, also how "
+              "long after a keeper stops renewing its keeper lease a replica holder may stand in for it (keep it "
+              "below DistributedOptions.timeout_s).")
 DEBUG = Var("ZEROSTALL_DEBUG",
             "Non-empty: the command line prints tracebacks, and the writer and keeper log theirs.")
 PROGRESS_DELAY_S = Var("ZEROSTALL_PROGRESS_DELAY_S",

@@ -7,6 +7,9 @@ step 4 persisted, and each rank's step is replicated to the keeper of the rank o
 (rank 2's to rank 0's keeper, 3's to 1's, 0's to 2's, 1's to 3's). Then host B is lost (trainers
 and keepers SIGKILLed) and host A's trainers die; the job restarts with ranks 2 and 3 on a new
 host C, whose keepers are empty. Storage holds step 4 only.
+
+When the job never restarts, host A's keepers persist step 6 all the same: each stands in for
+the lost rank whose replica it holds, once that rank's keeper lease has expired.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from zerostall.commit import committed_steps
+from zerostall.commit import committed_steps, step_name
+from zerostall.format.layout import MANIFEST_NAME
+from zerostall.format.manifest import parse_manifest
 from zerostall.storage import open_storage
 
 pytest.importorskip("torch")
@@ -180,6 +185,45 @@ def test_both_copies_lost_falls_back_to_storage_without_a_hang(tmp_path: Path, j
     assert [o["agreed"] for o in outs] == [4] * WORLD
     assert [o["loaded"] for o in outs] == [4] * WORLD
     assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+
+
+def _leaf_indices(node: object) -> list[int]:
+    if isinstance(node, dict):
+        own = [node["leaf"]] if isinstance(node.get("leaf"), int) else []
+        return own + [i for v in node.values() for i in _leaf_indices(v)]
+    if isinstance(node, list):
+        return [i for v in node for i in _leaf_indices(v)]
+    return []
+
+
+def test_a_lost_host_s_newest_memory_step_is_persisted_by_the_survivors_without_a_restart(
+        tmp_path: Path, job_store: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _replica_host_trainer import uninterrupted
+
+    from zerostall.restore.verify import verify_checkpoint
+
+    monkeypatch.setenv("ZEROSTALL_LEASE_S", "2")  # host B's keepers are proven gone 2 s after they die
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    port = job_store.port  # type: ignore[attr-defined]
+    said = _lose_host_b(d, port, log)  # host B's keepers and every trainer are gone; nothing restarts
+    storage = open_storage(str(d))
+    deadline = time.monotonic() + DEADLINE_S
+    while 6 not in committed_steps(storage):
+        assert time.monotonic() < deadline, f"step 6 never reached storage:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+    for r in (0, 1):
+        os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
+    ck = d / step_name(6)
+    assert verify_checkpoint(str(ck)).ok  # committed and complete: every leaf matches its CRC32C
+    m = parse_manifest((ck / MANIFEST_NAME).read_bytes(), path=str(ck))
+    assert len(m.ranks) == WORLD
+    for r in range(WORLD):  # each rank's tensor, bit for bit as that rank saved it at step 6
+        (w,) = [m.leaves[i] for i in _leaf_indices(m.ranks[r]) if m.leaves[i].shape == (64, 64)]
+        with open(d / step_name(6) / m.files[w.file].path, "rb") as f:
+            f.seek(w.offset)
+            assert f.read(w.nbytes) == uninterrupted(r, 6).numpy().tobytes(), f"rank {r}"
+    assert "standing in for it at step 6" in log.read_text()
 
 
 ONE_HOST = """

@@ -50,6 +50,7 @@ from zerostall.commit import committed_steps, parse_step, step_name
 from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, ZerostallError
 from zerostall.format.layout import DATA_DIR
 from zerostall.format.manifest import parse_manifest
+from zerostall.lease import Lease
 from zerostall.memtier.imagecheck import cpus, first_bad_leaf
 from zerostall.memtier.keeperfail import KeeperFailure, write_marker
 from zerostall.memtier.peers import Peers
@@ -66,6 +67,7 @@ from zerostall.memtier.spec import (
     silence,
     who,
 )
+from zerostall.memtier.standin import alive_target, stand_in
 from zerostall.messages import (
     Adopt,
     Collective,
@@ -239,6 +241,8 @@ class Keeper:
         self.replaced = False
         #: replication: this keeper's held steps sent to other hosts' keepers, their replicas kept here
         self.peers = Peers(spec.instance)
+        #: with replicas: the lease that says this keeper lives (:mod:`zerostall.memtier.standin`)
+        self._alive: Lease | None = None
 
     # -- the listening socket -------------------------------------------------------------
 
@@ -410,13 +414,26 @@ class Keeper:
                      persisted=job.persist)
         self._drop_held(send, held)
         tiers: tuple[str, ...] = ("memory", "storage") if job.persist else ("memory",)
-        if self.peers.active and self._replicate(held):
+        if self.peers.active and self._hold_alive(job) and self._replicate(held):
             tiers = ("memory", "peer", "storage") if job.persist else ("memory", "peer")
         return dataclasses.replace(stats, tiers=tiers)
 
     def setup_replicas(self, setup: ReplicaSetup) -> None:
         """The trainer's replication settings (sent after each Hello): see :mod:`zerostall.memtier.peers`."""
         self.peers.configure(setup)
+
+    def _hold_alive(self, job: SaveJob) -> bool:
+        """Hold the keeper lease, before the first replica leaves: a holder stands in for this
+        rank only once no live lease names it. False (nothing is replicated) if it cannot be written."""
+        if self._alive is not None:
+            return True
+        try:
+            self._alive = Lease(open_storage(job.root), [alive_target(self.spec.instance, self.spec.rank)]).acquire()
+        except Exception as exc:  # noqa: BLE001 - the save is then in memory only, and says so
+            print(f"zerostall keeper: cannot write rank {self.spec.rank}'s keeper lease in {job.root} ({exc}); its "
+                  f"step {job.step} is not replicated", file=sys.stderr, flush=True)
+            return False
+        return True
 
     def _replicate(self, held: _Held) -> bool:
         """Send the held step to its holders, from the staged buffers (the files in the manifest's
@@ -773,6 +790,32 @@ class Keeper:
             with self._cond:
                 self._dead_runs.append((t, self._root_of_run, coll))
         t.start()
+        if held is not None and held.job.collective is not None and held.job.step is not None:
+            # The replicas held here of the same step: each lost origin's part of this attempt.
+            for r in self.peers.pin(held.job.step, held.job.collective.world):
+                s = threading.Thread(target=self._stand_in, args=(held.job, r), name="zerostall-keeper-standin",
+                                     daemon=True)
+                self._crashes.append(s)
+                s.start()
+
+    def _stand_in(self, job: SaveJob, replica: ReceivedStep) -> None:
+        """Take the part of ``replica``'s origin rank in this keeper's persist of ``job`` once that
+        rank's keeper is proven gone (:mod:`zerostall.memtier.standin`)."""
+        origin = replica.of.rank
+        try:
+            stand_in(job, replica, open_storage(job.root), instance=self.spec.instance,
+                     holders=self.peers.holders_of(origin), me=self.spec.rank, stop=self._stop,
+                     guard=lambda: self._check_directory(job, False),
+                     say=lambda m: print(f"zerostall keeper: {m}", file=sys.stderr, flush=True))
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            print(f"zerostall keeper: standing in for rank {origin} to persist {job.path} failed: {exc}",
+                  file=sys.stderr, flush=True)
+            if not isinstance(exc, DirectoryReplacedError):
+                self._record_failure(job, exc)
+        finally:
+            self.peers.unpin(replica)
 
     def _after_crash(self, coll: Collective | None, held: _Held | None) -> None:
         """The persist of ``held`` (reserved and claimed for it, or None) after its trainer died,
@@ -856,6 +899,8 @@ class Keeper:
             t.join()
         self._leave_marker()
         self.peers.close()
+        if self._alive is not None:
+            self._alive.release()
         with self._cond:
             held, self.held = self.held, None
             waiting, self._waiting = self._waiting, None

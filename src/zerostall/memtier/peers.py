@@ -68,6 +68,10 @@ class Peers:
         self._unreachable = False
         #: origin rank -> the newest replica of its step held here
         self._kept: dict[int, ReceivedStep] = {}
+        #: replicas a stand-in persist reads (id -> users); one replaced or dropped meanwhile is
+        #: closed when its last user is done
+        self._pins: dict[int, int] = {}
+        self._doomed: set[int] = set()
         self._stop = threading.Event()
         self._receivers: list[threading.Thread] = []
 
@@ -172,6 +176,7 @@ class Peers:
             old: ReceivedStep | None = got
             if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
                 old, self._kept[origin] = self._kept.get(origin), got
+            old = self._unless_pinned(old)
         if old is not None:
             old.close()
 
@@ -186,11 +191,46 @@ class Peers:
         with self._lock:
             use(self._kept.get(origin))
 
+    def holders_of(self, origin: int) -> list[int]:
+        """The ranks that hold ``origin``'s replicas in the job set up now, in placement order."""
+        setup = self._setup
+        if setup is None or setup.replicas <= 0:
+            return []
+        return replica_holders(origin, setup.world, setup.ranks_per_host, setup.replicas)
+
+    def pin(self, step: int, world: int) -> list[ReceivedStep]:
+        """The replicas held here of step ``step`` at world size ``world``, reserved against
+        closing (a newer replica may still replace them) until :meth:`unpin`."""
+        with self._lock:
+            got = [r for _, r in sorted(self._kept.items()) if r.of.step == step and r.of.world == world]
+            for r in got:
+                self._pins[id(r)] = self._pins.get(id(r), 0) + 1
+            return got
+
+    def unpin(self, r: ReceivedStep) -> None:
+        with self._lock:
+            n = self._pins.pop(id(r)) - 1
+            if n:
+                self._pins[id(r)] = n
+            close = not n and id(r) in self._doomed
+            if close:
+                self._doomed.discard(id(r))
+        if close:
+            r.close()
+
+    def _unless_pinned(self, r: ReceivedStep | None) -> ReceivedStep | None:
+        """``r`` to close now, or None when a stand-in reads it (closed at its last unpin). Under the lock."""
+        if r is not None and id(r) in self._pins:
+            self._doomed.add(id(r))
+            return None
+        return r
+
     def close(self) -> None:
         self._halt_receiver()
         with self._lock:
             kept, self._kept = self._kept, {}
-        for r in kept.values():
+            gone = [r for r in kept.values() if self._unless_pinned(r) is not None]
+        for r in gone:
             r.close()
 
 

@@ -59,7 +59,7 @@ from zerostall.storage import Storage
 __all__ = [
     "AttemptNames", "attempt_names", "read_decision", "decide", "abort_doc", "error_of", "wait_for_outcome",
     "assign_owners", "merge_reports", "CollectiveStep",
-    "attempts_of_run", "abort_attempts_except", "sweep_aborted_decisions",
+    "attempts_of_run", "abort_attempts_except", "sweep_aborted_decisions", "RankTaken",
 ]
 
 Table = dict[str, Any]
@@ -308,11 +308,23 @@ def merge_reports(reports: list[dict[str, Any]], data_dir: str
 # -- one rank's step -------------------------------------------------------------------------------
 
 
-class CollectiveStep:
-    """This rank's part of a collective save, as :func:`zerostall.persist.job.run_save` drives it."""
+class RankTaken(WriterError):
+    """A stand-in found its rank's part of the attempt already taken (by the rank's own keeper or
+    another stand-in): it withdraws, deciding nothing and removing nothing."""
 
-    def __init__(self, job: SaveJob, coll: Collective, storage: Storage) -> None:
+
+class CollectiveStep:
+    """This rank's part of a collective save, as :func:`zerostall.persist.job.run_save` drives it.
+
+    ``stand_in``: another rank's keeper takes this rank's part, from a replica of its step (see
+    :mod:`zerostall.memtier.standin`). Each rank's hash table is created only if absent, so at
+    most one writer ever takes a rank's part; a stand-in that finds it taken withdraws
+    (:class:`RankTaken`) instead of aborting the attempt the other writer takes part in.
+    """
+
+    def __init__(self, job: SaveJob, coll: Collective, storage: Storage, *, stand_in: bool = False) -> None:
         self.job, self.coll, self.storage = job, coll, storage
+        self.stand_in = stand_in
         self.names = attempt_names(storage, job.name, coll.run, coll.counter)
         # Every rank applies retention to its own view of the storage (the same view on shared
         # storage: then the others find rank 0's deletions done), with what every rank agreed.
@@ -338,8 +350,15 @@ class CollectiveStep:
         if job.retention is not None and job.retention.deletes:
             # This rank's view of the committed steps: retention deletes only what every view allows.
             doc["steps"] = committed_steps(self.storage)
-        # if_absent: written aside and linked into place, so a poller never reads half a file
-        self.storage.put(names.table(coll.rank), json.dumps(doc).encode(), if_absent=True)
+        # if_absent: written aside and linked into place, so a poller never reads half a file; and
+        # the one writer of this rank's part is the one whose table is there
+        try:
+            self.storage.put(names.table(coll.rank), json.dumps(doc).encode(), if_absent=True)
+        except FileExistsError:
+            if not self.stand_in:
+                raise
+            raise RankTaken(f"rank {coll.rank}'s part of this save is taken by another writer", path=job.path,
+                            rank=coll.rank) from None
         self._poll_all(f"{names.coord}/tables", "hash tables")
         tables = [json.loads(self.storage.get(names.table(r))) for r in range(coll.world)]
         if all(isinstance(t.get("steps"), list) for t in tables):
@@ -376,7 +395,10 @@ class CollectiveStep:
             raise
 
     def fail(self, exc: BaseException) -> BaseException:
-        """Decide "abort" (unless another rank decided first) and return what every rank raises."""
+        """Decide "abort" (unless another rank decided first) and return what every rank raises.
+        A stand-in whose rank's part is taken decides nothing: the attempt goes on without it."""
+        if isinstance(exc, RankTaken):
+            return exc
         storage, names = self.storage, self.names
         final: BaseException = exc
         try:
