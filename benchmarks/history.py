@@ -96,8 +96,9 @@ def cpu_figures(summary: Mapping[str, Any]) -> list[tuple[str, float]]:
 
 def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     """``(figure, value)`` of the benchmarks ``make bench`` runs once, not per size: the save call of
-    an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``) and a Hugging Face
-    Trainer's checkpoint stall (``benchmarks/hf_trainer.py``). A benchmark that failed adds none."""
+    an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``), a Hugging Face
+    Trainer's checkpoint stall (``benchmarks/hf_trainer.py``) and the memory tier's replicas against
+    their socket floors (``benchmarks/replicas.py``). A benchmark that failed adds none."""
     out: list[tuple[str, float]] = []
     leaves = results.get("leaf_call") or {}
     for key, name in (("call", "leaf_call_x_floor_checkpointer"), ("free", "leaf_call_x_floor_free")):
@@ -111,6 +112,10 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
         out.append(("hf_trainer_stall_zerostall_x_hf", float(hf["stall_ratio"])))
     if _ok(hf.get("zerostall_stall_s")) and _ok(hf.get("floor_memcpy_s")) and hf["floor_memcpy_s"] > 0:
         out.append(("hf_trainer_stall_zerostall_x_memcpy", float(hf["zerostall_stall_s"]) / float(hf["floor_memcpy_s"])))
+    rep = results.get("replicas") or {}
+    for key in ("replication_x_floor", "lost_x_without", "restore_x_floor"):
+        if _ok(rep.get(key)):
+            out.append((f"replicas_{key}", float(rep[key])))
     return out
 
 

@@ -59,6 +59,55 @@ def barrier(store: dist.TCPStore, name: str) -> None:
         time.sleep(0.0005)
 
 
+def recv_exact(conn: socket.socket, view: memoryview, n: int) -> None:
+    """The floor's receiving end: ``n`` bytes into ``view`` (a preallocated buffer), 16 MiB per call."""
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:n], min(n - got, 16 << 20))
+        if not k:
+            raise EOFError("the sender closed the floor's connection")
+        got += k
+
+
+def socket_floor_s(n: int, repeats: int) -> list[float]:
+    """Seconds a plain socket copy of ``n`` bytes takes between two processes (loopback, one TCP
+    connection, ``sendall`` from a staged buffer, ``recv_into`` a preallocated one), per repeat:
+    the floor of moving a rank's bytes to another host, timed at the receiver."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    src = HostBuffer(n)
+    np.frombuffer(src.view, dtype=np.uint8)[:] = 7
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the sender
+        code = 0
+        try:
+            os.close(r)
+            sock = socket.create_connection(lsock.getsockname())
+            for _ in range(repeats):
+                sock.recv(1)
+                sock.sendall(src.view[:n])
+            sock.close()
+        except BaseException as exc:
+            print(f"floor sender: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code = 1
+        os._exit(code)
+    os.close(w)
+    os.close(r)
+    dst = HostBuffer(n)
+    conn, _ = lsock.accept()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        conn.sendall(b"g")
+        recv_exact(conn, dst.view, n)
+        out.append(time.perf_counter() - t0)
+    conn.close()
+    lsock.close()
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]):
+        raise RuntimeError("the floor's sender failed")
+    return out
+
+
 def sender(port: int, lsock_port: int, buf: HostBuffer, manifest: bytes, n: int, args: argparse.Namespace) -> None:
     os.environ["ZEROSTALL_HOST_ID"] = "host-a"
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
@@ -87,12 +136,7 @@ def receiver(port: int, lsock: socket.socket, n: int, args: argparse.Namespace, 
         view = dst.view
         t0 = time.perf_counter()
         conn.sendall(b"g")
-        got = 0
-        while got < n:
-            k = conn.recv_into(view[got:n], min(n - got, 16 << 20))
-            if not k:
-                raise EOFError("the sender closed the floor's connection")
-            got += k
+        recv_exact(conn, view, n)
         floor = time.perf_counter() - t0
         barrier(store, f"go{i}")
         t0 = time.perf_counter()

@@ -129,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-zerostall", action="store_true", help="skip zerostall (e.g. before it is importable)")
     p.add_argument("--only-dip", action="store_true", help="floors and the training dip only (no save/restore runs)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Trainer benchmark")
+    p.add_argument("--no-replicas", action="store_true",
+                   help="skip the memory tier's replicas benchmark (4 ranks on 2 simulated hosts)")
+    p.add_argument("--replicas-mib", type=int, default=256,
+                   help="MiB of state per rank in the replicas benchmark (default 256)")
     p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
     p.add_argument("--history", default=str(HISTORY),
                    help="CSV the run's figures are appended to (default benchmarks/reference/history.csv; "
@@ -200,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
             log("== Hugging Face Trainer: HF's own save vs zerostall's")
             results["hf_trainer"] = run_hf_trainer(out, scratch, a.timeout)
             for line in results["hf_trainer"].get("lines", [f"no result: {results['hf_trainer'].get('error')}"]):
+                log(line)
+        if not a.no_zerostall and not a.only_dip and not a.no_replicas:
+            # replication, training lost per save and restore on a new host, 4 ranks on 2 simulated
+            # hosts, against a socket copy of the same bytes in the same run (benchmarks/replicas.py)
+            log(f"== memory tier replicas: 4 ranks on 2 hosts, {a.replicas_mib} MiB per rank")
+            results["replicas"] = run_child("replicas", ["--mib", str(a.replicas_mib)], a.timeout)
+            for line in results["replicas"].get("lines", [f"no result: {results['replicas'].get('error')}"]):
                 log(line)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

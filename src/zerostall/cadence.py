@@ -24,7 +24,8 @@ class Cadence:
     """
 
     def __init__(self, save_interval: str | None, save_interval_steps: int | None, mtbf_s: float | None,
-                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False) -> None:
+                 costs: MeasuredCosts | None, max_in_flight: int, *, memory_tier: bool = False,
+                 replicas: int = 0) -> None:
         if save_interval not in (None, "auto"):
             raise InvalidArgumentError(f"save_interval must be 'auto' or None (use save_interval_steps for a fixed "
                              f"interval), got {save_interval!r}")
@@ -41,7 +42,8 @@ class Cadence:
         self.mtbf_s = mtbf_s
         self.fixed = costs
         self.estimator = CadenceEstimator()
-        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier) \
+        self.auto = AutoInterval(mtbf_s=mtbf_s, max_in_flight=max_in_flight, memory_tier=memory_tier,
+                                 replicas=replicas) \
             if save_interval == "auto" and mtbf_s is not None else None
         self.memory_tier = memory_tier
         #: the last "auto" decision: (step, kind); a save of that step persists unless it is MEMORY

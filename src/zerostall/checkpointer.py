@@ -14,10 +14,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from zerostall.advice import (
-    DEFAULT_MEMORY_FRACTION,
     Advice,
+    FailureMix,
     MeasuredCosts,
     Model,
+    ReplicaCost,
     SaveKind,
     advise,
 )
@@ -197,7 +198,8 @@ class Checkpointer:
         self.save_interval_steps = save_interval_steps
         so0 = save_options or SaveOptions()
         self._cadence = Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
-                                memory_tier=memory_tier is not None)
+                                memory_tier=memory_tier is not None,
+                                replicas=memory_tier.replicas if memory_tier is not None else 0)
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -772,7 +774,8 @@ class Checkpointer:
     # -- the interval advisor ------------------------------------------------------------------
 
     def advice(self, mtbf_s: float | None = None, *, costs: MeasuredCosts | None = None,
-               model: Model | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> Advice:
+               model: Model | None = None, memory_fraction: float | None = None,
+               failure_mix: FailureMix | None = None) -> Advice:
         """How often this job should save, and what that is expected to cost (docs/advice.md).
 
         Works from the costs measured on this Checkpointer: the iteration time between
@@ -787,8 +790,18 @@ class Checkpointer:
             costs: use these instead of the measured (or constructor-given) costs.
             model: ``None`` picks Daly's, or the two-level model once memory-only saves of the
                 memory tier are measured; ``Model.YOUNG`` for the first-order one.
-            memory_fraction: with the memory tier, the share of failures a restart on the same
-                hosts recovers from memory (docs/advice.md).
+            memory_fraction: with the memory tier and no replicas, the share of failures a
+                restart on the same hosts recovers from memory (docs/advice.md); shorthand for
+                ``failure_mix=FailureMix(crash=p, node_loss=1 - p)``.
+            failure_mix: the shares of process crashes and node losses (default
+                :data:`~zerostall.advice.DEFAULT_FAILURE_MIX`); give this one, not
+                ``memory_fraction``, with ``MemoryTier(replicas=...)``.
+
+        With ``MemoryTier(replicas=r)`` the advice has three tiers (memory, peer, storage) and
+        ``replicas=r``. The measured memory-only saves already include the replication (their
+        ``result()`` returns once the replicas hold them), so the measured costs' replica
+        (``costs.replica``) costs no extra time and takes ``host_bytes`` = the bytes this rank's
+        newest save staged; given costs whose ``replica`` lacks ``host_bytes`` get the same.
 
         Returns:
             The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
@@ -817,7 +830,22 @@ class Checkpointer:
                 f"{'unknown' if est.step_s() is None else f'{est.step_s():.3g} s'}; call should_save(step) "
                 "after every step and save a few times (at least 8 steps without a save in flight and 3 "
                 "saves covered by later steps)", key="costs", path=self.directory)
-        return advise(c, mtbf_s=m, model=model, memory_fraction=memory_fraction)
+        replicas = self.memory_tier.replicas if self.memory_tier is not None else 0
+        if replicas:
+            c = self._with_replica_bytes(c, measured=costs is None and self._cadence.fixed is None)
+        return advise(c, mtbf_s=m, model=model, memory_fraction=memory_fraction, failure_mix=failure_mix,
+                      replicas=replicas)
+
+    def _with_replica_bytes(self, c: MeasuredCosts, *, measured: bool) -> MeasuredCosts:
+        """``c`` with its replica's ``host_bytes`` from this rank's newest save (one replica is one
+        copy of the bytes a save stages). Measured costs without a replica get one that costs no
+        time: the measured memory-only saves returned once the replicas held them."""
+        newest = self._committed[-1].stats.nbytes if self._committed else None
+        if c.replica is None:
+            return dataclasses.replace(c, replica=ReplicaCost(host_bytes=newest)) if measured else c
+        if c.replica.host_bytes is None and newest is not None:
+            return dataclasses.replace(c, replica=dataclasses.replace(c.replica, host_bytes=newest))
+        return c
 
     def _should_save_auto(self, step: int) -> bool:
         kind = self._cadence.decide(step)

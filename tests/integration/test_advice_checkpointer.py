@@ -190,3 +190,106 @@ def test_auto_with_the_memory_tier_persists_every_kth_save(tmp_path: Path) -> No
     assert persisted == list(range(a.persist_every - 1, len(tiers), a.persist_every))
     with pytest.raises(AdviceError):  # two-level costs are needed with the memory tier
         Checkpointer(tmp_path / "x", save_interval="auto", mtbf_s=mtbf, costs=COSTS, memory_tier=MemoryTier())
+
+
+REPLICA_RANK = """
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+from zerostall import Checkpointer, DistributedOptions, MemoryTier, SaveOptions
+from zerostall.advice import FailureMix, MeasuredCosts, ReplicaCost, SaveCost
+from zerostall.errors import AdviceError
+rank, d = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+opts = SaveOptions(distributed=DistributedOptions(timeout_s=30))
+given = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s=3.9, durable_s=4.0),
+                      memory=SaveCost(blocked_s=0.1, background_s=0.1, durable_s=0.5))
+out = {}
+with Checkpointer(d, save_options=opts, save_interval="auto", mtbf_s=0.5,
+                  memory_tier=MemoryTier(linger_s=0, replicas=1)) as ck:
+    saved = []
+    for step in range(1, 2001):
+        time.sleep(0.003)
+        if ck.should_save(step):  # rank 0's decision, on every rank
+            ck.save_pytree(step, {"w": torch.full((4096,), float(step + rank))})
+            saved.append(step)
+            if len(saved) == 9:  # warm-up (3 saves of each kind) measured, then the advice followed
+                break
+    auto = ck._cadence.auto
+    out["auto"] = [auto.replicas, auto.advice.replicas if auto.advice is not None else None]
+    out["nbytes"] = ck.stats()[-1].nbytes
+    out["peer"] = any("peer" in s.tiers for s in ck.stats())  # memory-only saves waited for the replica
+    for name, kw in (("measured", {}), ("given", {"costs": given.__class__(**{**given.__dict__,
+                     "replica": ReplicaCost(send_s=0.5)})}), ("unmeasured", {"costs": given}),
+                     ("mix", {"failure_mix": FailureMix(crash=0.4, node_loss=0.5)})):
+        a = ck.advice(3600.0, **kw)
+        out[name] = {"replicas": a.replicas, "host_bytes": a.replica_host_bytes,
+                     "tiers": [t.tier for t in a.tiers], "shares": [t.failure_share for t in a.tiers],
+                     "caveats": list(a.caveats)}
+    try:
+        ck.advice(3600.0, costs=given, memory_fraction=0.5)
+    except AdviceError as e:
+        out["fraction_refused"] = e.key
+json.dump(out, open(f"{d}-out-{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_memory(tmp_path: Path) -> None:
+    """Two gloo ranks on two simulated hosts, ``MemoryTier(replicas=1)``: ``advice()`` models three
+    tiers, the replica's host memory is the bytes each rank's save staged, and "auto" advises with
+    the replicas."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    procs = []
+    with open(tmp_path / "log.txt", "w") as log:
+        for r, host in enumerate(("a", "b")):
+            env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"host-{host}",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+            procs.append(subprocess.Popen([sys.executable, "-c", REPLICA_RANK, str(r), str(tmp_path / "run")],
+                                          env=env, stderr=log))
+        try:
+            rcs = [p.wait(240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert rcs == [0, 0], (tmp_path / "log.txt").read_text()[-4000:]
+    for r in range(2):
+        out = json.loads((tmp_path / f"run-out-{r}.json").read_text())
+        assert out["peer"] and out["nbytes"] >= 4096 * 4
+        assert out["auto"][0] == 1 and out["auto"][1] in (1, None if r else 1)  # "auto" follows rank 0's advice
+        for name in ("measured", "given", "mix"):  # the memory tier's replicas reach the advice
+            assert out[name]["replicas"] == 1 and out[name]["tiers"] == ["memory", "peer", "storage"], out
+            assert out[name]["host_bytes"] == out["nbytes"], out  # one copy of the staged bytes
+        assert not any("not measured" in c for c in out["measured"]["caveats"])  # counted in the memory saves
+        assert out["mix"]["shares"] == pytest.approx([0.4, 0.5, 0.1])
+        # given costs without a replica: replication unmeasured, said, its host memory unknown
+        assert out["unmeasured"]["host_bytes"] is None and out["unmeasured"]["replicas"] == 1
+        assert any("not measured" in c for c in out["unmeasured"]["caveats"])
+        assert out["fraction_refused"] == "memory_fraction"  # says nothing of node losses
+    del store
+
+
+def test_advice_without_replicas_is_the_two_level_advice(tmp_path: Path) -> None:
+    from zerostall.advice import DEFAULT_MEMORY_FRACTION
+    from zerostall.options import MemoryTier
+
+    costs = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s=3.9, durable_s=4.0),
+                          memory=SaveCost(blocked_s=0.1, background_s=0.1, durable_s=0.5))
+    with Checkpointer(tmp_path, memory_tier=MemoryTier(linger_s=0)) as ck:
+        ck.save_pytree(1, state(1))
+        a = ck.advice(HOUR, costs=costs)
+        assert ck.advice(HOUR, costs=costs, memory_fraction=0.5) == advise(costs, mtbf_s=HOUR, memory_fraction=0.5)
+    assert a == advise(costs, mtbf_s=HOUR, memory_fraction=DEFAULT_MEMORY_FRACTION)
+    assert a.replicas == 0 and a.replica_host_bytes == 0 and [t.tier for t in a.tiers] == ["memory", "storage"]

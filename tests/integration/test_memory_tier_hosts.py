@@ -27,7 +27,7 @@ sys.stdin.read()
 """
 
 LOOK = """
-import json, sys, torch
+import json, sys
 sys.path.insert(0, {src!r})
 from zerostall import Checkpointer, MemoryTier
 from zerostall.memtier.spec import held_steps

@@ -35,6 +35,9 @@ pytest.importorskip("torch")
 WORKER = str(Path(__file__).parent / "_replica_host_trainer.py")
 WORLD = 4
 TIMEOUT_S = 20.0
+#: the first job's bound: after host B is lost, host A's keepers try to persist step 6 and wait this
+#: long for B's dead ranks before giving up; the restarted trainers adopting them wait that out
+FIRST_TIMEOUT_S = 8.0
 DEADLINE_S = 120.0
 HOSTS_FIRST = ["A", "A", "B", "B"]
 HOSTS_AFTER = ["A", "A", "C", "C"]
@@ -59,7 +62,8 @@ def _start(phase: str, d: Path, hosts: list[str], port: int, log: Path, replicas
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.pop("ZEROSTALL_FAULTS", None)
             procs.append(subprocess.Popen(
-                [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d), str(TIMEOUT_S),
+                [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d),
+                 str(FIRST_TIMEOUT_S if phase == "first" else TIMEOUT_S),
                  str(d.parent / f"out-{r}.json"), str(replicas)], stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE,
                 text=True, env=env))
     return procs

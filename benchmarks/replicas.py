@@ -1,0 +1,291 @@
+"""The memory tier's replicas end to end: 4 ranks on 2 simulated hosts, against socket floors.
+
+``python -m benchmarks.replicas [--mib 256] [--saves 3] [--out FILE]`` (``make bench`` runs it)
+
+Four gloo ranks, each its own process with its Checkpointer and keeper; ranks 0, 1 on host A and
+2, 3 on host B (``ZEROSTALL_HOST_ID``); the job's store is this process's, as torchrun's agent
+store. Each rank's state is one float32 tensor of ``--mib`` MiB. Two jobs run the same loop, one
+with ``MemoryTier(replicas=0)``, one with ``replicas=1`` (each rank's step also held by the keeper
+of the rank one host over):
+
+* **replication**: ``--saves`` memory-only saves waited for with nothing else running; a save's
+  ``result()`` latency with replicas minus the same without is the replication of one step, and
+  ``--mib`` MiB over it the rate (each of the four ranks sends its step at the same time);
+* **training lost per save**: a loop of fixed compute steps, timed without saves, then with an
+  asynchronous memory-only save every ``SAVE_EVERY`` steps (each durable before the next);
+  the extra time over the number of saves;
+* **restore on a new host**: host B is lost (trainers and keepers killed), host A's trainers
+  die; the job restarts with ranks 2, 3 on host C with empty memory. The time of
+  ``latest_step()`` plus ``load_pytree`` on host C's ranks (the fetch from host A's keepers,
+  verified, and the load).
+
+The floor of both the replication and the restore is a plain socket copy of the same bytes
+between two processes, measured in the same run (``benchmarks.replica.socket_floor_s``), before
+and after the jobs. Targets: replication >= 0.8x the floor's rate, training lost with replicas
+<= 1.2x without, restore <= 1.5x the floor. The last line is the JSON summary (marked as
+``benchmarks.measure.RESULT_MARKER``, as every benchmark child's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+SAVE_EVERY = 4
+STEPS = 24
+TIMEOUT_S = 120.0
+
+
+# -- one rank ------------------------------------------------------------------------------------
+
+
+def _step(x: Any) -> Any:
+    """A fixed amount of compute (a few milliseconds of matmuls), the same at every step."""
+    import torch
+
+    for _ in range(4):
+        x = torch.tanh(x @ x) * 0.5
+    return x
+
+
+def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zerostall import Checkpointer, DistributedOptions, MemoryTier, SaveOptions
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pg-{phase}-{replicas}", store), rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S))
+    opts = SaveOptions(distributed=DistributedOptions(timeout_s=TIMEOUT_S))
+    n = (mib << 20) // 4
+    ck = Checkpointer(d, save_options=opts,
+                      memory_tier=MemoryTier(persist_interval_steps=10**9, linger_s=600, replicas=replicas))
+    res: dict[str, Any] = {"keeper": ck._engine.writer.pid}
+    print("KEEPER", res["keeper"], flush=True)
+    if phase == "resume":
+        dist.barrier()
+        t0 = time.perf_counter()
+        start = ck.latest_step()
+        t1 = time.perf_counter()
+        got = ck.load_pytree(template={"w": torch.empty(n), "step": 0})
+        res["restore_s"] = time.perf_counter() - t0
+        res["agree_s"], res["load_s"] = t1 - t0, res["restore_s"] - (t1 - t0)
+        res["agreed"], res["loaded"], res["adopted"] = start, ck.last_loaded_step, ck._engine.writer.adopted
+        res["equal"] = bool(torch.equal(got["w"], torch.full((n,), float(rank + got["step"]))))
+        res["keeper_failures"] = [str(e) for e in ck.keeper_failures]
+    else:
+        w = torch.full((n,), float(rank))
+        ck.save_pytree(1, {"w": w, "step": 1})  # the first save allocates the buffers and the links
+        lat, step = [], 1
+        for _ in range(saves):  # replication: saves waited for, nothing else running
+            step += 1
+            w.fill_(float(rank + step))
+            dist.barrier()
+            t0 = time.perf_counter()
+            ck.save_pytree(step, {"w": w, "step": step})
+            lat.append(time.perf_counter() - t0)
+        res["save_latency_s"] = lat
+        res["tiers"] = list(ck.stats()[-1].tiers)
+        x = torch.randn(256, 256) * 0.05
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            x = _step(x)
+        res["plain_s"] = time.perf_counter() - t0
+        dist.barrier()
+        t0, pending, n_saves = time.perf_counter(), None, 0
+        for i in range(1, STEPS + 1):
+            x = _step(x)
+            if i % SAVE_EVERY == 0:
+                if pending is not None:
+                    pending.result()
+                step += 1
+                w.fill_(float(rank + step))  # the "optimizer step": the state the save copies
+                pending = ck.save_pytree_async(step, {"w": w, "step": step})
+                n_saves += 1
+        if pending is not None:
+            pending.result()
+        res["saving_s"] = time.perf_counter() - t0
+        res["saves"] = n_saves
+        res["last_step"] = step
+        dist.barrier()
+    with open(out, "w") as f:
+        json.dump(res, f)
+    print("READY", flush=True)
+    sys.stdin.read()  # the bench kills this trainer (a lost host) or lets it go
+    os._exit(0)  # no close(): nothing is persisted, the bench ends the keepers
+
+
+# -- the bench -----------------------------------------------------------------------------------
+
+
+def _start(phase: str, d: Path, hosts: list[str], port: int, a: argparse.Namespace, replicas: int,
+           log: Any) -> list[subprocess.Popen[str]]:
+    procs = []
+    for r, host in enumerate(hosts):
+        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"bench-host-{host}",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.replicas", "--rank", phase, str(r), str(d), str(a.mib),
+             str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json")],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
+    return procs
+
+
+def _ready(procs: list[subprocess.Popen[str]]) -> list[int]:
+    """Wait for every rank's READY; their keepers' pids."""
+    keepers = []
+    for p in procs:
+        assert p.stdout is not None
+        keeper = None
+        while True:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a rank exited ({p.wait()}) before it was ready")
+            head, _, rest = line.strip().partition(" ")
+            if head == "KEEPER":
+                keeper = int(rest)
+            if head == "READY":
+                break
+        assert keeper is not None
+        keepers.append(keeper)
+    return keepers
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _end(procs: list[subprocess.Popen[str]], keepers: list[int]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+    _kill(keepers)
+
+
+def _job(tmp: Path, port: int, a: argparse.Namespace, replicas: int, log: Any) -> dict[str, Any]:
+    d = tmp / f"run-{replicas}"
+    procs = _start("train", d, ["A", "A", "B", "B"], port, a, replicas, log)
+    keepers = _ready(procs)
+    ranks = [json.loads((tmp / f"train-{replicas}-{r}.json").read_text()) for r in range(WORLD)]
+    out: dict[str, Any] = {"ranks": ranks}
+    if not replicas:
+        _end(procs, keepers)
+        return out
+    # host B is lost: its trainers and keepers; host A's trainers die, their keepers linger
+    _kill([keepers[2], keepers[3]])
+    for p in procs:
+        p.kill()
+        p.wait()
+    time.sleep(1.0)
+    procs = _start("resume", d, ["A", "A", "C", "C"], port, a, replicas, log)
+    new_keepers = _ready(procs)
+    out["resume"] = [json.loads((tmp / f"resume-{replicas}-{r}.json").read_text()) for r in range(WORLD)]
+    _end(procs, keepers + new_keepers)
+    return out
+
+
+def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    n = mib << 20
+    floor = statistics.median(floors)
+    s: dict[str, Any] = {"mib_per_rank": mib, "ranks": WORLD, "hosts": 2, "floor_s": floor,
+                         "floor_gbps": n / floor / 1e9, "floors_s": floors}
+    lat = {k: statistics.median(x for r in j["ranks"] for x in r["save_latency_s"]) for k, j in jobs.items()}
+    s["memory_save_s"], s["replicated_save_s"] = lat[0], lat[1]
+    rep = max(lat[1] - lat[0], 1e-9)
+    s["replication_s"] = rep
+    s["replication_gbps"] = n / rep / 1e9
+    s["replication_x_floor"] = floor / rep
+    s["replication_all_ranks_x_floor"] = WORLD * floor / rep  # the four ranks' steps cross at once
+    lost = {}
+    for k, j in jobs.items():
+        per_rank = [(r["saving_s"] - r["plain_s"]) / r["saves"] for r in j["ranks"]]
+        lost[k] = statistics.median(per_rank)
+    s["lost_per_save_s"] = {"replicas0": lost[0], "replicas1": lost[1]}
+    s["lost_x_without"] = lost[1] / lost[0] if lost[0] > 0 else None
+    res = jobs[1]["resume"]
+    s["resume"] = [{k: r[k] for k in ("agreed", "loaded", "adopted", "equal", "restore_s", "agree_s", "load_s")}
+                   for r in res]
+    s["restore_new_host_s"] = max(r["restore_s"] for r in res[2:])
+    s["restore_x_floor"] = s["restore_new_host_s"] / floor
+    s["restore_ok"] = all(r["equal"] and r["loaded"] == r["agreed"] == jobs[1]["ranks"][0]["last_step"] for r in res)
+    s["tiers_with_replicas"] = jobs[1]["ranks"][0]["tiers"]
+    return s
+
+
+def lines(s: dict[str, Any]) -> list[str]:
+    lost = s["lost_per_save_s"]
+    return [
+        f"replicas, {s['ranks']} ranks on {s['hosts']} hosts, {s['mib_per_rank']} MiB per rank: socket floor "
+        f"{s['floor_gbps']:.2f} GB/s ({s['floor_s']:.3f} s, median of {len(s['floors_s'])})",
+        f"  replication: {s['replication_gbps']:.2f} GB/s per rank (memory-only save {s['memory_save_s']:.3f} s, "
+        f"with a replica {s['replicated_save_s']:.3f} s), {s['replication_x_floor']:.2f}x the floor (target >= 0.8x); "
+        f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x",
+        f"  training lost per save: {lost['replicas1']:.3f} s with replicas=1, {lost['replicas0']:.3f} s without: "
+        + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured"),
+        f"  restore on a new host: {s['restore_new_host_s']:.3f} s, {s['restore_x_floor']:.2f}x the floor "
+        f"(target <= 1.5x; of which latest_step() {max(r['agree_s'] for r in s['resume'][2:]):.3f} s); every rank "
+        f"loaded the newest step bit for bit: {s['restore_ok']}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank"]:
+        phase, rank, d, mib, replicas, saves, out = argv[1:8]
+        rank_main(phase, int(rank), d, int(mib), int(replicas), int(saves), out)
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mib", type=int, default=256, help="MiB of state per rank (default 256)")
+    p.add_argument("--saves", type=int, default=3, help="saves timed for the replication rate (default 3)")
+    p.add_argument("--floor-repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the summary JSON here")
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch.distributed as dist
+
+    from benchmarks.measure import RESULT_MARKER
+    from benchmarks.replica import socket_floor_s
+
+    n = a.mib << 20
+    floors = socket_floor_s(n, a.floor_repeats)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    with tempfile.TemporaryDirectory(prefix="zerostall-replicas-") as tmp, open(Path(tmp) / "log.txt", "w") as log:
+        try:
+            jobs = {k: _job(Path(tmp), store.port, a, k, log) for k in (0, 1)}
+        except BaseException:
+            log.flush()
+            print((Path(tmp) / "log.txt").read_text()[-4000:], file=sys.stderr)
+            raise
+    floors += socket_floor_s(n, a.floor_repeats)
+    s = summarize(a.mib, floors, jobs)
+    for line in lines(s):
+        print(line, flush=True)
+    s["lines"] = lines(s)
+    if a.out:
+        Path(a.out).write_text(json.dumps(s, indent=1))
+    print(RESULT_MARKER + json.dumps(s), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
