@@ -20,7 +20,7 @@ from zerostall.memtier.spec import query_held
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _memory_trainer import state
-from test_memory_tier import _assert_state, _running, _storage_steps, _wait
+from memtier_procs import assert_state, running, storage_steps, wait_for
 
 
 def _sent(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -55,13 +55,13 @@ def test_an_adopting_trainer_sends_the_keeper_its_layout_again(tmp_path: Path, m
         ck.save_pytree(2, state(2))  # names the layout the keeper holds for this connection
         keeper = ck._engine.writer.pid
         raise RuntimeError("boom")  # left as after a crash: the keeper lingers
-    assert keeper is not None and _running(keeper)
+    assert keeper is not None and running(keeper)
 
     def lingering() -> bool:  # the keeper has seen its trainer's connection end
         img = query_held(str(tmp_path), 0)
         return img is not None and img.trainer_pid is None
 
-    _wait(lingering, "the keeper to linger")
+    wait_for(lingering, "the keeper to linger")
     ops = _sent(monkeypatch)
     with Checkpointer(tmp_path, memory_tier=tier) as ck:
         assert ck._engine.writer.adopted and ck._engine.writer.pid == keeper
@@ -70,10 +70,10 @@ def test_an_adopting_trainer_sends_the_keeper_its_layout_again(tmp_path: Path, m
         ck.save_pytree(4, _other(4))
         assert [op for op in ops if op in ("layout", "save")] == ["layout", "save", "save"]
         assert ck.memory_step() == 4
-        _assert_state(ck.load_pytree(4), _other(4))
-    assert 4 in _storage_steps(tmp_path)  # the close persisted the memory-only step, with these rows
+        assert_state(ck.load_pytree(4), _other(4))
+    assert 4 in storage_steps(tmp_path)  # the close persisted the memory-only step, with these rows
     with Checkpointer(tmp_path) as ck:
-        _assert_state(ck.load_pytree(4), _other(4))
+        assert_state(ck.load_pytree(4), _other(4))
 
 
 def test_a_trainer_whose_keeper_died_sends_the_new_keeper_its_layout(tmp_path: Path,
@@ -85,10 +85,10 @@ def test_a_trainer_whose_keeper_died_sends_the_new_keeper_its_layout(tmp_path: P
         first = ck._engine.writer.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        _wait(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper end")
+        wait_for(lambda: not ck._engine.writer.alive(), "the trainer to see its keeper end")
         ops = _sent(monkeypatch)
         ck.save_pytree(3, state(3))  # a new keeper: the layout goes first, the save is not refused
         assert ck._engine.writer.pid not in (None, first)
         assert [op for op in ops if op in ("layout", "save")] == ["layout", "save"]
-        _assert_state(ck.load_pytree(3), state(3))
-    assert _storage_steps(tmp_path) == [1, 2, 3]
+        assert_state(ck.load_pytree(3), state(3))
+    assert storage_steps(tmp_path) == [1, 2, 3]
