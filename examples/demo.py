@@ -44,10 +44,14 @@ class Run:
 def train(args: list[str], steps: int, save_every: int, kill_after_staged: int | None = None,
           manifest_of=None) -> Run:
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--steps", str(steps), "--save-every", str(save_every),
-           *args]
-    # Bit-exact comparison across processes needs the same reduction order in every run: fix the
-    # thread counts and stop MKL/OpenMP from shrinking them when the machine is busy.
-    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE")
+           "--threads", "1", *args]
+    # Bit-exact comparison across processes needs the same floating-point results in every run.
+    # With two compute threads they are not: on a busy machine a trainer once computed its first
+    # four steps a few ULPs away from the reference (same batches, same RNG states: only the
+    # arithmetic differed), although every thread count was fixed. One thread leaves nothing to
+    # the scheduler; MKL_CBWR=AUTO is MKL's own reproducibility mode (CNR) on top.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MKL_DYNAMIC="FALSE", OMP_DYNAMIC="FALSE",
+               MKL_CBWR="AUTO")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
     run = Run(rc=0, lines=[])
     staged = 0

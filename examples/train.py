@@ -51,9 +51,10 @@ def main() -> int:
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--out", help="write the final parameters here (torch.save)")
     ap.add_argument("--timeline", help="write per-step times and save windows here (JSON)")
+    ap.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     args = ap.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     random.seed(0)
     np.random.seed(0)
