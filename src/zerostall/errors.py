@@ -26,6 +26,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     │   ├── BackgroundSaveError                      a save that failed in the background, raised later (.step .cause)
     │   ├── ProtocolMismatchError                    trainer and writer speak different protocol versions (zerostall.messages)
     │   ├── UnknownLayoutError                       a save named a leaf layout its writer does not hold (zerostall.messages)
+    │   ├── RankTaken                                a keeper standing in for a lost rank found that rank's part taken: it withdraws (persist.collective)
     │   └── KeeperPersistError                       the memory tier's keeper could not persist a memory-only step (.step .cause)
     │       └── KeeperLostError                      the keeper ended while only it held the newest step
     ├── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
