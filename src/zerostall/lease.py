@@ -192,7 +192,12 @@ class Lease:
             OSError: the storage refused the lease; the save must not start.
         """
         try:
-            self._write()
+            try:
+                self._write()
+            except FileNotFoundError:
+                # A collector on another host may take the temporary of a first lease write that
+                # has no lease yet (see zerostall.persist.gc): write it once more.
+                self._write()
         except OSError as exc:
             # The failing name was the lease's temporary file (".zs-lease-...json.tmp-..."), which
             # told a user nothing: name the directory and what the file is for.

@@ -22,6 +22,7 @@ import pytest
 from zerostall import Checkpointer, SaveOptions, WriterKind
 from zerostall.cli import main as cli_main
 from zerostall.commit import step_name
+from zerostall.format.layout import LEASE_TMP_RE
 from zerostall.lease import HOST_ENV, LEASE_MARK, host_id, read_leases
 from zerostall.persist.faults import PHASES
 from zerostall.persist.gc import collect_garbage
@@ -61,6 +62,31 @@ def test_dead_pid_on_this_host_is_collected_before_its_lease_expires(tmp_path: P
     later = collect_garbage(open_storage(str(run)), now=time.time() + 3601)
     assert later.removed == [theirs[0]] and later.leases_removed == [theirs[1]]
     assert os.listdir(run) == []
+
+
+def test_a_lease_temporary_goes_with_its_lease(tmp_path: Path) -> None:
+    """A writer killed while writing or renewing its lease leaves ``<lease>.tmp-<pid>-<hex>``: kept
+    while the lease is live, removed once it is dead, or when no lease exists and no live process
+    of this host can be writing it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    now = time.time()
+    dead_pid = _dead_pid()
+    _, expired = _fake_partial(run, "elsewhere", 11, expires=now - 1)
+    _, live = _fake_partial(run, "elsewhere", 12, expires=now + 3600)
+    gone_other = f"{LEASE_MARK}elsewhere-13-{uuid.uuid4().hex[:12]}.json"  # killed during its first write
+    gone_dead = f"{LEASE_MARK}{host_id()}-{dead_pid}-{uuid.uuid4().hex[:12]}.json"
+    gone_alive = f"{LEASE_MARK}{host_id()}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json"  # first write in flight
+    tmps = {k: f"{k}.tmp-{k.split('-')[-2]}-7f25b6330ac0" for k in (expired, live, gone_other, gone_dead, gone_alive)}
+    for t in tmps.values():
+        (run / t).write_text('{"v": 1, "ho')
+    report = collect_garbage(open_storage(str(run)))
+    assert sorted(report.removed) == sorted(
+        [*(n for n in report.removed if ".zs-tmp-" in n), tmps[expired], tmps[gone_other], tmps[gone_dead]])
+    assert tmps[live] in report.kept_live and tmps[gone_alive] in report.kept_live
+    assert expired in report.leases_removed and live in report.live_leases
+    left = set(os.listdir(run))
+    assert {tmps[live], tmps[gone_alive], live} <= left and not {tmps[expired], tmps[gone_other], expired} & left
 
 
 def test_unreadable_lease_of_another_host_is_treated_as_live(tmp_path: Path) -> None:
@@ -112,6 +138,8 @@ def test_writers_killed_at_every_phase_on_another_host(tmp_path: Path, capsys: p
         assert sorted(ls.pid for ls in dead) == sorted(doomed[ph].writer for ph in PHASES[1:5])
         partials = sorted(n for n in os.listdir(run) if ".zs-tmp-" in n and f"-{live.writer}-" not in n)
         assert len(partials) == 3  # checksum, manifest, commit (at "write" no file existed yet)
+        # a writer killed while renewing its lease leaves that lease's temporary: it goes with the lease
+        lease_tmps = [n for n in os.listdir(run) if (m := LEASE_TMP_RE.match(n)) and int(m["pid"]) != live.writer]
         # Before the leases expire nothing proves those writers dead: nothing is touched.
         early = collect_garbage(storage, dry_run=True, now=min(ls.expires or 0 for ls in dead) - 0.01)
         assert early.removed == [] and early.leases_removed == [] and early.kept_live
@@ -119,11 +147,11 @@ def test_writers_killed_at_every_phase_on_another_host(tmp_path: Path, capsys: p
             time.sleep(0.05)
         assert cli_main(["gc", url, "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-        assert sorted(report["removed"]) == partials
+        assert sorted(report["removed"]) == sorted(partials + lease_tmps)
         assert len(report["leases_removed"]) == 4
         live_lease = [ls.key for ls in read_leases(storage)]
         assert len(live_lease) == 1 and f"-{live.writer}-" in live_lease[0]
-        hidden = sorted(n for n in os.listdir(run) if n.startswith("."))
+        hidden = sorted(n for n in os.listdir(run) if n.startswith(".") and not LEASE_TMP_RE.match(n))
         assert len(hidden) == 2 and live_lease[0] in hidden  # the live writer's lease and partial
         assert any(".step_00000030.zs-tmp-" in n for n in report["kept_live"])
         # the committed steps, the one killed at retention (after its commit) included, are whole
@@ -203,5 +231,27 @@ def test_lease_check_raises_after_a_lapse(tmp_path: Path) -> None:
     time.sleep(0.3)
     with pytest.raises(WriterError, match="lapsed"):
         lease.check("/ckpt/step_1")
+    lease.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_first_lease_write_whose_temporary_is_collected_is_written_again(tmp_path: Path) -> None:
+    """Another host's collector may remove the temporary of a first lease write (no lease exists
+    yet to say it is live): the writer writes it once more instead of failing the save."""
+    from zerostall.lease import Lease
+
+    storage = open_storage(str(tmp_path))
+    put = storage.put
+    calls: list[str] = []
+
+    def collected_once(key: str, data: bytes, *, if_absent: bool = False) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", f"{tmp_path / key}.tmp-1-0")
+        put(key, data, if_absent=if_absent)
+
+    storage.put = collected_once  # type: ignore[method-assign]
+    lease = Lease(storage, ["x"], duration_s=60).acquire()
+    assert [ls.key for ls in read_leases(storage)] == [lease.key] and calls == [lease.key, lease.key]
     lease.release()
     assert os.listdir(tmp_path) == []

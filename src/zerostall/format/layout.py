@@ -19,7 +19,7 @@ __all__ = [
     "MANIFEST_NAME", "DATA_DIR", "DATA_PREFIX", "COORD_DIR", "COORD_PREFIX", "PAD_PREFIX", "data_file",
     "STEP_RE", "TAKEN_STEP_RE", "step_name", "parse_step",
     "TMP_MARK", "DEL_MARK", "DEC_MARK", "ATTEMPT_RE", "SOLO_ATTEMPT_RE", "LIGHTNING_REMOVED_MARK",
-    "LEASE_MARK", "LEASE_RE", "KEEPER_FAILED_PREFIX", "fsync_dir",
+    "LEASE_MARK", "LEASE_RE", "PUT_TMP_MARK", "LEASE_TMP_RE", "KEEPER_FAILED_PREFIX", "fsync_dir",
 ]
 
 #: the manifest, written last: a checkpoint exists iff ``<name>/manifest.json`` exists
@@ -70,6 +70,10 @@ LIGHTNING_REMOVED_MARK = ".zs-lightning-removed-"
 #: ``.zs-lease-<host>-<pid>-<id>.json``: a writer's lease on its partial files, in the storage root
 LEASE_MARK = ".zs-lease-"
 LEASE_RE = re.compile(rf"^{re.escape(LEASE_MARK)}(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{12}}\.json$")
+#: ``<key>.tmp-<pid>-<hex>``: a POSIX put's temporary, renamed (or linked) onto ``<key>`` once whole
+PUT_TMP_MARK = ".tmp-"
+#: a lease's put temporary: left behind only by a writer killed while writing or renewing its lease
+LEASE_TMP_RE = re.compile(rf"^(?P<lease>{LEASE_RE.pattern[1:-1]}){re.escape(PUT_TMP_MARK)}\d+-[0-9a-f]+$")
 #: ``.zs-keeper-failed-r<rank>.json``: a memory-tier keeper's failed persist, in the run directory
 KEEPER_FAILED_PREFIX = ".zs-keeper-failed-r"
 

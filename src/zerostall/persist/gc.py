@@ -5,6 +5,8 @@ What a save can leave behind when its writer dies, on any host:
 * POSIX: a hidden attempt directory ``.<name>.zs-tmp-<id>/`` (solo or collective), a deletion
   directory ``.<name>.zs-del-<id>/`` (retention cut short), collective decision files
   ``.<name>.zs-decision-<attempt>[.failed]``, and temporary files of conditional puts beside them;
+* any storage with temporaries (POSIX): a lease's own temporary ``.zs-lease-….json.tmp-<pid>-<hex>``,
+  left by a writer killed while writing or renewing its lease;
 * object stores: a data prefix ``<name>/data-<id>/`` that no committed manifest refers to,
   a collective coordination prefix ``<name>/zs-coord-<attempt>/``, decision files, and
   incomplete multipart uploads (their parts cost storage and are invisible to listings).
@@ -15,7 +17,10 @@ second: a partial seen in the first listing whose writer is alive has a lease th
 listing sees. A data prefix is checked against the manifest once more right before it is
 deleted, because its writer may have committed (manifest put, then lease released) between
 the two listings. Deletion directories are always removable (already invisible, already
-doomed). A partial that no lease covers at all is left alone only when its name says it belongs
+doomed). A lease's temporary goes with its lease: kept while the lease is live, removed once it
+is dead or gone (if gone, its writer was killed writing its first lease, unless it is a live
+process of this host; :meth:`~zerostall.lease.Lease.acquire` retries should a collector on
+another host take the temporary of a first write still in flight). A partial that no lease covers at all is left alone only when its name says it belongs
 to a live process of this host (writers of versions before leases).
 
 Runs wherever a :class:`~zerostall.Checkpointer` opens (at start-up, before its writer runs)
@@ -36,11 +41,12 @@ from zerostall.format.layout import (
     DATA_PREFIX,
     DEC_MARK,
     DEL_MARK,
+    LEASE_TMP_RE,
     MANIFEST_NAME,
     SOLO_ATTEMPT_RE,
     TMP_MARK,
 )
-from zerostall.lease import covers, host_id, pid_alive, read_leases
+from zerostall.lease import LeaseInfo, covers, host_id, pid_alive, read_leases
 from zerostall.storage import Storage
 from zerostall.storage.base import as_multipart
 
@@ -74,6 +80,7 @@ class _Candidate:
     key: str
     always: bool = False  # removable whatever the leases say (deletion leftovers)
     step: str | None = None  # an object-store data prefix of this step: re-check its manifest
+    lease: str | None = None  # a lease's put temporary: judged by that lease, not by its targets
 
 
 def collect_garbage(storage: Storage, *, dry_run: bool = False, now: float | None = None) -> GcReport:
@@ -114,7 +121,14 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, now: float | Non
     def known(key: str) -> bool:
         return any(covers(tg, key) for ls in leases for tg in ls.targets)
 
+    by_key = {ls.key: ls for ls in leases}
     for c in candidates:
+        if c.lease is not None:
+            if _lease_tmp_live(c, by_key.get(c.lease), t, here):
+                report.kept_live.append(c.key)
+            else:
+                _remove(report, c.key, partial(storage.delete, c.key), report.removed, dry_run)
+            continue
         if not c.always and (held(c.key) or (not known(c.key) and _legacy_live(c.key, here))):
             report.kept_live.append(c.key)
             continue
@@ -152,6 +166,8 @@ def _candidates(storage: Storage) -> list[_Candidate]:
     for n in storage.list(""):
         if DEL_MARK in n:
             out.append(_Candidate(n, always=True))
+        elif (m := LEASE_TMP_RE.match(n)) is not None:
+            out.append(_Candidate(n, lease=m.group("lease")))
         elif TMP_MARK in n or DEC_MARK in n:
             out.append(_Candidate(n))
         elif not storage.atomic_rename and not n.startswith("."):
@@ -197,6 +213,15 @@ def _uploads(storage: Storage, report: GcReport) -> list[tuple[str, str]]:
     except OSError as exc:  # a server without ListMultipartUploads: lifecycle rules must expire them
         report.errors.append(f"listing multipart uploads: {type(exc).__name__}: {exc}")
         return []
+
+
+def _lease_tmp_live(c: _Candidate, lease: LeaseInfo | None, now: float, here: str) -> bool:
+    """Whether a lease's temporary may still be written: its lease is live, or, with no lease
+    left, its writer is a live process of this host."""
+    if lease is not None:
+        return lease.live(now, here)
+    m = LEASE_TMP_RE.match(c.key)
+    return m is not None and m.group("host") == here and pid_alive(int(m.group("pid")))
 
 
 def _legacy_live(key: str, here: str) -> bool:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from zerostall.format.layout import fsync_dir
+from zerostall.format.layout import PUT_TMP_MARK, fsync_dir
 from zerostall.memcopy import copy_array
 from zerostall.storage.base import Capabilities
 from zerostall.storage.release import unmap_later
@@ -119,7 +119,7 @@ class LocalStorage:
         if if_absent:
             # Write aside, then link: link(2) fails if the target exists, so two writers cannot
             # both win, and a reader never sees a half-written object.
-            tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
+            tmp = f"{path}{PUT_TMP_MARK}{os.getpid()}-{id(data):x}"
             try:
                 _write_file(tmp, data)
                 os.link(tmp, path)
@@ -129,7 +129,7 @@ class LocalStorage:
         else:
             # Written aside and renamed over: a reader (a collector reading a lease being renewed)
             # sees the old object or the new one, never half of one.
-            tmp = f"{path}.tmp-{os.getpid()}-{id(data):x}"
+            tmp = f"{path}{PUT_TMP_MARK}{os.getpid()}-{id(data):x}"
             try:
                 _write_file(tmp, data)
                 os.replace(tmp, path)
