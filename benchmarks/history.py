@@ -97,8 +97,9 @@ def cpu_figures(summary: Mapping[str, Any]) -> list[tuple[str, float]]:
 def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     """``(figure, value)`` of the benchmarks ``make bench`` runs once, not per size: the save call of
     an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``), a Hugging Face
-    Trainer's checkpoint stall (``benchmarks/hf_trainer.py``) and the memory tier's replicas against
-    their socket floors (``benchmarks/replicas.py``). A benchmark that failed adds none."""
+    Trainer's checkpoint stall (``benchmarks/hf_trainer.py``), the memory tier's replicas against
+    their socket floors (``benchmarks/replicas.py``) and the signal to durable of a preemption
+    (``benchmarks/preemption.py``). A benchmark that failed adds none."""
     out: list[tuple[str, float]] = []
     leaves = results.get("leaf_call") or {}
     for key, name in (("call", "leaf_call_x_floor_checkpointer"), ("free", "leaf_call_x_floor_free")):
@@ -116,6 +117,10 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     for key in ("replication_x_floor", "lost_x_without", "restore_x_floor"):
         if _ok(rep.get(key)):
             out.append((f"replicas_{key}", float(rep[key])))
+    pre = results.get("preemption") or {}
+    for key in ("held_s", "final_s"):
+        if _ok(pre.get(key)) and _ok(pre.get("floor_s")) and pre["floor_s"] > 0:
+            out.append((f"preemption_{key[:-2]}_durable_x_floor", float(pre[key]) / float(pre["floor_s"])))
     return out
 
 

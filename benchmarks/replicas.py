@@ -12,8 +12,12 @@ of the rank one host over):
   ``result()`` latency with replicas minus the same without is the replication of one step, and
   ``--mib`` MiB over it the rate (each of the four ranks sends its step at the same time);
 * **training lost per save**: a loop of fixed compute steps, timed without saves, then with an
-  asynchronous memory-only save every ``SAVE_EVERY`` steps (each durable before the next);
-  the extra time over the number of saves;
+  asynchronous memory-only save every ``--between-s`` seconds of compute (default 2: longer than
+  a replicated save takes, as any interval the advisor gives; a save still running when the next
+  is due is waited for, and that wait counts as lost); the extra time over the number of saves.
+  Both jobs run the same loop. On this VM the keepers' replication shares the cores with the
+  trainers, so its CPU (reported: keeper CPU seconds per save) is training lost here; on a
+  training host the keepers use cores the accelerators leave idle;
 * **restore on a new host**: host B is lost (trainers and keepers killed), host A's trainers
   die; the job restarts with ranks 2, 3 on host C with empty memory. The time of
   ``latest_step()`` plus ``load_pytree`` on host C's ranks (the fetch from host A's keepers,
@@ -43,8 +47,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
-SAVE_EVERY = 4
-STEPS = 24
+#: saves in the training-lost loop
+LOOP_SAVES = 4
 TIMEOUT_S = 120.0
 
 
@@ -60,7 +64,15 @@ def _step(x: Any) -> Any:
     return x
 
 
-def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int, out: str) -> None:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int, out: str,
+              between_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -103,14 +115,23 @@ def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int
         x = torch.randn(256, 256) * 0.05
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(STEPS):
+        for _ in range(8):
+            x = _step(x)
+        per_step = torch.tensor([(time.perf_counter() - t0) / 8])
+        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same loop
+        every = max(1, round(between_s / float(per_step)))
+        steps = every * LOOP_SAVES
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
             x = _step(x)
         res["plain_s"] = time.perf_counter() - t0
         dist.barrier()
+        keeper_cpu = _cpu_s(res["keeper"])
         t0, pending, n_saves = time.perf_counter(), None, 0
-        for i in range(1, STEPS + 1):
+        for i in range(1, steps + 1):
             x = _step(x)
-            if i % SAVE_EVERY == 0:
+            if i % every == 0:
                 if pending is not None:
                     pending.result()
                 step += 1
@@ -120,7 +141,9 @@ def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int
         if pending is not None:
             pending.result()
         res["saving_s"] = time.perf_counter() - t0
+        res["keeper_cpu_per_save_s"] = (_cpu_s(res["keeper"]) - keeper_cpu) / n_saves
         res["saves"] = n_saves
+        res["steps_between_saves"] = every
         res["last_step"] = step
         dist.barrier()
     with open(out, "w") as f:
@@ -142,7 +165,7 @@ def _start(phase: str, d: Path, hosts: list[str], port: int, a: argparse.Namespa
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.replicas", "--rank", phase, str(r), str(d), str(a.mib),
-             str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json")],
+             str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json"), str(a.between_s)],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
     return procs
 
@@ -221,6 +244,9 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]]) ->
         per_rank = [(r["saving_s"] - r["plain_s"]) / r["saves"] for r in j["ranks"]]
         lost[k] = statistics.median(per_rank)
     s["lost_per_save_s"] = {"replicas0": lost[0], "replicas1": lost[1]}
+    s["keeper_cpu_per_save_s"] = {f"replicas{k}": statistics.median(r["keeper_cpu_per_save_s"] for r in j["ranks"])
+                                   for k, j in jobs.items()}
+    s["steps_between_saves"] = jobs[1]["ranks"][0]["steps_between_saves"]
     s["lost_x_without"] = lost[1] / lost[0] if lost[0] > 0 else None
     res = jobs[1]["resume"]
     s["resume"] = [{k: r[k] for k in ("agreed", "loaded", "adopted", "equal", "restore_s", "agree_s", "load_s")}
@@ -233,7 +259,7 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]]) ->
 
 
 def lines(s: dict[str, Any]) -> list[str]:
-    lost = s["lost_per_save_s"]
+    lost, cpu = s["lost_per_save_s"], s["keeper_cpu_per_save_s"]
     return [
         f"replicas, {s['ranks']} ranks on {s['hosts']} hosts, {s['mib_per_rank']} MiB per rank: socket floor "
         f"{s['floor_gbps']:.2f} GB/s ({s['floor_s']:.3f} s, median of {len(s['floors_s'])})",
@@ -241,7 +267,8 @@ def lines(s: dict[str, Any]) -> list[str]:
         f"with a replica {s['replicated_save_s']:.3f} s), {s['replication_x_floor']:.2f}x the floor (target >= 0.8x); "
         f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x",
         f"  training lost per save: {lost['replicas1']:.3f} s with replicas=1, {lost['replicas0']:.3f} s without: "
-        + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured"),
+        + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured")
+        + f"; keeper CPU per save {cpu['replicas1']:.3f} s and {cpu['replicas0']:.3f} s (the cores trainers share here)",
         f"  restore on a new host: {s['restore_new_host_s']:.3f} s, {s['restore_x_floor']:.2f}x the floor "
         f"(target <= 1.5x; of which latest_step() {max(r['agree_s'] for r in s['resume'][2:]):.3f} s); every rank "
         f"loaded the newest step bit for bit: {s['restore_ok']}",
@@ -251,12 +278,14 @@ def lines(s: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank"]:
-        phase, rank, d, mib, replicas, saves, out = argv[1:8]
-        rank_main(phase, int(rank), d, int(mib), int(replicas), int(saves), out)
+        phase, rank, d, mib, replicas, saves, out, between = argv[1:9]
+        rank_main(phase, int(rank), d, int(mib), int(replicas), int(saves), out, float(between))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256, help="MiB of state per rank (default 256)")
     p.add_argument("--saves", type=int, default=3, help="saves timed for the replication rate (default 3)")
+    p.add_argument("--between-s", type=float, default=2.0,
+                   help="seconds of compute between saves in the training-lost loop (default 2)")
     p.add_argument("--floor-repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="write the summary JSON here")
     a = p.parse_args(argv)

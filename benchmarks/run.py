@@ -212,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
             results["replicas"] = run_child("replicas", ["--mib", str(a.replicas_mib)], a.timeout)
             for line in results["replicas"].get("lines", [f"no result: {results['replicas'].get('error')}"]):
                 log(line)
+        if not a.no_zerostall and not a.only_dip:
+            # signal to durable after a preemption notice, against an O_DIRECT write + fsync of the
+            # same bytes in the same directory (benchmarks/preemption.py)
+            log("== preemption: signal to durable, 256 MiB")
+            results["preemption"] = run_child("preemption", ["--dir", str(scratch)], a.timeout)
+            for line in results["preemption"].get("lines", [f"no result: {results['preemption'].get('error')}"]):
+                log(line)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -68,6 +68,33 @@ def test_a_holder_keeps_a_step_only_from_a_keeper_with_the_jobs_secret(tmp_path:
         holder.close()
 
 
+def test_a_pair_forms_its_group_once_and_sends_every_later_step_over_it(tmp_path: Path) -> None:
+    """A group costs a store rendezvous and gloo's connections: the pair forms one at its first
+    offer and keeps it; each later step costs its bytes and a handshake only."""
+    import torch.distributed as dist
+
+    from zerostall.memtier.peers import Peers
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    manifest, files = _saved(tmp_path)
+    sender, holder = Peers("inst"), Peers("inst")
+    try:
+        holder.configure(_setup(store.port, 1, "job", b"s" * 32))
+        sender.configure(_setup(store.port, 0, "job", b"s" * 32))
+        for step in (6, 7, 8):
+            assert sender.send(step, manifest, files) is True
+            assert _until(lambda step=step: holder.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
+        jobs = dist.PrefixStore("zerostall-replicas/job", store)
+        formed = [g for g in (1, 2, 3) if jobs.check([f"zerostall-replica/pair/0-1/{g}/claim/0"])]
+        assert formed == [1]  # offers 2 and 3 went over offer 1's group
+        kept: list[bytes] = []
+        holder.with_replica(0, lambda r: kept.extend(bytes(r.view(i)) for i in range(len(r.names))) if r else None)
+        assert kept == [bytes(v) for _, v in files]
+    finally:
+        sender.close()
+        holder.close()
+
+
 def test_a_memory_step_counts_only_when_every_ranks_share_is_held_somewhere() -> None:
     # Host B (ranks 2, 3) lost; host A's keepers hold their own step 6 and B's replicas of it.
     assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})]) == (

@@ -4,17 +4,22 @@ newest replica of each of their ranks' steps kept here.
 The trainer configures it (:class:`~zerostall.messages.ReplicaSetup`: the job's keeper group,
 its secret, the world's layout). Then, for every step the keeper holds, :meth:`Peers.send`
 offers it to each holder (:func:`~zerostall.memtier.placement.replica_holders`) through the
-job's store and sends it over a pair of the job's authenticated :class:`ReplicaGroup`: straight
-from the staged buffers, on the keeper's job loop, never on the training thread. A receiver
-thread per origin rank (:func:`~zerostall.memtier.placement.replica_origins`) takes that rank's
-offers to this keeper, one at a time, receives each step into fresh
-shared memory, verified leaf by leaf against the CRC32Cs of its manifest, and keeps only the
+job's store and sends it over the pair's authenticated :class:`ReplicaGroup`: straight from the
+staged buffers, on the keeper's job loop, never on the training thread. A pair (origin, holder)
+forms its group once, at its first offer, and keeps it for every later step while its transfers
+succeed (a group costs a store rendezvous and gloo's connections; a step, only its bytes and a
+handshake). A receiver thread per origin rank
+(:func:`~zerostall.memtier.placement.replica_origins`) waits on the store for that rank's next
+offer to this keeper (the store answers when it is set: no polling), receives each step into
+fresh shared memory, verified leaf by leaf against the CRC32Cs of its manifest, and keeps only the
 newest one of each origin rank (the one being received is the only other copy). A replica is
 identified by the directory's instance, the world size, the origin rank and the step
 (:class:`ReplicaOf`); one that fails any check is never kept.
 
 A holder that failed (dead, refused, silent past ``timeout_s``) is not offered more steps until
-the next setup (a restarted job): saves do not wait ``timeout_s`` each for a dead host.
+the next setup (a restarted job): saves do not wait ``timeout_s`` each for a dead host. Both ends
+of a failed transfer drop the pair's group; the receiver forms a new one at the next offer, named
+by that offer's number, as the sender does (after a new setup).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,8 +42,12 @@ __all__ = ["Peers", "open_store", "pair_group", "SENDER", "RECEIVER"]
 
 #: member ids of the two ends of a pair formation
 SENDER, RECEIVER = 0, 1
-#: how often the receiver looks for its next offer (one small store request each)
-_OFFER_POLL_S = 0.05
+#: how long one wait for the next offer lasts before the receiver checks whether to stop
+_OFFER_WAKE_S = 1.0
+#: pause after a store request that failed at once (the store is gone or restarting)
+_STORE_RETRY_S = 0.25
+#: store requests in a row that fail at once before the receiver takes the store for gone (the job ended)
+_STORE_TRIES = 3
 
 
 def open_store(setup: ReplicaSetup) -> Any:
@@ -65,6 +75,11 @@ class Peers:
         self._setup: ReplicaSetup | None = None
         self._store: Any = None
         self._dead: set[int] = set()
+        #: holder rank -> the pair group this keeper sends its steps to it over
+        self._links: dict[int, ReplicaGroup] = {}
+        #: a send is running (on the keeper's job loop); groups a new setup replaced meanwhile
+        self._sending = False
+        self._stale: list[ReplicaGroup] = []
         self._unreachable = False
         #: origin rank -> the newest replica of its step held here
         self._kept: dict[int, ReceivedStep] = {}
@@ -83,8 +98,7 @@ class Peers:
         """Join the job ``setup`` names (a new job replaces the old one's receiver; the replicas
         already held stay: they are identified by the directory, world, rank and step)."""
         self._halt_receiver()
-        with self._lock:
-            self._setup, self._store, self._dead, self._unreachable = setup, None, set(), False
+        self._drop_links(setup)
         if setup.replicas <= 0:
             return
         self._stop = threading.Event()
@@ -100,37 +114,73 @@ class Peers:
         self._stop.set()
         self._receivers = []
 
+    def _drop_links(self, setup: ReplicaSetup | None) -> None:
+        """Close the sending groups of the job set up so far (one a send is using is closed when
+        that send ends) and start ``setup``'s (None: the end)."""
+        with self._lock:
+            links, self._links = self._links, {}
+            if setup is not None:
+                self._setup, self._store, self._dead, self._unreachable = setup, None, set(), False
+            if self._sending:
+                self._stale.extend(links.values())
+                return
+        for g in links.values():
+            g.close()
+
     # -- sending --------------------------------------------------------------------------
 
     def send(self, step: int, manifest: bytes, files: tuple[tuple[str, memoryview], ...]) -> bool:
         """Send this keeper's ``step`` to each of its holders; True when every one verified it."""
-        setup = self._setup
-        if setup is None or setup.replicas <= 0:
-            return False
-        if self._store is None:
+        with self._lock:
+            setup, links, dead = self._setup, self._links, self._dead
+            if setup is None or setup.replicas <= 0:
+                return False
+            self._sending = True
+        try:
+            return self._send(setup, links, dead, step, manifest, files)
+        finally:
+            with self._lock:
+                self._sending = False
+                stale, self._stale = self._stale, []
+            for g in stale:
+                g.close()
+
+    def _send(self, setup: ReplicaSetup, links: dict[int, ReplicaGroup], dead: set[int], step: int,
+              manifest: bytes, files: tuple[tuple[str, memoryview], ...]) -> bool:
+        """:meth:`send` for the job ``setup`` (its groups ``links``, its failed holders ``dead``)."""
+        store = self._store
+        if store is None:
             if self._unreachable:
                 return False
             try:
-                self._store = open_store(setup)
+                store = open_store(setup)
             except Exception as exc:  # noqa: BLE001 - the save is then in memory only, and says so
                 self._unreachable = True  # not tried again (a timeout each) until the next setup
                 _say(f"cannot reach the job's store {setup.store} to replicate step {step}: {exc}; no step is "
                      "replicated until the job restarts")
                 return False
+            with self._lock:
+                if self._setup is setup:
+                    self._store = store
         out = OutgoingStep(of=ReplicaOf(self.instance, setup.world, setup.rank, step), manifest=manifest,
                            files=files)
         ok = True
         for h in replica_holders(setup.rank, setup.world, setup.ranks_per_host, setup.replicas):
-            if h in self._dead:
+            if h in dead:
                 ok = False
                 continue
             try:
-                n = int(self._store.add(f"offers/{setup.rank}-{h}", 1))
-                self._store.set(f"offer/{setup.rank}-{h}/{n}", json.dumps({"step": step}))
-                with pair_group(self._store, setup, f"pair/{setup.rank}-{h}", n, SENDER) as g:
-                    g.send_step(RECEIVER, out)
+                n = int(store.add(f"offers/{setup.rank}-{h}", 1))
+                store.set(f"offer/{setup.rank}-{h}/{n}", json.dumps({"step": step}))
+                g = links.get(h)
+                if g is None:  # the pair's first offer: both ends form its group, named by it
+                    g = links[h] = pair_group(store, setup, f"pair/{setup.rank}-{h}", n, SENDER)
+                g.send_step(RECEIVER, out)
             except (ZerostallError, RuntimeError, OSError) as exc:
-                self._dead.add(h)
+                dead.add(h)
+                dropped = links.pop(h, None)
+                if dropped is not None:
+                    dropped.close()
                 ok = False
                 _say(f"rank {setup.rank}'s step {step} is not replicated on rank {h}'s keeper ({exc}); that "
                      "holder is not offered more steps until the job restarts")
@@ -146,32 +196,49 @@ class Peers:
         except Exception as exc:  # noqa: BLE001 - this keeper then holds no replicas
             _say(f"cannot reach the job's store {setup.store} to receive replicas: {exc}")
             return
+        group: ReplicaGroup | None = None
         n = 1  # the job's own keys (a new job, a new prefix): every offer is for this keeper
-        while not stop.is_set():
-            key = f"offer/{origin}-{setup.rank}/{n}"
-            try:
-                if not store.check([key]):
-                    stop.wait(_OFFER_POLL_S)
-                    continue
-                step = int(json.loads(bytes(store.get(key)))["step"])
-            except RuntimeError:  # the store is gone or slow: look again
-                stop.wait(_OFFER_POLL_S)
-                continue
-            except (ValueError, KeyError, TypeError) as exc:
-                _say(f"offer {n} to rank {setup.rank}'s keeper is malformed ({exc}); skipped")
-                n += 1
-                continue
-            self._receive(store, setup, n, origin, step, stop)
-            n += 1
-
-    def _receive(self, store: Any, setup: ReplicaSetup, n: int, origin: int, step: int,
-                 stop: threading.Event) -> None:
+        refused = 0  # store requests in a row that failed before their timeout
         try:
-            with pair_group(store, setup, f"pair/{origin}-{setup.rank}", n, RECEIVER) as g:
-                got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=origin, step=step)
+            while not stop.is_set():
+                key = f"offer/{origin}-{setup.rank}/{n}"
+                t0 = time.monotonic()
+                try:
+                    store.wait([key], timedelta(seconds=_OFFER_WAKE_S))
+                    step = int(json.loads(bytes(store.get(key)))["step"])
+                except RuntimeError as exc:  # no offer yet (a timed-out wait is cancelled), or the store is gone
+                    refused = refused + 1 if time.monotonic() - t0 < _OFFER_WAKE_S / 2 else 0
+                    if refused >= _STORE_TRIES:
+                        _say(f"the job's store {setup.store} is gone ({exc}); rank {setup.rank}'s keeper receives "
+                             f"no more replicas of rank {origin} until the job restarts")
+                        return
+                    if refused:
+                        stop.wait(_STORE_RETRY_S)
+                    continue
+                except (ValueError, KeyError, TypeError) as exc:
+                    _say(f"offer {n} to rank {setup.rank}'s keeper is malformed ({exc}); skipped")
+                    n += 1
+                    continue
+                refused = 0
+                group = self._receive(store, group, setup, n, origin, step, stop)
+                n += 1
+        finally:
+            if group is not None:
+                group.close()
+
+    def _receive(self, store: Any, group: ReplicaGroup | None, setup: ReplicaSetup, n: int, origin: int,
+                 step: int, stop: threading.Event) -> ReplicaGroup | None:
+        """Receive offer ``n`` over the pair's group (formed now if there is none); the group to
+        receive the next offer over (None after a failure: both ends dropped it)."""
+        try:
+            if group is None:
+                group = pair_group(store, setup, f"pair/{origin}-{setup.rank}", n, RECEIVER)
+            got = group.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=origin, step=step)
         except (ZerostallError, RuntimeError, OSError) as exc:
             _say(f"the replica of rank {origin}'s step {step} was not received: {exc}")
-            return
+            if group is not None:
+                group.close()
+            return None
         with self._lock:
             old: ReceivedStep | None = got
             if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
@@ -179,6 +246,7 @@ class Peers:
             old = self._unless_pinned(old)
         if old is not None:
             old.close()
+        return group
 
     # -- what is held ---------------------------------------------------------------------
 
@@ -227,6 +295,7 @@ class Peers:
 
     def close(self) -> None:
         self._halt_receiver()
+        self._drop_links(None)
         with self._lock:
             kept, self._kept = self._kept, {}
             gone = [r for r in kept.values() if self._unless_pinned(r) is not None]
