@@ -25,7 +25,9 @@ of the rank one host over):
 
 The floor of both the replication and the restore is a plain socket copy of the same bytes
 between two processes, measured in the same run (``benchmarks.replica.socket_floor_s``), before
-and after the jobs. Targets: replication >= 0.8x the floor's rate, training lost with replicas
+and after the jobs. Since the four ranks' steps cross at once, the run also times four such
+copies at once (four pairs of processes; a round lasts as long as its slowest copy): what the
+cores of this machine allow the four transfers together, reported beside the target. Targets: replication >= 0.8x the floor's rate, training lost with replicas
 <= 1.2x without, restore <= 1.5x the floor. The last line is the JSON summary (marked as
 ``benchmarks.measure.RESULT_MARKER``, as every benchmark child's).
 """
@@ -227,11 +229,27 @@ def _job(tmp: Path, port: int, a: argparse.Namespace, replicas: int, log: Any) -
     return out
 
 
-def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def concurrent_floor_s(n: int, repeats: int) -> list[float]:
+    """Per round, the slowest of ``WORLD`` plain socket copies of ``n`` bytes run at once (each
+    pair of processes as :func:`benchmarks.replica.socket_floor_s`)."""
+    import multiprocessing
+
+    from benchmarks.replica import socket_floor_s
+
+    with multiprocessing.get_context("fork").Pool(WORLD) as pool:
+        per_pair = pool.starmap(socket_floor_s, [(n, repeats)] * WORLD)
+    return [max(r) for r in zip(*per_pair, strict=True)]
+
+
+def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]],
+              together: list[float] | None = None) -> dict[str, Any]:
     n = mib << 20
     floor = statistics.median(floors)
     s: dict[str, Any] = {"mib_per_rank": mib, "ranks": WORLD, "hosts": 2, "floor_s": floor,
                          "floor_gbps": n / floor / 1e9, "floors_s": floors}
+    if together:
+        s["floor_together_s"] = statistics.median(together)
+        s["floors_together_s"] = together
     lat = {k: statistics.median(x for r in j["ranks"] for x in r["save_latency_s"]) for k, j in jobs.items()}
     s["memory_save_s"], s["replicated_save_s"] = lat[0], lat[1]
     rep = max(lat[1] - lat[0], 1e-9)
@@ -239,6 +257,8 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]]) ->
     s["replication_gbps"] = n / rep / 1e9
     s["replication_x_floor"] = floor / rep
     s["replication_all_ranks_x_floor"] = WORLD * floor / rep  # the four ranks' steps cross at once
+    if together:
+        s["replication_x_floor_together"] = s["floor_together_s"] / rep
     lost = {}
     for k, j in jobs.items():
         per_rank = [(r["saving_s"] - r["plain_s"]) / r["saves"] for r in j["ranks"]]
@@ -265,7 +285,9 @@ def lines(s: dict[str, Any]) -> list[str]:
         f"{s['floor_gbps']:.2f} GB/s ({s['floor_s']:.3f} s, median of {len(s['floors_s'])})",
         f"  replication: {s['replication_gbps']:.2f} GB/s per rank (memory-only save {s['memory_save_s']:.3f} s, "
         f"with a replica {s['replicated_save_s']:.3f} s), {s['replication_x_floor']:.2f}x the floor (target >= 0.8x); "
-        f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x",
+        f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x"
+        + (f"; {s['ranks']} socket copies at once take {s['floor_together_s']:.3f} s, replication "
+           f"{s['replication_x_floor_together']:.2f}x that" if "floor_together_s" in s else ""),
         f"  training lost per save: {lost['replicas1']:.3f} s with replicas=1, {lost['replicas0']:.3f} s without: "
         + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured")
         + f"; keeper CPU per save {cpu['replicas1']:.3f} s and {cpu['replicas0']:.3f} s (the cores trainers share here)",
@@ -297,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n = a.mib << 20
     floors = socket_floor_s(n, a.floor_repeats)
+    together = concurrent_floor_s(n, a.floor_repeats)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     with tempfile.TemporaryDirectory(prefix="zerostall-replicas-") as tmp, open(Path(tmp) / "log.txt", "w") as log:
         try:
@@ -306,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             print((Path(tmp) / "log.txt").read_text()[-4000:], file=sys.stderr)
             raise
     floors += socket_floor_s(n, a.floor_repeats)
-    s = summarize(a.mib, floors, jobs)
+    together += concurrent_floor_s(n, a.floor_repeats)
+    s = summarize(a.mib, floors, jobs, together)
     for line in lines(s):
         print(line, flush=True)
     s["lines"] = lines(s)
