@@ -95,6 +95,38 @@ def test_a_pair_forms_its_group_once_and_sends_every_later_step_over_it(tmp_path
         holder.close()
 
 
+def test_a_receiver_waiting_for_an_offer_ends_when_its_keeper_stops() -> None:
+    """The receiver blocks in a store wait (no polling, no timed wake-ups to log); a stop puts a
+    marker under the key it waits on, so closing or re-configuring never leaves it behind."""
+    import threading
+
+    import torch.distributed as dist
+
+    from zerostall.memtier.peers import Peers
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    holder = Peers("inst")
+
+    def receivers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("zerostall-keeper-replicas-")
+                and not t.name.endswith("-stop")]
+
+    before = set(receivers())
+    holder.configure(_setup(store.port, 1, "job-a", b"s" * 32))
+    mine = [t for t in receivers() if t not in before]
+    assert len(mine) == 1
+    time.sleep(0.5)  # in its store wait by now
+    holder.configure(_setup(store.port, 1, "job-b", b"s" * 32))  # a new job: the old receiver ends
+    mine[0].join(10)
+    assert not mine[0].is_alive()
+    newer = [t for t in receivers() if t not in before and t is not mine[0]]
+    assert len(newer) == 1
+    time.sleep(0.5)
+    holder.close()
+    newer[0].join(10)
+    assert not newer[0].is_alive()
+
+
 def test_a_memory_step_counts_only_when_every_ranks_share_is_held_somewhere() -> None:
     # Host B (ranks 2, 3) lost; host A's keepers hold their own step 6 and B's replicas of it.
     assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})]) == (

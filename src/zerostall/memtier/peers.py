@@ -24,6 +24,7 @@ by that offer's number, as the sender does (after a new setup).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -42,10 +43,13 @@ __all__ = ["Peers", "open_store", "pair_group", "SENDER", "RECEIVER"]
 
 #: member ids of the two ends of a pair formation
 SENDER, RECEIVER = 0, 1
-#: how long one wait for the next offer lasts before the receiver checks whether to stop
-_OFFER_WAKE_S = 1.0
+#: how long one wait for the next offer lasts (a stop sets the awaited key: no wake-ups; a wait
+#: that times out is logged by torch, so it must be rare)
+_OFFER_WAIT = timedelta(hours=24)
 #: pause after a store request that failed at once (the store is gone or restarting)
 _STORE_RETRY_S = 0.25
+#: what a stop puts under the offer key a receiver waits on
+_STOP_OFFER = json.dumps({"stop": True})
 #: store requests in a row that fail at once before the receiver takes the store for gone (the job ended)
 _STORE_TRIES = 3
 
@@ -89,6 +93,9 @@ class Peers:
         self._doomed: set[int] = set()
         self._stop = threading.Event()
         self._receivers: list[threading.Thread] = []
+        #: origin -> the offer number its receiver waits for next (published before it checks
+        #: whether to stop, so a stop that reads it wakes the wait)
+        self._waiting: dict[int, int] = {}
 
     @property
     def active(self) -> bool:
@@ -101,18 +108,32 @@ class Peers:
         self._drop_links(setup)
         if setup.replicas <= 0:
             return
-        self._stop = threading.Event()
+        self._stop, self._waiting = threading.Event(), {}
         for origin in replica_origins(setup.rank, setup.world, setup.ranks_per_host, setup.replicas):
-            t = threading.Thread(target=self._receive_loop, args=(setup, origin, self._stop),
+            t = threading.Thread(target=self._receive_loop, args=(setup, origin, self._stop, self._waiting),
                                  name=f"zerostall-keeper-replicas-{origin}", daemon=True)
             t.start()
             self._receivers.append(t)
 
     def _halt_receiver(self) -> None:
         """Tell the receivers to stop after what they are doing; never waits for them (a receive
-        in progress ends within ``timeout_s``, and must not delay an adopting trainer's first job)."""
+        in progress ends within ``timeout_s``, and must not delay an adopting trainer's first job).
+        A receiver waiting on the store for its next offer is woken by a stop marker put under that
+        offer's key (unless the offer came first), from a thread of its own: the store may be gone."""
         self._stop.set()
+        setup, waiting = self._setup, dict(self._waiting)
         self._receivers = []
+        if setup is None or setup.replicas <= 0 or not waiting:
+            return
+
+        def wake() -> None:
+            # a store that is gone ends its receivers' waits itself
+            with contextlib.suppress(Exception):
+                store = open_store(setup)
+                for origin, n in waiting.items():
+                    store.compare_set(f"offer/{origin}-{setup.rank}/{n}", "", _STOP_OFFER)
+
+        threading.Thread(target=wake, name="zerostall-keeper-replicas-stop", daemon=True).start()
 
     def _drop_links(self, setup: ReplicaSetup | None) -> None:
         """Close the sending groups of the job set up so far (one a send is using is closed when
@@ -188,7 +209,8 @@ class Peers:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def _receive_loop(self, setup: ReplicaSetup, origin: int, stop: threading.Event) -> None:
+    def _receive_loop(self, setup: ReplicaSetup, origin: int, stop: threading.Event,
+                      waiting: dict[int, int]) -> None:
         """Receive the steps rank ``origin``'s keeper offers this one, in order (a thread per origin:
         one origin's transfer never delays another's)."""
         try:
@@ -198,19 +220,26 @@ class Peers:
             return
         group: ReplicaGroup | None = None
         n = 1  # the job's own keys (a new job, a new prefix): every offer is for this keeper
-        refused = 0  # store requests in a row that failed before their timeout
+        refused = 0  # store requests in a row that failed at once
         try:
-            while not stop.is_set():
+            while True:
+                waiting[origin] = n  # before the stop check: see _halt_receiver
+                if stop.is_set():
+                    return
                 key = f"offer/{origin}-{setup.rank}/{n}"
                 t0 = time.monotonic()
                 try:
-                    store.wait([key], timedelta(seconds=_OFFER_WAKE_S))
-                    step = int(json.loads(bytes(store.get(key)))["step"])
-                except RuntimeError as exc:  # no offer yet (a timed-out wait is cancelled), or the store is gone
-                    refused = refused + 1 if time.monotonic() - t0 < _OFFER_WAKE_S / 2 else 0
+                    store.wait([key], _OFFER_WAIT)
+                    offer = json.loads(bytes(store.get(key)))
+                    if stop.is_set():
+                        return
+                    step = int(offer["step"])
+                except RuntimeError as exc:  # the store is gone (or, once a day, the wait timed out)
+                    refused = refused + 1 if time.monotonic() - t0 < 1.0 else 0
                     if refused >= _STORE_TRIES:
-                        _say(f"the job's store {setup.store} is gone ({exc}); rank {setup.rank}'s keeper receives "
-                             f"no more replicas of rank {origin} until the job restarts")
+                        if not stop.is_set():
+                            _say(f"the job's store {setup.store} is gone ({exc}); rank {setup.rank}'s keeper "
+                                 f"receives no more replicas of rank {origin} until the job restarts")
                         return
                     if refused:
                         stop.wait(_STORE_RETRY_S)
