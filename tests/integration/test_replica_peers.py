@@ -82,6 +82,8 @@ def test_a_pair_forms_its_group_once_and_sends_every_later_step_over_it(tmp_path
         holder.configure(_setup(store.port, 1, "job", b"s" * 32))
         sender.configure(_setup(store.port, 0, "job", b"s" * 32))
         for step in (6, 7, 8):
+            holder.configure(_setup(store.port, 1, "job", b"s" * 32))  # told again after each Hello: no change
+            sender.configure(_setup(store.port, 0, "job", b"s" * 32))
             assert sender.send(step, manifest, files) is True
             assert _until(lambda step=step: holder.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
         jobs = dist.PrefixStore("zerostall-replicas/job", store)

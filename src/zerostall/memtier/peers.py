@@ -103,7 +103,10 @@ class Peers:
 
     def configure(self, setup: ReplicaSetup) -> None:
         """Join the job ``setup`` names (a new job replaces the old one's receiver; the replicas
-        already held stay: they are identified by the directory, world, rank and step)."""
+        already held stay: they are identified by the directory, world, rank and step). The same
+        setup again (told after each Hello) changes nothing: its receivers and groups go on."""
+        if setup == self._setup and (self._receivers or setup.replicas <= 0):
+            return
         self._halt_receiver()
         self._drop_links(setup)
         if setup.replicas <= 0:
