@@ -114,7 +114,8 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     if _ok(hf.get("zerostall_stall_s")) and _ok(hf.get("floor_memcpy_s")) and hf["floor_memcpy_s"] > 0:
         out.append(("hf_trainer_stall_zerostall_x_memcpy", float(hf["zerostall_stall_s"]) / float(hf["floor_memcpy_s"])))
     rep = results.get("replicas") or {}
-    for key in ("replication_x_floor", "replication_x_floor_together", "lost_x_without", "restore_x_floor"):
+    for key in ("replication_x_floor", "replication_x_floor_together", "lost_x_without", "lost_x_without_waiting_steps",
+                "restore_x_floor"):
         if _ok(rep.get(key)):
             out.append((f"replicas_{key}", float(rep[key])))
     pre = results.get("preemption") or {}

@@ -129,20 +129,20 @@ def receiver(port: int, lsock: socket.socket, n: int, args: argparse.Namespace, 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     g = ReplicaGroup(store, job_id="bench", secret=SECRET, member=1, size=2, chunk_bytes=args.chunk_mib << 20,
                      timeout_s=120)
-    dst = HostBuffer(n)
+    spare = [HostBuffer(n)]
     conn, _ = lsock.accept()
     out = []
     for i in range(args.repeats):
-        view = dst.view
+        view = spare[0].view
         t0 = time.perf_counter()
         conn.sendall(b"g")
         recv_exact(conn, view, n)
         floor = time.perf_counter() - t0
         barrier(store, f"go{i}")
         t0 = time.perf_counter()
-        r = g.recv_step(0, run_id="run", world=2, rank=0, step=1, buffers=[dst])
+        r = g.recv_step(0, run_id="run", world=2, rank=0, step=1, reuse=spare)
         rep = time.perf_counter() - t0
-        r.close()
+        spare = r.release()  # received into again, as a keeper does
         out.append({"floor_s": floor, "replica_s": rep})
         print(f"repeat {i}: socket floor {n / floor / 1e9:.2f} GB/s, replica {n / rep / 1e9:.2f} GB/s, "
               f"ratio {floor / rep:.2f}", flush=True)

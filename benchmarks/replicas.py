@@ -11,17 +11,21 @@ of the rank one host over):
 * **replication**: ``--saves`` memory-only saves waited for with nothing else running; a save's
   ``result()`` latency with replicas minus the same without is the replication of one step, and
   ``--mib`` MiB over it the rate (each of the four ranks sends its step at the same time);
-* **training lost per save**: a loop of fixed compute steps, timed without saves, then with an
-  asynchronous memory-only save every ``--between-s`` seconds of compute (default 2: longer than
-  a replicated save takes, as any interval the advisor gives; a save still running when the next
-  is due is waited for, and that wait counts as lost); the extra time over the number of saves.
-  Both jobs run the same loop. On this VM the keepers' replication shares the cores with the
-  trainers, so its CPU (reported: keeper CPU seconds per save) is training lost here; on a
-  training host the keepers use cores the accelerators leave idle;
+* **training lost per save**: rounds of two segments of fixed steps lasting ``--between-s``
+  seconds (default 2: longer than a replicated save takes, as any interval the advisor gives),
+  the first without a save, the second starting with an asynchronous memory-only save and
+  ending with its ``result()`` (a save still running then would hold the next one, so that wait
+  counts as lost); each segment starts with the "optimizer step" writing the state. The loss per
+  save is the median over rounds of the second segment's time minus the first's (paired
+  segments: this VM's speed drifts). Both jobs run the same rounds, twice: steps that compute on the CPU (matmuls), whose cores the
+  keepers' replication takes (reported: keeper CPU seconds per save), and steps that wait as a
+  training thread waits on its accelerator (a sleep of the measured step time), which leave the
+  cores to the keepers as on a training host;
 * **restore on a new host**: host B is lost (trainers and keepers killed), host A's trainers
   die; the job restarts with ranks 2, 3 on host C with empty memory. The time of
   ``latest_step()`` plus ``load_pytree`` on host C's ranks (the fetch from host A's keepers,
-  verified, and the load).
+  verified, and the load into the template: the model's state, allocated and written before the
+  timer, as a restarted job's model is before it loads).
 
 The floor of both the replication and the restore is a plain socket copy of the same bytes
 between two processes, measured in the same run (``benchmarks.replica.socket_floor_s``), before
@@ -49,8 +53,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
-#: saves in the training-lost loop
-LOOP_SAVES = 4
+#: rounds (one save each) of the training-lost loops
+LOOP_SAVES = 6
 TIMEOUT_S = 120.0
 
 
@@ -91,11 +95,12 @@ def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int
     res: dict[str, Any] = {"keeper": ck._engine.writer.pid}
     print("KEEPER", res["keeper"], flush=True)
     if phase == "resume":
+        template = {"w": torch.zeros(n), "step": 0}  # the model's state: it exists before the load
         dist.barrier()
         t0 = time.perf_counter()
         start = ck.latest_step()
         t1 = time.perf_counter()
-        got = ck.load_pytree(template={"w": torch.empty(n), "step": 0})
+        got = ck.load_pytree(template=template)
         res["restore_s"] = time.perf_counter() - t0
         res["agree_s"], res["load_s"] = t1 - t0, res["restore_s"] - (t1 - t0)
         res["agreed"], res["loaded"], res["adopted"] = start, ck.last_loaded_step, ck._engine.writer.adopted
@@ -122,30 +127,40 @@ def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int
         per_step = torch.tensor([(time.perf_counter() - t0) / 8])
         dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # every rank runs the same loop
         every = max(1, round(between_s / float(per_step)))
-        steps = every * LOOP_SAVES
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            x = _step(x)
-        res["plain_s"] = time.perf_counter() - t0
-        dist.barrier()
-        keeper_cpu = _cpu_s(res["keeper"])
-        t0, pending, n_saves = time.perf_counter(), None, 0
-        for i in range(1, steps + 1):
-            x = _step(x)
-            if i % every == 0:
-                if pending is not None:
-                    pending.result()
-                step += 1
-                w.fill_(float(rank + step))  # the "optimizer step": the state the save copies
-                pending = ck.save_pytree_async(step, {"w": w, "step": step})
-                n_saves += 1
-        if pending is not None:
-            pending.result()
-        res["saving_s"] = time.perf_counter() - t0
-        res["keeper_cpu_per_save_s"] = (_cpu_s(res["keeper"]) - keeper_cpu) / n_saves
-        res["saves"] = n_saves
         res["steps_between_saves"] = every
+        res["lost"] = {}
+        for kind in ("cpu", "wait"):
+            def work(x: Any, kind: str = kind, s: float = float(per_step)) -> Any:
+                if kind == "wait":  # the step's time spent waiting, as a training thread waits on its accelerator
+                    time.sleep(s)
+                    return x
+                return _step(x)
+
+            dist.barrier()
+            keeper_cpu = _cpu_s(res["keeper"])
+            plain, saving, held = [], [], {"call": 0.0, "result": 0.0}
+            for _ in range(LOOP_SAVES):  # rounds of a segment without a save, then one with
+                t0 = time.perf_counter()
+                w.fill_(float(rank + step))  # the "optimizer step": it writes the state, saved or not
+                for _ in range(every):
+                    x = work(x)
+                plain.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                step += 1
+                w.fill_(float(rank + step))
+                t1 = time.perf_counter()
+                pending = ck.save_pytree_async(step, {"w": w, "step": step})
+                t2 = time.perf_counter()
+                for _ in range(every):
+                    x = work(x)
+                t3 = time.perf_counter()
+                pending.result()  # a save still running when the segment ends holds the next one
+                saving.append(time.perf_counter() - t0)
+                held["call"] += t2 - t1
+                held["result"] += time.perf_counter() - t3
+            res["lost"][kind] = {"plain_s": plain, "saving_s": saving,
+                                 "keeper_cpu_per_save_s": (_cpu_s(res["keeper"]) - keeper_cpu) / LOOP_SAVES,
+                                 "held_per_save_s": {k: v / LOOP_SAVES for k, v in held.items()}}
         res["last_step"] = step
         dist.barrier()
     with open(out, "w") as f:
@@ -259,15 +274,20 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]],
     s["replication_all_ranks_x_floor"] = WORLD * floor / rep  # the four ranks' steps cross at once
     if together:
         s["replication_x_floor_together"] = s["floor_together_s"] / rep
-    lost = {}
-    for k, j in jobs.items():
-        per_rank = [(r["saving_s"] - r["plain_s"]) / r["saves"] for r in j["ranks"]]
-        lost[k] = statistics.median(per_rank)
-    s["lost_per_save_s"] = {"replicas0": lost[0], "replicas1": lost[1]}
-    s["keeper_cpu_per_save_s"] = {f"replicas{k}": statistics.median(r["keeper_cpu_per_save_s"] for r in j["ranks"])
-                                   for k, j in jobs.items()}
     s["steps_between_saves"] = jobs[1]["ranks"][0]["steps_between_saves"]
-    s["lost_x_without"] = lost[1] / lost[0] if lost[0] > 0 else None
+    for kind, suffix in (("cpu", ""), ("wait", "_waiting_steps")):
+        lost = {k: statistics.median(statistics.median(b - a for a, b in zip(r["lost"][kind]["plain_s"],
+                                                                               r["lost"][kind]["saving_s"], strict=True))
+                                     for r in j["ranks"]) for k, j in jobs.items()}
+        s[f"lost_per_save_s{suffix}"] = {"replicas0": lost[0], "replicas1": lost[1]}
+        s[f"keeper_cpu_per_save_s{suffix}"] = {
+            f"replicas{k}": statistics.median(r["lost"][kind]["keeper_cpu_per_save_s"] for r in j["ranks"])
+            for k, j in jobs.items()}
+        s[f"held_per_save_s{suffix}"] = {
+            f"replicas{k}": {h: statistics.median(r["lost"][kind]["held_per_save_s"][h] for r in j["ranks"])
+                             for h in ("call", "result")} for k, j in jobs.items()}
+        # a loss within a millisecond of none is no loss to divide by
+        s[f"lost_x_without{suffix}"] = lost[1] / lost[0] if lost[0] > 1e-3 else None
     res = jobs[1]["resume"]
     s["resume"] = [{k: r[k] for k in ("agreed", "loaded", "adopted", "equal", "restore_s", "agree_s", "load_s")}
                    for r in res]
@@ -279,7 +299,7 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]],
 
 
 def lines(s: dict[str, Any]) -> list[str]:
-    lost, cpu = s["lost_per_save_s"], s["keeper_cpu_per_save_s"]
+    lost, cpu, wlost = s["lost_per_save_s"], s["keeper_cpu_per_save_s"], s["lost_per_save_s_waiting_steps"]
     return [
         f"replicas, {s['ranks']} ranks on {s['hosts']} hosts, {s['mib_per_rank']} MiB per rank: socket floor "
         f"{s['floor_gbps']:.2f} GB/s ({s['floor_s']:.3f} s, median of {len(s['floors_s'])})",
@@ -288,9 +308,14 @@ def lines(s: dict[str, Any]) -> list[str]:
         f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x"
         + (f"; {s['ranks']} socket copies at once take {s['floor_together_s']:.3f} s, replication "
            f"{s['replication_x_floor_together']:.2f}x that" if "floor_together_s" in s else ""),
-        f"  training lost per save: {lost['replicas1']:.3f} s with replicas=1, {lost['replicas0']:.3f} s without: "
+        f"  training lost per save, steps computing on the CPU: {lost['replicas1']:.3f} s with replicas=1, "
+        f"{lost['replicas0']:.3f} s without: "
         + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured")
-        + f"; keeper CPU per save {cpu['replicas1']:.3f} s and {cpu['replicas0']:.3f} s (the cores trainers share here)",
+        + f"; keeper CPU per save {cpu['replicas1']:.3f} s and {cpu['replicas0']:.3f} s (the cores the trainers use)",
+        f"  training lost per save, steps waiting as on an accelerator: {wlost['replicas1']:.3f} s with replicas=1, "
+        f"{wlost['replicas0']:.3f} s without: "
+        + (f"{s['lost_x_without_waiting_steps']:.2f}x (target <= 1.2x)"
+           if s["lost_x_without_waiting_steps"] is not None else "no loss to compare with"),
         f"  restore on a new host: {s['restore_new_host_s']:.3f} s, {s['restore_x_floor']:.2f}x the floor "
         f"(target <= 1.5x; of which latest_step() {max(r['agree_s'] for r in s['resume'][2:]):.3f} s); every rank "
         f"loaded the newest step bit for bit: {s['restore_ok']}",

@@ -158,8 +158,9 @@ class ReplicaCost:
             later; that is the latency of the copies that survive a node loss.
         fetch_s: after a node loss, the time a rank on a new host takes to fetch its state from
             a peer, on top of ``MeasuredCosts.memory.restore_s``.
-        host_bytes: host memory one replica takes on the host that holds it: one copy of the
-            rank's state (the bytes a save stages); None when unknown.
+        host_bytes: host memory one replica takes on the host that holds it: with zerostall's
+            keepers two copies of the rank's state (the bytes a save stages): the newest replica
+            and the buffers the next one arrives into; None when unknown.
 
     Raises:
         AdviceError: a time is negative or not finite, or ``host_bytes`` is not an int >= 0.

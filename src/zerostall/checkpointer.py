@@ -800,8 +800,9 @@ class Checkpointer:
         With ``MemoryTier(replicas=r)`` the advice has three tiers (memory, peer, storage) and
         ``replicas=r``. The measured memory-only saves already include the replication (their
         ``result()`` returns once the replicas hold them), so the measured costs' replica
-        (``costs.replica``) costs no extra time and takes ``host_bytes`` = the bytes this rank's
-        newest save staged; given costs whose ``replica`` lacks ``host_bytes`` get the same.
+        (``costs.replica``) costs no extra time and takes ``host_bytes`` = twice the bytes this
+        rank's newest save staged (a holder keeps the newest replica and the buffers the next one
+        arrives into); given costs whose ``replica`` lacks ``host_bytes`` get the same.
 
         Returns:
             The frozen :class:`~zerostall.advice.Advice`: ``interval_steps``, ``interval_s``,
@@ -837,10 +838,11 @@ class Checkpointer:
                       replicas=replicas)
 
     def _with_replica_bytes(self, c: MeasuredCosts, *, measured: bool) -> MeasuredCosts:
-        """``c`` with its replica's ``host_bytes`` from this rank's newest save (one replica is one
-        copy of the bytes a save stages). Measured costs without a replica get one that costs no
-        time: the measured memory-only saves returned once the replicas held them."""
-        newest = self._committed[-1].stats.nbytes if self._committed else None
+        """``c`` with its replica's ``host_bytes`` from this rank's newest save (a holder keeps two
+        copies of the bytes a save stages: the newest replica, and the buffers of the one it
+        replaced, which the next arrives into). Measured costs without a replica get one that
+        costs no time: the measured memory-only saves returned once the replicas held them."""
+        newest = 2 * self._committed[-1].stats.nbytes if self._committed else None
         if c.replica is None:
             return dataclasses.replace(c, replica=ReplicaCost(host_bytes=newest)) if measured else c
         if c.replica.host_bytes is None and newest is not None:

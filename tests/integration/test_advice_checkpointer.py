@@ -209,6 +209,8 @@ given = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s
 out = {}
 with Checkpointer(d, save_options=opts, save_interval="auto", mtbf_s=0.5,
                   memory_tier=MemoryTier(linger_s=0, replicas=1)) as ck:
+    # the keeper took the replica setup (torch imported, receivers up) before the constructor returned
+    out["keeper_ready"] = "libtorch" in open(f"/proc/{ck._engine.writer.pid}/maps").read()
     saved = []
     for step in range(1, 2001):
         time.sleep(0.003)
@@ -238,8 +240,8 @@ dist.destroy_process_group()
 
 
 def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_memory(tmp_path: Path) -> None:
-    """Two gloo ranks on two simulated hosts, ``MemoryTier(replicas=1)``: ``advice()`` models three
-    tiers, the replica's host memory is the bytes each rank's save staged, and "auto" advises with
+    """Two gloo ranks on two simulated hosts, ``MemoryTier(replicas=1)``: the constructor returns
+    with its keeper ready to replicate, ``advice()`` models three tiers, the replica's host memory is twice the bytes each rank's save staged, and "auto" advises with
     the replicas."""
     import json
     import os
@@ -267,11 +269,11 @@ def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_m
     assert rcs == [0, 0], (tmp_path / "log.txt").read_text()[-4000:]
     for r in range(2):
         out = json.loads((tmp_path / f"run-out-{r}.json").read_text())
-        assert out["peer"] and out["nbytes"] >= 4096 * 4
+        assert out["keeper_ready"] and out["peer"] and out["nbytes"] >= 4096 * 4
         assert out["auto"][0] == 1 and out["auto"][1] in (1, None if r else 1)  # "auto" follows rank 0's advice
         for name in ("measured", "given", "mix"):  # the memory tier's replicas reach the advice
             assert out[name]["replicas"] == 1 and out[name]["tiers"] == ["memory", "peer", "storage"], out
-            assert out[name]["host_bytes"] == out["nbytes"], out  # one copy of the staged bytes
+            assert out[name]["host_bytes"] == 2 * out["nbytes"], out  # the held replica and the next one's buffers
         assert not any("not measured" in c for c in out["measured"]["caveats"])  # counted in the memory saves
         assert out["mix"]["shares"] == pytest.approx([0.4, 0.5, 0.1])
         # given costs without a replica: replication unmeasured, said, its host memory unknown

@@ -17,12 +17,13 @@ from zerostall.messages import HeldReplica, ReplicaSetup
 torch = pytest.importorskip("torch")
 
 
-def _saved(tmp_path: Path) -> tuple[bytes, tuple[tuple[str, memoryview], ...]]:
-    """A real step's manifest and data files (a save's, read back)."""
+def _saved(tmp_path: Path, first: float = 0.0) -> tuple[bytes, tuple[tuple[str, memoryview], ...]]:
+    """A real step's manifest and data files (a save's, read back); ``first`` changes the bytes,
+    not the layout."""
     import zerostall
 
-    d = tmp_path / "step"
-    zerostall.save_pytree(str(d), {"w": torch.arange(4096.0), "b": torch.ones(7)})
+    d = tmp_path / f"step-{first}"
+    zerostall.save_pytree(str(d), {"w": torch.arange(first, first + 4096.0), "b": torch.ones(7)})
     manifest = (d / "manifest.json").read_bytes()
     files = tuple((f.path.rsplit("/", 1)[-1], memoryview(bytearray((d / f.path).read_bytes())))
                   for f in parse_manifest(manifest, path=str(d)).files)
@@ -92,6 +93,55 @@ def test_a_pair_forms_its_group_once_and_sends_every_later_step_over_it(tmp_path
         kept: list[bytes] = []
         holder.with_replica(0, lambda r: kept.extend(bytes(r.view(i)) for i in range(len(r.names))) if r else None)
         assert kept == [bytes(v) for _, v in files]
+    finally:
+        sender.close()
+        holder.close()
+
+
+def test_a_holder_receives_each_step_into_the_buffers_of_the_replica_it_replaced(tmp_path: Path) -> None:
+    """Fresh memory per step costs a keeper more CPU (faults, zeroing, freeing) than the transfer:
+    step 8 lands in step 6's buffers, bit for bit, while step 7 stays whole. A replica whose
+    descriptors were lent to another process is never received into again."""
+    import os
+
+    import torch.distributed as dist
+
+    from zerostall.memtier.peers import Peers
+
+    def inodes(r) -> list[int]:  # type: ignore[no-untyped-def]
+        return [os.fstat(b.fd).st_ino for b in r.buffers]
+
+    def content(holder: Peers) -> tuple[list[bytes], list[int]]:
+        got: list[tuple[list[bytes], list[int]]] = []
+        holder.with_replica(0, lambda r: got.append(([bytes(r.view(i)) for i in range(len(r.names))], inodes(r))))
+        return got[0]
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    a, b = _saved(tmp_path), _saved(tmp_path, 1.0)  # the same layout, other bytes
+    sender, holder = Peers("inst"), Peers("inst")
+    try:
+        holder.configure(_setup(store.port, 1, "job", b"s" * 32))
+        sender.configure(_setup(store.port, 0, "job", b"s" * 32))
+        seen: dict[int, tuple[list[bytes], list[int]]] = {}
+        for step, (manifest, data) in ((6, a), (7, b), (8, a), (9, b)):
+            assert sender.send(step, manifest, data) is True
+            assert _until(lambda step=step: holder.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
+            seen[step] = content(holder)
+            assert seen[step][0] == [bytes(v) for _, v in data]  # never a stale byte of the older step
+        assert seen[8][1] == seen[6][1] and seen[9][1] == seen[7][1]  # received into the replaced buffers
+        assert seen[7][1] != seen[6][1]
+        lent: list[tuple[int, int]] = []  # step 9's descriptors go to a trainer, as a restore's
+        holder.with_replica(0, lambda r: lent.extend((os.dup(b.fd), n) for b, n in zip(r.buffers, r.lengths)),
+                            lend=True)
+        try:
+            for step in (10, 11):
+                assert sender.send(step, *a) is True
+                assert _until(lambda step=step: holder.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
+                assert content(holder)[0] == [bytes(v) for _, v in a[1]]
+            assert [os.pread(fd, n, 0) for fd, n in lent] == [bytes(v) for _, v in b[1]]  # untouched
+        finally:
+            for fd, _ in lent:
+                os.close(fd)
     finally:
         sender.close()
         holder.close()

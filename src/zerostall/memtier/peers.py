@@ -11,8 +11,11 @@ succeed (a group costs a store rendezvous and gloo's connections; a step, only i
 handshake). A receiver thread per origin rank
 (:func:`~zerostall.memtier.placement.replica_origins`) waits on the store for that rank's next
 offer to this keeper (the store answers when it is set: no polling), receives each step into
-fresh shared memory, verified leaf by leaf against the CRC32Cs of its manifest, and keeps only the
-newest one of each origin rank (the one being received is the only other copy). A replica is
+shared memory, verified leaf by leaf against the CRC32Cs of its manifest, and keeps only the
+newest one of each origin rank (the one being received is the only other copy). The buffers of
+the replica a newer one replaced are kept to receive the next step into: faulting in, zeroing
+and freeing fresh memory for every step cost a keeper more CPU than the transfer itself, and the
+one being received needs that memory anyway (the holder's peak is the same). A replica is
 identified by the directory's instance, the world size, the origin rank and the step
 (:class:`ReplicaOf`); one that fails any check is never kept.
 
@@ -38,6 +41,7 @@ from zerostall.lease import host_id
 from zerostall.memtier.placement import replica_holders, replica_origins
 from zerostall.memtier.replica import OutgoingStep, ReceivedStep, ReplicaGroup, ReplicaOf
 from zerostall.messages import HeldReplica, ReplicaSetup
+from zerostall.stage.buffers import HostBuffer
 
 __all__ = ["Peers", "open_store", "pair_group", "SENDER", "RECEIVER"]
 
@@ -87,10 +91,13 @@ class Peers:
         self._unreachable = False
         #: origin rank -> the newest replica of its step held here
         self._kept: dict[int, ReceivedStep] = {}
+        #: origin rank -> the buffers of its replaced replica, to receive its next step into
+        self._spare: dict[int, list[HostBuffer]] = {}
         #: replicas a stand-in persist reads (id -> users); one replaced or dropped meanwhile is
         #: closed when its last user is done
         self._pins: dict[int, int] = {}
         self._doomed: set[int] = set()
+        self._closed = False
         self._stop = threading.Event()
         self._receivers: list[threading.Thread] = []
         #: origin -> the offer number its receiver waits for next (published before it checks
@@ -111,6 +118,12 @@ class Peers:
         self._drop_links(setup)
         if setup.replicas <= 0:
             return
+        # Imported here, on the keeper's message loop, not by the receivers' threads: the trainer's
+        # next request is answered only once this is done (see MemorySide.setup_replicas).
+        # In the threads it ran beside the trainer's restore that followed and slowed it by more
+        # than the import's own second of CPU (the GIL, and the cores).
+        import torch.distributed  # noqa: F401
+
         self._stop, self._waiting = threading.Event(), {}
         for origin in replica_origins(setup.rank, setup.world, setup.ranks_per_host, setup.replicas):
             t = threading.Thread(target=self._receive_loop, args=(setup, origin, self._stop, self._waiting),
@@ -262,20 +275,28 @@ class Peers:
                  step: int, stop: threading.Event) -> ReplicaGroup | None:
         """Receive offer ``n`` over the pair's group (formed now if there is none); the group to
         receive the next offer over (None after a failure: both ends dropped it)."""
+        with self._lock:
+            spare = self._spare.pop(origin, [])
         try:
             if group is None:
                 group = pair_group(store, setup, f"pair/{origin}-{setup.rank}", n, RECEIVER)
-            got = group.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=origin, step=step)
+            got = group.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=origin, step=step,
+                                  reuse=spare)
         except (ZerostallError, RuntimeError, OSError) as exc:
             _say(f"the replica of rank {origin}'s step {step} was not received: {exc}")
             if group is not None:
                 group.close()
+            else:  # recv_step, which takes the spare buffers over, never ran
+                for b in spare:
+                    b.close()
             return None
         with self._lock:
             old: ReceivedStep | None = got
             if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
                 old, self._kept[origin] = self._kept.get(origin), got
             old = self._unless_pinned(old)
+            if old is not None and not old.shared and not self._closed:
+                self._spare[origin], old = old.release(), None
         if old is not None:
             old.close()
         return group
@@ -286,10 +307,15 @@ class Peers:
         with self._lock:
             return tuple(HeldReplica(origin=o, step=r.of.step) for o, r in sorted(self._kept.items()))
 
-    def with_replica(self, origin: int, use: Callable[[ReceivedStep | None], None]) -> None:
-        """``use(the replica of origin's step, or None)``, while no newer one may replace (and free) it."""
+    def with_replica(self, origin: int, use: Callable[[ReceivedStep | None], None], *, lend: bool = False) -> None:
+        """``use(the replica of origin's step, or None)``, while no newer one may replace (and free)
+        it. ``lend``: ``use`` hands its descriptors to another process, so its buffers are never
+        received into again."""
         with self._lock:
-            use(self._kept.get(origin))
+            r = self._kept.get(origin)
+            if r is not None and lend:
+                r.shared = True
+            use(r)
 
     def holders_of(self, origin: int) -> list[int]:
         """The ranks that hold ``origin``'s replicas in the job set up now, in placement order."""
@@ -329,10 +355,15 @@ class Peers:
         self._halt_receiver()
         self._drop_links(None)
         with self._lock:
+            self._closed = True
             kept, self._kept = self._kept, {}
+            spare, self._spare = self._spare, {}
             gone = [r for r in kept.values() if self._unless_pinned(r) is not None]
         for r in gone:
             r.close()
+        for bufs in spare.values():
+            for b in bufs:
+                b.close()
 
 
 def _say(what: str) -> None:

@@ -5,8 +5,9 @@ The keepers of one job form a :class:`ReplicaGroup` (membership proven with the 
 that proved it carries the bytes. :meth:`ReplicaGroup.send_step` sends a staged step straight
 from its buffers (``torch.frombuffer`` over the mapping: no copy) in ``chunk_bytes`` pieces, a
 few in flight; :meth:`ReplicaGroup.recv_step` receives them straight into shared-memory buffers
-(memfds, as staging's) and checks every leaf's CRC32C against the manifest while the next
-pieces arrive. One transfer, in order:
+(memfds, as staging's: the caller's spare ones when they fit, since faulting in and zeroing
+fresh memory costs more CPU than receiving into it) and checks every leaf's CRC32C against the
+manifest while the next pieces arrive. One transfer, in order:
 
 1. both ends send a fresh nonce, then an HMAC proof over the group, both member ids and both
    nonces, then a verdict on the other's proof: the gloo connection itself is proven to reach a
@@ -81,22 +82,29 @@ class OutgoingStep:
 
 class ReceivedStep:
     """A replica that arrived and matched every leaf's CRC32C: the manifest and one memfd-backed
-    buffer per data file (``buffers[i]`` holds ``lengths[i]`` bytes). ``close()`` frees the
-    buffers this group allocated."""
+    buffer per data file (``buffers[i]`` holds ``lengths[i]`` bytes), which it owns. ``close()``
+    frees them; :meth:`release` hands them over to receive a later step into. ``shared`` is
+    set once their descriptors went to another process: such buffers are never received into
+    again (that process may still read them)."""
 
     def __init__(self, of: ReplicaOf, manifest: bytes, names: list[str], lengths: list[int],
-                 buffers: list[HostBuffer], owned: bool) -> None:
+                 buffers: list[HostBuffer]) -> None:
         self.of, self.manifest, self.names, self.lengths = of, manifest, names, lengths
-        self.buffers, self._owned = buffers, owned
+        self.buffers = buffers
+        self.shared = False
 
     def view(self, i: int) -> memoryview:
         return self.buffers[i].view[:self.lengths[i]]
 
+    def release(self) -> list[HostBuffer]:
+        """The buffers, to pass as ``reuse`` to a later :meth:`ReplicaGroup.recv_step`; this step
+        no longer holds them (nor its bytes)."""
+        out, self.buffers = self.buffers, []
+        return out
+
     def close(self) -> None:
-        if self._owned:
-            for b in self.buffers:
-                b.close()
-        self.buffers = []
+        for b in self.release():
+            b.close()
 
 
 @dataclass(frozen=True)
@@ -277,20 +285,31 @@ class ReplicaGroup:
     # -- receiving --------------------------------------------------------------------------
 
     def recv_step(self, src: int, *, run_id: str, world: int, rank: int, step: int | None = None,
-                  buffers: Sequence[HostBuffer] | None = None) -> ReceivedStep:
+                  reuse: Sequence[HostBuffer] = ()) -> ReceivedStep:
         """Receive the step member ``src`` sends, which must be rank ``rank``'s of run ``run_id``
-        at world size ``world`` (and step ``step``, if given). ``buffers``: one per data file,
-        large enough, to receive into (else new ones). Returns it only once every leaf matched
-        its CRC32C; else raises :class:`ReplicaError` and keeps nothing."""
-        link = self._open(src, False)
+        at world size ``world`` (and step ``step``, if given). ``reuse``: buffers nothing else
+        uses any more (:meth:`ReceivedStep.release`), which this call takes over: the step is
+        received into them when they fit its data files (one each, large enough, at most twice
+        as large), else they are freed and new ones allocated. Returns the step only once every
+        leaf matched its CRC32C; else raises :class:`ReplicaError` and keeps nothing."""
+        spare = list(reuse)
         try:
-            return self._recv(link, ReplicaOf(run_id, world, rank, -1 if step is None else step), step is None,
-                              buffers)
+            link = self._open(src, False)
+            try:
+                return self._recv(link, ReplicaOf(run_id, world, rank, -1 if step is None else step), step is None,
+                                  spare)
+            finally:
+                self._close_link(link)
         finally:
-            self._close_link(link)
+            for b in spare:  # the ones the step was not received into
+                b.close()
 
-    def _recv(self, link: Link, want: ReplicaOf, any_step: bool,
-              given: Sequence[HostBuffer] | None) -> ReceivedStep:
+    @staticmethod
+    def _fits(spare: Sequence[HostBuffer], lengths: Sequence[int]) -> bool:
+        return len(spare) == len(lengths) and all(
+            n <= b.size <= 2 * max(n, 4096) for b, n in zip(spare, lengths, strict=True))
+
+    def _recv(self, link: Link, want: ReplicaOf, any_step: bool, spare: list[HostBuffer]) -> ReceivedStep:
         torch = self._torch
         nr, ns = self._handshake(link)
         lens = torch.zeros(2, dtype=torch.int64)
@@ -303,35 +322,33 @@ class ReplicaGroup:
         link.wait(link.recv(body, _HEAD), "the header")
         raw = bytes(body.numpy())
         head, manifest, tag = raw[:hl], raw[hl:hl + ml], raw[hl + ml:]
-        checked = self._check_header(link, nr, ns, head, manifest, tag, want, any_step, given)
+        checked = self._check_header(link, nr, ns, head, manifest, tag, want, any_step)
         if isinstance(checked, _Refusal):
             link.code(checked.code, _ACCEPT, "the header's verdict")
             raise ReplicaError(checked.why, rank=want.rank)
         of, man, names, lengths, chunk = checked
-        if given is None:
-            buffers, owned = [HostBuffer(max(n, 4096)) for n in lengths], True
+        if self._fits(spare, lengths):
+            buffers = spare[:]
+            spare.clear()
         else:
-            buffers, owned = list(given), False
+            buffers = [HostBuffer(max(n, 4096)) for n in lengths]
         try:
             link.code(_OK, _ACCEPT, "the header's verdict")
             bad = self._recv_pieces(link, man, buffers, lengths, chunk)
             link.code(_CHECKSUM if bad is not None else _OK, _FINAL, "the final verdict")
         except BaseException:
-            if owned:
-                with self._lock:  # a piece may still land in them: freed at close()
-                    self._kept.extend(buffers)
+            with self._lock:  # a piece may still land in them: freed at close()
+                self._kept.extend(buffers)
             raise
         if bad is not None:
-            if owned:
-                for b in buffers:
-                    b.close()
+            for b in buffers:
+                b.close()
             raise ReplicaError(f"the replica of rank {of.rank}'s step {of.step} from {link.who} has bytes that "
                                "differ from the CRC32C taken at staging; it is not kept", key=bad, rank=of.rank)
-        return ReceivedStep(of, manifest, names, lengths, buffers, owned)
+        return ReceivedStep(of, manifest, names, lengths, buffers)
 
     def _check_header(self, link: Link, nr: bytes, ns: bytes, head: bytes, manifest: bytes, tag: bytes,
-                      want: ReplicaOf, any_step: bool, given: Sequence[HostBuffer] | None
-                      ) -> tuple[ReplicaOf, Manifest, list[str], list[int], int] | _Refusal:
+                      want: ReplicaOf, any_step: bool) -> tuple[ReplicaOf, Manifest, list[str], list[int], int] | _Refusal:
         """What the header announces, or why it is not to be received."""
         expect = mac(self._key, b"head", self.formation.group_id.encode(), nr, ns, head, manifest)
         if not hmac.compare_digest(tag, expect):
@@ -365,9 +382,6 @@ class ReplicaGroup:
         if unchecked:
             return _Refusal(_UNEXPECTED, f"leaf {unchecked[0]!r} has no CRC32C in the manifest: a replica cannot "
                             "be verified")
-        if given is not None and (len(given) != len(lengths) or any(
-                b.size < n for b, n in zip(given, lengths, strict=True))):
-            return _Refusal(_UNEXPECTED, f"the buffers given do not fit the files of {link.who}'s step")
         if not 1 << 20 <= chunk <= 1 << 30:
             return _Refusal(_UNEXPECTED, f"{link.who} announced pieces of {chunk} bytes")
         return of, man, names, lengths, chunk
