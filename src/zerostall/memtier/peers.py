@@ -295,7 +295,8 @@ class Peers:
             if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
                 old, self._kept[origin] = self._kept.get(origin), got
             old = self._unless_pinned(old)
-            if old is not None and not old.shared and not self._closed:
+            if old is not None and not old.shared and not self._closed and origin not in self._spare:
+                # (a receiver of a new job for the same origin may have left one already)
                 self._spare[origin], old = old.release(), None
         if old is not None:
             old.close()
