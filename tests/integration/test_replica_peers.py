@@ -187,3 +187,87 @@ def test_a_memory_step_counts_only_when_every_ranks_share_is_held_somewhere() ->
     assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 5}), ([4], None, {}), ([4], None, {})]) == ([4], {})
     # Every rank holds its own step: no replica needed; storage common steps only.
     assert plan_steps([([2, 4], 6, {1: 6}), ([4], 6, {0: 6})]) == ([4], {6: [[0, 1], [1, 0]]})
+
+
+def _pair(port: int) -> tuple[object, object]:
+    """A sender (member 0) and a receiver (member 1) of one group, formed in two threads."""
+    import threading
+
+    import torch.distributed as dist
+
+    from zerostall.memtier.replica import ReplicaGroup
+
+    out: dict[int, object] = {}
+
+    def join(member: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        out[member] = ReplicaGroup(store, job_id="job", secret=b"s" * 32, member=member, size=2, group="scatter",
+                                   timeout_s=20, chunk_bytes=1 << 20)
+
+    ts = [threading.Thread(target=join, args=(m,)) for m in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "a_changed_byte"])
+def test_a_share_is_received_straight_into_the_loads_templates_and_verified(tmp_path: Path, corrupt: bool) -> None:
+    """A rank on a new host receives its share into the templates' memory (whole pieces) and
+    through a small buffer (a file's header, small leaves), verified leaf by leaf: the load then
+    only assembles. A changed byte fails the transfer, naming its leaf."""
+    import threading
+
+    import torch.distributed as dist
+
+    import zerostall
+    from zerostall.errors import ReplicaError
+    from zerostall.memtier.replica import OutgoingStep, ReplicaOf
+    from zerostall.memtier.tier import _LoadInto
+    from zerostall.restore.load import assemble
+
+    state = {"w": torch.arange(3 << 18, dtype=torch.float32), "b": torch.arange(7.0), "n": torch.ones(3, 5),
+             "step": 12}
+    d = tmp_path / "step"
+    zerostall.save_pytree(str(d), state)
+    manifest = (d / "manifest.json").read_bytes()
+    files = tuple((f.path.rsplit("/", 1)[-1], memoryview(bytearray((d / f.path).read_bytes())))
+                  for f in parse_manifest(manifest, path=str(d)).files)
+    if corrupt:
+        files[0][1][-5] ^= 0x40  # inside the last leaf's bytes
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    sender, receiver = _pair(store.port)
+    template = {"w": torch.zeros(3 << 18), "b": torch.zeros(7), "n": torch.zeros(3, 5), "step": 0}
+    w_memory = template["w"].data_ptr()
+    into = _LoadInto({"pytree": template}, None, str(d))
+    sent: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send_step(1, OutgoingStep(of=ReplicaOf("inst", 2, 0, 12), manifest=manifest, files=files))  # type: ignore[attr-defined]
+        except BaseException as exc:  # checked below
+            sent.append(exc)
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        if corrupt:
+            with pytest.raises(ReplicaError, match="differ from the CRC32C") as err:
+                receiver.recv_step(0, run_id="inst", world=2, rank=0, step=12, into=into)  # type: ignore[attr-defined]
+            assert err.value.key is not None
+        else:
+            got = receiver.recv_step(0, run_id="inst", world=2, rank=0, step=12, into=into)  # type: ignore[attr-defined]
+            assert got.scattered and got.buffers == []
+            assert got.in_place_bytes >= 2 << 20  # the big leaf's whole pieces; the rest went through a buffer
+            assert into.thunks is not None
+            out = assemble(into.thunks, str(d))["pytree"]
+            assert out["w"].data_ptr() == w_memory  # loaded in place, not into a copy
+            for k in ("w", "b", "n"):
+                assert torch.equal(out[k], state[k]), k
+            assert out["step"] == 12
+    finally:
+        t.join(30)
+        sender.close()  # type: ignore[attr-defined]
+        receiver.close()  # type: ignore[attr-defined]
+    assert bool(sent) == corrupt  # the sender hears the receiver's verdict

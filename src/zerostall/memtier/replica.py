@@ -47,7 +47,7 @@ from zerostall.memtier.link import OK as _OK
 from zerostall.memtier.link import Link, prove
 from zerostall.stage.buffers import HostBuffer
 
-__all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup"]
+__all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup", "Scatter"]
 
 #: bytes per piece on the wire (GEMINI's figure): what is in flight stays bounded
 CHUNK_BYTES = 16 << 20
@@ -80,6 +80,17 @@ class OutgoingStep:
     files: tuple[tuple[str, memoryview], ...]
 
 
+@dataclass(frozen=True)
+class Scatter:
+    """Where a received step's bytes go instead of buffers of its own (a load's destinations):
+    ``regions[i]`` lists, for data file ``i``, disjoint ``(start, end, memory)`` byte ranges sorted
+    by start, ``memory`` holding ``end - start`` writable bytes. A piece inside one range is
+    received straight into it; any other piece goes through a small reused buffer, and its bytes
+    outside every range are checked, then dropped."""
+
+    regions: list[list[tuple[int, int, memoryview]]]
+
+
 class ReceivedStep:
     """A replica that arrived and matched every leaf's CRC32C: the manifest and one memfd-backed
     buffer per data file (``buffers[i]`` holds ``lengths[i]`` bytes), which it owns. ``close()``
@@ -92,6 +103,10 @@ class ReceivedStep:
         self.of, self.manifest, self.names, self.lengths = of, manifest, names, lengths
         self.buffers = buffers
         self.shared = False
+        #: received into a :class:`Scatter`'s memory (``buffers`` is then empty), and how many
+        #: of its bytes arrived straight there (the rest through a reused buffer)
+        self.scattered = False
+        self.in_place_bytes = 0
 
     def view(self, i: int) -> memoryview:
         return self.buffers[i].view[:self.lengths[i]]
@@ -285,19 +300,23 @@ class ReplicaGroup:
     # -- receiving --------------------------------------------------------------------------
 
     def recv_step(self, src: int, *, run_id: str, world: int, rank: int, step: int | None = None,
-                  reuse: Sequence[HostBuffer] = ()) -> ReceivedStep:
+                  reuse: Sequence[HostBuffer] = (),
+                  into: Callable[[Manifest], Scatter | None] | None = None) -> ReceivedStep:
         """Receive the step member ``src`` sends, which must be rank ``rank``'s of run ``run_id``
         at world size ``world`` (and step ``step``, if given). ``reuse``: buffers nothing else
         uses any more (:meth:`ReceivedStep.release`), which this call takes over: the step is
         received into them when they fit its data files (one each, large enough, at most twice
-        as large), else they are freed and new ones allocated. Returns the step only once every
-        leaf matched its CRC32C; else raises :class:`ReplicaError` and keeps nothing."""
+        as large), else they are freed and new ones allocated. ``into``: given the step's
+        manifest (authenticated and checked), where to put its bytes instead (None: buffers, as
+        without it); a failed transfer may then have written part of that memory. Returns the
+        step only once every leaf matched its CRC32C; else raises :class:`ReplicaError` and keeps
+        nothing."""
         spare = list(reuse)
         try:
             link = self._open(src, False)
             try:
                 return self._recv(link, ReplicaOf(run_id, world, rank, -1 if step is None else step), step is None,
-                                  spare)
+                                  spare, into)
             finally:
                 self._close_link(link)
         finally:
@@ -309,7 +328,8 @@ class ReplicaGroup:
         return len(spare) == len(lengths) and all(
             n <= b.size <= 2 * max(n, 4096) for b, n in zip(spare, lengths, strict=True))
 
-    def _recv(self, link: Link, want: ReplicaOf, any_step: bool, spare: list[HostBuffer]) -> ReceivedStep:
+    def _recv(self, link: Link, want: ReplicaOf, any_step: bool, spare: list[HostBuffer],
+              into: Callable[[Manifest], Scatter | None] | None) -> ReceivedStep:
         torch = self._torch
         nr, ns = self._handshake(link)
         lens = torch.zeros(2, dtype=torch.int64)
@@ -327,6 +347,21 @@ class ReplicaGroup:
             link.code(checked.code, _ACCEPT, "the header's verdict")
             raise ReplicaError(checked.why, rank=want.rank)
         of, man, names, lengths, chunk = checked
+        try:
+            scatter = into(man) if into is not None else None
+        except BaseException:
+            link.code(_UNEXPECTED, _ACCEPT, "the header's verdict")
+            raise
+        if scatter is not None:
+            link.code(_OK, _ACCEPT, "the header's verdict")
+            bad, in_place = self._recv_scattered(link, man, scatter, lengths, chunk)
+            link.code(_CHECKSUM if bad is not None else _OK, _FINAL, "the final verdict")
+            if bad is not None:
+                raise ReplicaError(f"the replica of rank {of.rank}'s step {of.step} from {link.who} has bytes that "
+                                   "differ from the CRC32C taken at staging", key=bad, rank=of.rank)
+            done = ReceivedStep(of, manifest, names, lengths, [])
+            done.scattered, done.in_place_bytes = True, in_place
+            return done
         if self._fits(spare, lengths):
             buffers = spare[:]
             spare.clear()
@@ -391,27 +426,13 @@ class ReplicaGroup:
         """Receive every piece into ``buffers``, checksumming each beside the next ones; the key
         of the first leaf whose CRC32C differs, or None."""
         torch = self._torch
-        plan: list[tuple[int, int, int]] = [(fi, a, min(chunk, n - a)) for fi, n in enumerate(lengths)
-                                            for a in range(0, n, chunk)]
-        by_file: list[list[tuple[int, int, int]]] = [[] for _ in lengths]  # (offset, end, leaf index)
-        for li, lf in enumerate(man.leaves):
-            if lf.nbytes:
-                by_file[lf.file].append((lf.offset, lf.offset + lf.nbytes, li))
-        for spans in by_file:
-            spans.sort()
-        ends = [[e for _, e, _ in spans] for spans in by_file]
+        plan = _plan(lengths, chunk)
+        crcs_of = _LeafSpans(man, len(lengths))
         whole = [torch.frombuffer(b.view, dtype=torch.uint8) for b in buffers]
         jobs: list[Future[list[tuple[Span, int]]]] = []
 
         def crcs(fi: int, a: int, n: int) -> list[tuple[Span, int]]:
-            out: list[tuple[Span, int]] = []
-            view = buffers[fi].view
-            for off, end, li in by_file[fi][bisect.bisect_right(ends[fi], a):]:
-                if off >= a + n:
-                    break
-                lo, hi = max(a, off), min(a + n, end)
-                out.append(((li, lo - off, hi - off), checksum(view[lo:hi])))
-            return out
+            return crcs_of(fi, a, buffers[fi].view[a:a + n])
 
         posted: list[tuple[Any, int, int, int]] = []
         nxt = 0
@@ -423,9 +444,118 @@ class ReplicaGroup:
             w, fi, a, n = posted.pop(0)
             link.wait(w, "receiving a piece")
             jobs.append(self._verifier.submit(crcs, fi, a, n))
-        parts = [p for j in jobs for p in j.result()]
-        got = join_crcs(parts, len(man.leaves))
-        for lf, crc in zip(man.leaves, got, strict=True):
-            if lf.nbytes and crc != lf.crc32c:
-                return lf.key
-        return None
+        return _first_bad(man, [p for j in jobs for p in j.result()])
+
+    def _recv_scattered(self, link: Link, man: Manifest, scatter: Scatter, lengths: list[int],
+                        chunk: int) -> tuple[str | None, int]:
+        """:meth:`_recv_pieces` into ``scatter``'s memory: a piece inside one of its ranges is
+        received straight there; any other (a file's header, padding, small leaves, a range's
+        edge) into one of a few reused buffers, checksummed, and its bytes that belong to a
+        range copied there. Returns what :meth:`_recv_pieces` does and the bytes received in place."""
+        torch = self._torch
+        regions = scatter.regions
+        starts = [[st for st, _, _ in regs] for regs in regions]
+        views = [[torch.frombuffer(m, dtype=torch.uint8) if len(m) else None for _, _, m in regs] for regs in regions]
+        crcs_of = _LeafSpans(man, len(lengths))
+        slots: list[Any] = []  # uint8 tensors of ``chunk`` bytes, allocated as first needed
+        slot_jobs: dict[int, Future[list[tuple[Span, int]]]] = {}
+        jobs: list[Future[list[tuple[Span, int]]]] = []
+
+        def inside(fi: int, a: int, n: int) -> Any:
+            k = bisect.bisect_right(starts[fi], a) - 1
+            if k >= 0:
+                st, end, _ = regions[fi][k]
+                view = views[fi][k]
+                if a + n <= end and view is not None:
+                    return view[a - st:a - st + n]
+            return None
+
+        in_flight: set[int] = set()  # slots a posted receive writes into
+
+        def take_slot() -> int:
+            idle = [i for i in range(len(slots)) if i not in in_flight]
+            for i in idle:
+                j = slot_jobs.get(i)
+                if j is None or j.done():
+                    return i
+            if len(slots) < WINDOW + 1:
+                slots.append(torch.empty(chunk, dtype=torch.uint8))
+                return len(slots) - 1
+            slot_jobs[idle[0]].result()  # every idle slot is being checked: wait for one (at most
+            return idle[0]               # WINDOW - 1 are in flight while a piece is posted)
+
+        def check(fi: int, a: int, n: int, t: Any, bounced: bool) -> list[tuple[Span, int]]:
+            mem = memoryview(t.numpy()).cast("B")
+            out = crcs_of(fi, a, mem)
+            if bounced:  # copy out what the load wants of it
+                k = max(0, bisect.bisect_right(starts[fi], a) - 1)
+                for st, end, dest in regions[fi][k:]:
+                    if st >= a + n:
+                        break
+                    lo, hi = max(a, st), min(a + n, end)
+                    if lo < hi:
+                        dest[lo - st:hi - st] = mem[lo - a:hi - a]
+            return out
+
+        posted: list[tuple[Any, int, int, int, Any, int | None]] = []
+        plan = _plan(lengths, chunk)
+        nxt = in_place = 0
+        while nxt < len(plan) or posted:
+            while nxt < len(plan) and len(posted) < WINDOW:
+                fi, a, n = plan[nxt]
+                t = inside(fi, a, n)
+                slot = None
+                if t is None:
+                    slot = take_slot()
+                    in_flight.add(slot)
+                    t = slots[slot][:n]
+                else:
+                    in_place += n
+                posted.append((link.recv(t, _CHUNK0 + nxt), fi, a, n, t, slot))
+                nxt += 1
+            w, fi, a, n, t, slot = posted.pop(0)
+            link.wait(w, "receiving a piece")
+            job = self._verifier.submit(check, fi, a, n, t, slot is not None)
+            jobs.append(job)
+            if slot is not None:
+                in_flight.discard(slot)
+                slot_jobs[slot] = job
+        return _first_bad(man, [p for j in jobs for p in j.result()]), in_place
+
+
+def _plan(lengths: Sequence[int], chunk: int) -> list[tuple[int, int, int]]:
+    """The pieces of a transfer, in order: (file index, offset, length), as the sender cuts them."""
+    return [(fi, a, min(chunk, n - a)) for fi, n in enumerate(lengths) for a in range(0, n, chunk)]
+
+
+class _LeafSpans:
+    """The CRC32Cs of the leaves' parts that a piece holds: ``(fi, a, piece bytes)`` ->
+    ``[((leaf, start in leaf, end in leaf), crc), ...]``."""
+
+    def __init__(self, man: Manifest, files: int) -> None:
+        self.by_file: list[list[tuple[int, int, int]]] = [[] for _ in range(files)]  # (offset, end, leaf)
+        for li, lf in enumerate(man.leaves):
+            if lf.nbytes:
+                self.by_file[lf.file].append((lf.offset, lf.offset + lf.nbytes, li))
+        for spans in self.by_file:
+            spans.sort()
+        self.ends = [[e for _, e, _ in spans] for spans in self.by_file]
+
+    def __call__(self, fi: int, a: int, mem: memoryview) -> list[tuple[Span, int]]:
+        out: list[tuple[Span, int]] = []
+        n = len(mem)
+        for off, end, li in self.by_file[fi][bisect.bisect_right(self.ends[fi], a):]:
+            if off >= a + n:
+                break
+            lo, hi = max(a, off), min(a + n, end)
+            out.append(((li, lo - off, hi - off), checksum(mem[lo - a:hi - a])))
+        return out
+
+
+def _first_bad(man: Manifest, parts: list[tuple[Span, int]]) -> str | None:
+    """The key of the first leaf whose CRC32C differs from the manifest's, or None."""
+    got = join_crcs(parts, len(man.leaves))
+    for lf, crc in zip(man.leaves, got, strict=True):
+        if lf.nbytes and crc != lf.crc32c:
+            return lf.key
+    return None

@@ -10,12 +10,14 @@ keeper-failure markers and warnings to report, and the adopted step pre-mapped a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import mmap
 import os
 import secrets
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from zerostall.commit import committed_steps, step_name
@@ -31,16 +33,19 @@ from zerostall.errors import (
     ZerostallError,
     ZerostallWarning,
 )
-from zerostall.format.manifest import parse_manifest
+from zerostall.format.manifest import Manifest, parse_manifest
 from zerostall.lease import host_id
 from zerostall.memtier.image import ImageStorage, open_image
 from zerostall.memtier.keeperfail import take_markers
 from zerostall.memtier.peers import RECEIVER, SENDER, open_store, pair_group
 from zerostall.memtier.premap import Premap
-from zerostall.memtier.replica import OutgoingStep, ReplicaOf
+from zerostall.memtier.replica import OutgoingStep, ReplicaOf, Scatter
 from zerostall.messages import ReplicaSetup
 from zerostall.options import DistributedOptions, LoadOptions
 from zerostall.restore import load_items
+from zerostall.restore.files import ArrivedFiles
+from zerostall.restore.load import assemble, plan_items
+from zerostall.restore.plan import ReadPlanner, ReadRequest, Thunk
 from zerostall.storage import Storage
 from zerostall.storage.release import unmap_later
 
@@ -151,10 +156,11 @@ class MemorySide:
         # the ranks that lack their share, and which of its holders each tries now
         tries = {r: 0 for r, p in enumerate(plan) if p[0] != r}
         got = None
+        into = _LoadInto(items, self.load_options, self.step_path(agreed))
         while tries:
             self._transfers += 1
             now = {r: plan[r][k] for r, k in tries.items()}
-            received, err = self._exchange(agreed, now, rank, self._transfers)
+            received, err = self._exchange(agreed, now, rank, self._transfers, into)
             got = received if received is not None else got
             failed = {r: e for r, e in enumerate(gather_objects(err, self.dist)) if e is not None}
             for r, e in sorted(failed.items()):
@@ -173,6 +179,9 @@ class MemorySide:
                 if out is None:
                     raise CheckpointNotFoundError("the memory tier no longer holds this step",
                                                   path=self.step_path(agreed))
+            elif got.scattered:  # received into the templates (and fresh arrays), verified: assemble
+                assert into.thunks is not None
+                out = assemble(into.thunks, self.step_path(agreed))
             else:
                 files = [(n, ln, b.size, os.dup(b.fd)) for n, ln, b in zip(got.names, got.lengths, got.buffers,
                                                                         strict=True)]
@@ -190,10 +199,12 @@ class MemorySide:
         assert out is not None
         return out
 
-    def _exchange(self, step: int, now: dict[int, int], rank: int, generation: int) -> tuple[Any, str | None]:
+    def _exchange(self, step: int, now: dict[int, int], rank: int, generation: int,
+                  into: Callable[[Manifest], Scatter | None]) -> tuple[Any, str | None]:
         """Send the replicas this rank's keeper holds to the ranks ``now`` maps to this rank, and
-        receive this rank's share if ``now`` names its holder: the received step (None: nothing
-        received) and why receiving failed. A failed send is seen by its receiver, which says so."""
+        receive this rank's share if ``now`` names its holder (``into``: where its bytes go): the
+        received step (None: nothing received) and why receiving failed. A failed send is seen by
+        its receiver, which says so."""
         setup = self.replicas
         assert setup is not None
         senders: list[threading.Thread] = []
@@ -209,7 +220,8 @@ class MemorySide:
                     senders.append(t)
             if rank in now:
                 with pair_group(store, setup, f"fetch/{rank}", generation, RECEIVER) as g:
-                    got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step)
+                    got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step,
+                                      into=into)
         except (ZerostallError, RuntimeError, OSError) as exc:
             err = f"its share of step {step} did not come from rank {now.get(rank)}'s keeper: {exc}"
         for t in senders:
@@ -446,3 +458,40 @@ def plan_steps(views: list[tuple[list[int], int | None, dict[int, int]]]
         else:
             sources[s] = per_rank
     return sorted(stored), sources
+
+
+class _LoadInto:
+    """Where a rank on a new host receives its share: straight into the load's destinations (the
+    templates' memory, fresh arrays for leaves without one), planned from the share's manifest as
+    a load from storage plans its reads. Then the load only assembles: no memfds to allocate and
+    fault in, no second copy. Only where a load from storage streams into the templates too
+    (``LoadOptions(atomic=False)``, the default; a failed transfer may then have written part of
+    them, and the next holder or storage writes them again) and every destination is in host
+    memory; otherwise (None) the share is received into memfds and loaded from them."""
+
+    def __init__(self, items: dict[str, Any] | None, options: LoadOptions | None, path: str) -> None:
+        self.items, self.options, self.path = items, options or LoadOptions(), path
+        #: the plan's thunks, once a share was planned (the last one, after a retry)
+        self.thunks: dict[str, Thunk] | None = None
+        self._reads: list[ReadRequest] = []
+
+    def __call__(self, man: Manifest) -> Scatter | None:
+        if self.options.atomic:
+            return None
+        planner = ReadPlanner(man, self.path, ArrivedFiles())
+        try:
+            thunks = plan_items(planner, man.items, self.items)
+        except ZerostallError:  # a template that does not match: the load from memfds raises it, as any load
+            return None
+        regions: list[list[tuple[int, int, memoryview]]] = [[] for _ in man.files]
+        for r in planner.reads:
+            if r.device is not None:
+                return None
+            if r.leaf.nbytes:
+                regions[r.leaf.file].append((r.leaf.offset, r.leaf.offset + r.leaf.nbytes, r.dest))
+        for regs in regions:
+            regs.sort(key=lambda x: x[0])
+            if any(b[0] < a[1] for a, b in itertools.pairwise(regs)):
+                return None  # two destinations of the same bytes: received once, copied by the load
+        self.thunks, self._reads = thunks, planner.reads  # the reads keep their memory's owners alive
+        return Scatter(regions)

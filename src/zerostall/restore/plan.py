@@ -34,7 +34,7 @@ from zerostall.errors import (
     UnsupportedFormatError,
 )
 from zerostall.format.manifest import LeafEntry, Manifest
-from zerostall.restore.files import DataFiles
+from zerostall.restore.files import ArrivedFiles, DataFiles
 from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations
 
 __all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
@@ -177,7 +177,7 @@ _NO_BYTES = memoryview(b"")
 
 
 class ReadPlanner:
-    def __init__(self, manifest: Manifest, path: str, files: DataFiles) -> None:
+    def __init__(self, manifest: Manifest, path: str, files: DataFiles | ArrivedFiles) -> None:
         self.m = manifest
         self.path = path
         self.files = files
