@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 import torch
 import torch.distributed as dist
 
-from zerostall import Checkpointer, DistributedOptions, MemoryTier, SaveOptions
+from zerostall import Checkpointer, DistributedOptions, LoadOptions, MemoryTier, SaveOptions
 
 LAST = 7
 PERSIST_EVERY = 4
@@ -53,7 +53,9 @@ def main() -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore(f"pg-{phase}", store), rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     opts = SaveOptions(distributed=DistributedOptions(timeout_s=timeout, poll_s=0.05))
-    ck = Checkpointer(d, save_options=opts,
+    # ZS_ATOMIC_LOADS=1: all-or-nothing loads, whose shares from a holder arrive in memfds, not in the templates
+    load_opts = LoadOptions(atomic=True) if os.environ.get("ZS_ATOMIC_LOADS") == "1" else None
+    ck = Checkpointer(d, save_options=opts, load_options=load_opts,
                       memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas))
     print("KEEPER", ck._engine.writer.pid, flush=True)
     if phase == "first":

@@ -156,8 +156,12 @@ def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_stor
         assert any(step == 6 and "could not be restored from memory" in msg for step, msg in o["keeper_failures"])
 
 
-def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job_store: object) -> None:
+def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job_store: object,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     # Three hosts, a rank each, two replicas: rank 2's step is held by rank 0's and rank 1's keepers.
+    # All-or-nothing loads: rank 2 receives its share into memfds, then loads from them (the other
+    # tests' loads receive straight into the templates).
+    monkeypatch.setenv("ZS_ATOMIC_LOADS", "1")
     d, log = tmp_path / "run", tmp_path / "log.txt"
     port = job_store.port  # type: ignore[attr-defined]
     said = _lose_host_b(d, port, log, hosts=["A", "B", "C"], lost="C", replicas=2)

@@ -271,3 +271,28 @@ def test_a_share_is_received_straight_into_the_loads_templates_and_verified(tmp_
         sender.close()  # type: ignore[attr-defined]
         receiver.close()  # type: ignore[attr-defined]
     assert bool(sent) == corrupt  # the sender hears the receiver's verdict
+
+
+def test_a_share_goes_to_memfds_where_the_load_must_not_write_the_templates_early(tmp_path: Path) -> None:
+    """Receiving into the templates is planned like a load from storage: only for an
+    ``atomic=False`` load (the default) of templates that match the share. An all-or-nothing load,
+    or a template the share does not fit (its load raises, naming the key), receives into memfds."""
+    import zerostall
+    from zerostall.memtier.tier import _LoadInto
+    from zerostall.options import LoadOptions
+
+    d = tmp_path / "step"
+    zerostall.save_pytree(str(d), {"w": torch.arange(4096.0), "b": torch.ones(7)})
+    man = parse_manifest((d / "manifest.json").read_bytes(), path=str(d))
+
+    def into(template: object, options: LoadOptions | None = None) -> _LoadInto:
+        return _LoadInto({"pytree": template}, options, str(d))
+
+    fits = {"w": torch.zeros(4096), "b": torch.zeros(7)}
+    scatter = into(fits)(man)
+    assert scatter is not None
+    regions = [r for regs in scatter.regions for r in regs]
+    assert sorted(end - start for start, end, _ in regions) == [7 * 4, 4096 * 4]  # one per leaf, its bytes
+    assert into(fits, LoadOptions(atomic=True))(man) is None
+    assert into({"w": torch.zeros(4095), "b": torch.zeros(7)})(man) is None
+    assert into(None)(man) is not None  # no template: fresh arrays, planned as a load plans them
