@@ -190,15 +190,19 @@ def append(path: Path, new_rows: list[dict[str, str]]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.history gpu SAVE.json [RESTORE.json]``: append a GPU run's figures
     (``make bench-gpu`` runs it after ``gpu.py`` and ``gpu_restore.py``). A file that is missing,
-    or a dry run on CPU, records nothing: ``make bench-gpu`` measures nothing without CUDA."""
+    or a dry run on CPU, records nothing: ``make bench-gpu`` measures nothing without CUDA.
+
+    ``python -m benchmarks.history replicas REPLICAS.json``: append the figures of a standalone
+    ``benchmarks/replicas.py --out`` run (``scripts/gpu-session.sh replicas`` on a lent machine),
+    under ``make bench``'s names with ``@<MiB per rank>`` added."""
     import argparse
     import json
     import time
 
     root = Path(__file__).resolve().parent.parent
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("kind", choices=["gpu"])
-    p.add_argument("save", type=Path, help="benchmarks/gpu.py --out")
+    p.add_argument("kind", choices=["gpu", "replicas"])
+    p.add_argument("save", type=Path, help="benchmarks/gpu.py --out (benchmarks/replicas.py --out for replicas)")
     p.add_argument("restore", type=Path, nargs="?", help="benchmarks/gpu_restore.py --out")
     p.add_argument("--history", type=Path, default=root / "benchmarks" / "reference" / "history.csv")
     p.add_argument("--commit", default=None, help="the measured commit (default: this checkout's HEAD)")
@@ -206,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--machine", default=None, help="default: the GPU's name and this machine's CPU count")
     a = p.parse_args(argv)
     docs = [json.loads(f.read_text()) if f and f.is_file() else None for f in (a.save, a.restore)]
+    if a.kind == "replicas":
+        if docs[0] is None:
+            print(f"history: no replicas figures in {a.save}; nothing appended")
+            return 0
+        date = a.date or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(a.save.stat().st_mtime))
+        machine = a.machine or f"{os.cpu_count()} CPUs"
+        figures = [(f"{name}@{docs[0]['mib_per_rank']}MiB", value) for name, value in extra_figures({"replicas": docs[0]})]
+        n = append(a.history, rows(date, a.commit or git_commit(root), machine, figures))
+        print(f"history: {n} replicas figures appended to {a.history}")
+        return 0
     if docs[0] is None or str(docs[0].get("device", "cpu")).startswith("cpu"):
         print(f"history: no GPU figures in {a.save}; nothing appended")
         return 0

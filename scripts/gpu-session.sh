@@ -13,13 +13,19 @@
 #   scripts/gpu-session.sh restore [ARGS] # there (carry .whl): the load tests of gputests/, then
 #                                        # benchmarks/gpu_restore.py ARGS (loads onto the GPU: zerostall's device
 #                                        # pass against its old path, zerostall_host_tmp, and the peers)
+#   scripts/gpu-session.sh replicas [ARGS] # there (carry .whl): benchmarks/replicas.py --mib 1024 ARGS, the
+#                                        # memory tier's replicas with 1 GiB per rank on a machine with more
+#                                        # cores than its 4 trainers and 4 keepers (CPU only; ~5 GiB per rank)
 #
 # A session's 15 minutes of device time (measured: a start took ~30 s, `all` ~5 min, gpu.py alone
 # ~2 min, gpu_restore.py ~2 min) fit `all` in one call, then `bench` (the second consecutive run a
 # verdict needs) and `restore` together in a second; give the machine back between analyses.
+# `replicas` (estimated 3-5 min at 1 GiB per rank; 2.5 min at 256 MiB on this project's 2-core VM)
+# goes in a call of its own, run twice where time allows (a verdict needs two runs).
 #
 # Results go to $OUT (the device tool brings that folder back), else /tmp/zerostall-gpu. Back here, record
 # the figures: python -m benchmarks.history gpu DIR/gpu.json DIR/restore.json --commit C --date D --machine M
+# (replicas: python -m benchmarks.history replicas DIR/replicas.json --commit C --date D --machine M)
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 what=${1:-}; shift || true
@@ -34,8 +40,8 @@ case "$what" in
       --platform manylinux1_x86_64 -d .whl "crc32c>=2.4" || exit 1
     ls -l .whl
     exit 0 ;;
-  tests|bench|all|restore) ;;
-  *) sed -n 2,17p "$0"; exit 2 ;;
+  tests|bench|all|restore|replicas) ;;
+  *) sed -n 2,20p "$0"; exit 2 ;;
 esac
 out=${OUT:-/tmp/zerostall-gpu}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zs-site .whl/*.whl || exit 1
@@ -71,6 +77,8 @@ elif [ "$what" = restore ]; then
   timeout -k 5 "${T_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests \
     -k "round_trip or all_or_nothing" > "$out/restore_tests.log" 2>&1; echo "restore tests rc $?" | tee -a "$out/restore_tests.log"
   python3 benchmarks/gpu_restore.py --out "$out/restore.json" "$@" 2>&1 | tee "$out/restore.log"
+elif [ "$what" = replicas ]; then
+  python3 -m benchmarks.replicas --mib 1024 --out "$out/replicas.json" "$@" 2>&1 | tee "$out/replicas.log"
 elif [ "$what" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider -o log_level=WARNING gputests tests/unit/test_overlap.py tests/unit/test_stager.py 2>&1 | tee "$out/tests.log"
 else

@@ -50,7 +50,6 @@ from zerostall.errors import (
     ZerostallError,
 )
 from zerostall.format.layout import DATA_DIR, DEL_MARK, MANIFEST_NAME, TMP_MARK
-from zerostall.interop import _export_format, export_checkpoint, import_checkpoint
 from zerostall.memtier.keeperfail import as_error, local_marker, marker_key, read_markers
 from zerostall.memtier.spec import held_steps
 from zerostall.persist.gc import collect_garbage
@@ -254,6 +253,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
                                        f"--format {args.format}", argument="--hf")
         args.format = "hf"
     _check_export_suffix(args)
+    from zerostall.interop import export_checkpoint  # the save and load API: only export and import load it
+
     try:
         with _progress(args, f"export {args.out}") as progress:
             report = export_checkpoint(_url(args.checkpoint), args.out, format=args.format, item=args.item,
@@ -273,6 +274,8 @@ def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> dict[str, Any]:
+    from zerostall.interop import import_checkpoint  # the save and load API: only export and import load it
+
     try:
         with _progress(args, f"import {args.src}") as progress:
             report = import_checkpoint(args.src, _url(args.dst), format=args.format, progress=progress)
@@ -819,6 +822,8 @@ def _check_export_suffix(args: argparse.Namespace) -> None:
     names the Python argument ``format=``)."""
     if args.format is not None:
         return
+    from zerostall.interop import _export_format
+
     try:
         _export_format(args.out, None)
     except UnsupportedFormatError as exc:

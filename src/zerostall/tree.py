@@ -11,6 +11,7 @@ schedulers, user objects), or objects of a type with a registered :class:`LeafHa
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import operator
@@ -251,8 +252,8 @@ def register_lazy_integration(module: str, load: Callable[[], None]) -> None:
     """Run ``load`` (once) at the first save or load after ``module`` has been imported by anyone.
 
     How an integration turns itself on without this layer importing it, and without
-    ``import zerostall`` importing a framework: :mod:`zerostall` registers the JAX integration
-    for ``"jax"`` (an object of a JAX type cannot exist before ``jax`` is imported).
+    ``import zerostall`` importing a framework: this module registers the JAX integration for
+    ``"jax"`` (an object of a JAX type cannot exist before ``jax`` is imported).
     """
     with _HANDLER_LOCK:
         _LAZY[module] = load
@@ -836,3 +837,12 @@ def _with_value(leaf: ArrayLeaf, value: Any) -> ArrayLeaf:
     d.update(leaf.__dict__)
     d["value"] = value
     return out
+
+
+def _load_jax_integration() -> None:
+    importlib.import_module("zerostall.integrations.jax")
+
+
+# JAX arrays and pytrees work without an explicit import: the integration loads at the first save
+# or load after jax itself has been imported (so importing zerostall never imports jax).
+register_lazy_integration("jax", _load_jax_integration)

@@ -107,6 +107,20 @@ def test_make_bench_gpu_records_nothing_without_a_gpu_run(tmp_path: Path) -> Non
     assert all(r["commit"] == "0e6ae43" and r["date"] == "2026-11-27T20:43:27Z" for r in rows)
 
 
+def test_a_standalone_replicas_run_is_recorded_under_make_bench_names_with_its_size(tmp_path: Path) -> None:
+    path = tmp_path / "history.csv"
+    assert history.main(["replicas", str(tmp_path / "missing.json"), "--history", str(path)]) == 0
+    assert not path.exists()
+    run = tmp_path / "replicas.json"
+    run.write_text(json.dumps({"mib_per_rank": 1024, "replication_x_floor": 0.91, "lost_x_without": None,
+                               "lost_x_without_waiting_steps": 1.1, "restore_x_floor": 1.4}))
+    assert history.main(["replicas", str(run), "--history", str(path), "--commit", "04a475b",
+                         "--date", "2026-11-29T01:00:00Z", "--machine", "16 CPUs"]) == 0
+    got = {r[3]: r[4] for r in _read(path)[1:]}
+    assert got == {"replicas_replication_x_floor@1024MiB": "0.91", "replicas_lost_x_without_waiting_steps@1024MiB": "1.1",
+                   "replicas_restore_x_floor@1024MiB": "1.4"}  # a figure not measured (None) is not recorded
+
+
 def test_make_bench_appends_to_the_reference_history_and_a_quick_run_does_not() -> None:
     assert Path(run.parse_args([]).history) == run.HISTORY
     assert run.HISTORY.is_file() and _read(run.HISTORY)[0] == list(history.COLUMNS)

@@ -116,7 +116,9 @@ class MemorySide:
         # The keeper takes the setup in order, before this query: once answered, its receivers
         # are up (torch imported: about a second of CPU for a new keeper). Waited for here, with
         # the job's start-up, rather than left to compete with the restore or first save that follows.
-        self.held_image()
+        # A keeper that does not answer within the job's timeout holds the constructor no longer:
+        # what follows (a save, a load) finds it dead or slow and reports it there.
+        self.held_image(timeout_s)
 
     def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
         """Every rank's (storage steps, held step, {origin: replica step held}): one all_gather_object."""
@@ -291,9 +293,10 @@ class MemorySide:
         img = self.held_image()
         return img.step if img is not None else None
 
-    def held_image(self) -> Any:
-        """The keeper's description of the step it holds (its data descriptors closed), or None."""
-        got = self._engine.writer.query_image()
+    def held_image(self, timeout_s: float = 600.0) -> Any:
+        """The keeper's description of the step it holds (its data descriptors closed), or None
+        (also when the keeper does not answer within ``timeout_s``)."""
+        got = self._engine.writer.query_image(timeout_s)
         if got is None:
             return None
         img, fds = got

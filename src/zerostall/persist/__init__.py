@@ -2,9 +2,6 @@
 
 The writer runs as a separate process (default) or a thread, speaking the same message
 protocol over a socket pair either way (:mod:`zerostall.persist.server`,
-:mod:`zerostall.persist.client`).
+:mod:`zerostall.persist.client`). Nothing is imported here: the writer process imports only
+what writing needs, not the trainer's side (:class:`zerostall.persist.client.WriterClient`).
 """
-
-from zerostall.persist.client import WriterClient
-
-__all__ = ["WriterClient"]
