@@ -4,6 +4,7 @@ are not checksummed again; the others are; the committed manifest loads and veri
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import zerostall
 import zerostall.memcopy as memcopy
 import zerostall.persist.job as job
 import zerostall.stage.stager as stager
@@ -82,3 +84,20 @@ def test_a_job_with_checksums_for_other_leaves_is_refused() -> None:
     with pytest.raises(WriterError, match="1 checksums for 2 leaves"):
         job._known(bad, None)
     assert job._known(bad, [7, None]) == [7, None]  # the keeper's checked CRCs win
+
+
+def test_a_thread_writer_leaves_the_trainers_environment_as_the_trainer_set_it(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread writer shares the trainer's ``os.environ``: a job that starts after the trainer
+    changed its storage variables uses them and neither restores nor removes what changed."""
+    go = tmp_path / "go"
+    monkeypatch.delenv("AWS_ZS_ROTATED", raising=False)
+    monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"begin": f"wait:{go}"}))  # every job waits at its start
+    thread = SaveOptions(writer=WriterKind.THREAD, max_in_flight=2)  # the second save stages while the first waits
+    first = zerostall.save_pytree_async(tmp_path / "a", {"w": torch.ones(4)}, options=thread)
+    second = zerostall.save_pytree_async(tmp_path / "b", {"w": torch.ones(4)}, options=thread)  # queued; env taken now
+    monkeypatch.setenv("AWS_ZS_ROTATED", "set-after-the-save")  # as a trainer rotating its credentials
+    go.touch()
+    first.result()
+    second.result()
+    assert os.environ.get("AWS_ZS_ROTATED") == "set-after-the-save"

@@ -273,7 +273,7 @@ class WriterClient:
             from zerostall.persist.server import serve
 
             self._thread = threading.Thread(target=serve, args=(Connection(child.detach()),),
-                                            name="zerostall-writer", daemon=True)
+                                            kwargs={"own_process": False}, name="zerostall-writer", daemon=True)
             self._thread.start()
         self._conn = Connection(parent.detach())
         self._ready = threading.Event()

@@ -181,8 +181,14 @@ class SoloStep:
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
              step: Step | None = None, *, known_crcs: Sequence[int | None] | None = None,
-             guard: Callable[[], None] | None = None) -> WriterStats:
+             guard: Callable[[], None] | None = None, mirror_env: bool = True) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
+
+    ``mirror_env``: make this process's storage environment the one the trainer had at the save
+    (:attr:`SaveJob.env`) first. Only a writer or keeper process of its own does: a writer thread
+    shares the trainer's ``os.environ``, which a background job must never rewrite (it would undo
+    what the trainer set since, credentials rotated after the save, say), so it uses that
+    environment as it is when the job runs.
 
     ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
     ``step.writes`` is False).
@@ -204,7 +210,8 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
             (for a collective save, the error every rank raises).
     """
     t0 = time.perf_counter()
-    _mirror_env(job.env)
+    if mirror_env:
+        _mirror_env(job.env)
     storage = open_storage(job.root)
     if step is None:
         step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)

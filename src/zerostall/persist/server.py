@@ -97,11 +97,13 @@ def _close(m: mmap.mmap) -> None:
             pass  # still referenced: unmapped when the last reference goes, or at exit
 
 
-def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
+def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: bool = True) -> bool:
     """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first.
 
     Returns True when the trainer said :class:`Close`, False when the connection ended. With a
-    ``keeper`` (the memory tier), memory jobs and image queries go to it.
+    ``keeper`` (the memory tier), memory jobs and image queries go to it. ``own_process=False``:
+    a writer thread in the trainer's process, which leaves the trainer's environment alone
+    (:func:`~zerostall.persist.job.run_save`'s ``mirror_env``).
 
     The leaf layouts the trainer sends (:class:`LeafLayout`) are kept for this connection only: a
     trainer that adopts a keeper starts a new one and sends them again. A job naming a layout not
@@ -149,7 +151,7 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
             elif isinstance(msg, ForgetLayout):
                 layouts.pop(msg.id, None)
             elif isinstance(msg, SaveJob):
-                _run(conn, msg, views, keeper, layouts)
+                _run(conn, msg, views, keeper, layouts, own_process)
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ImageQuery):
@@ -179,14 +181,14 @@ def serve(conn: Connection, keeper: HeldSteps | None = None) -> bool:
 
 
 def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None,
-         layouts: dict[int, LeafLayout] | None = None) -> None:
+         layouts: dict[int, LeafLayout] | None = None, own_process: bool = True) -> None:
     try:
         job = resolve_layout(job, layouts or {})
         import_scheme(job.root, job.storage_ref)  # a scheme the trainer registered opens here too
         if keeper is not None and job.memory:
             stats = keeper.run(job, views, lambda m: _send(conn, m))
         else:
-            stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)))
+            stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)), mirror_env=own_process)
     except BaseException as exc:  # every failure goes back to the caller's result()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
