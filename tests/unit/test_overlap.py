@@ -270,13 +270,14 @@ def test_blocking_staging_copies_everything_before_return(ckdir):
         _equal(expected, ckpt.load_pytree(0)["model"])
 
 
-def test_hooks_and_references_do_not_grow_over_1000_saves():
+def test_hooks_and_references_do_not_grow_over_300_saves():
+    # The bounds are absolute (one hook, one live tensor): a leak of one per save fails within the first saves.
     case = _Case("sgd")
     case.step()
     hooks_before = len(_global_optimizer_pre_hooks)
     with Checkpointer("memory://overlap-leak", save_options=THREAD, keep_last=1) as ckpt:
         dead = []
-        for step in range(1000):
+        for step in range(300):
             scratch = torch.nn.Parameter(torch.randn(4))
             opt = torch.optim.SGD([scratch], lr=0.1)
             dead.append(weakref.ref(scratch))
