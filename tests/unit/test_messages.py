@@ -169,7 +169,7 @@ def test_a_trainer_refuses_a_writer_of_another_protocol(monkeypatch: pytest.Monk
 
     started = []
 
-    def old_writer(conn: Connection) -> None:  # what a writer of another zerostall version would say
+    def old_writer(conn: Connection, **_: object) -> None:  # what a writer of another zerostall version would say
         started.append(1)
         conn.send_bytes(json.dumps({"v": PROTOCOL + 1, "op": "hello", "protocol": PROTOCOL + 1,
                                     "library": "0.0.1", "pid": os.getpid()}).encode())
