@@ -117,8 +117,11 @@ class MemorySide:
         # are up (torch imported: about a second of CPU for a new keeper). Waited for here, with
         # the job's start-up, rather than left to compete with the restore or first save that follows.
         # A keeper that does not answer within the job's timeout holds the constructor no longer:
-        # what follows (a save, a load) finds it dead or slow and reports it there.
-        self.held_image(timeout_s)
+        # said here, and what follows (a save, a load) finds it dead or slow and reports it there.
+        if self.held_image(timeout_s) is None:  # a keeper always answers with an image, empty or not
+            log.warning("zerostall: rank %d's memory-tier keeper did not answer within %.0f s of taking the replica "
+                        "setup for %s; its saves and loads will say what became of it", rank, timeout_s,
+                        self.directory)
 
     def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
         """Every rank's (storage steps, held step, {origin: replica step held}): one all_gather_object."""
