@@ -49,7 +49,7 @@ from zerostall.memtier.spec import KeeperSpec
 from zerostall.memtier.tier import MemorySide
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
 from zerostall.persist.gc import collect_at_start
-from zerostall.preempt import Preemption, check_signals
+from zerostall.preempt import GRACE_S, Preemption, check_grace, check_signals
 from zerostall.response import Response, SaveStats
 from zerostall.restore import read_manifest, verify_checkpoint
 from zerostall.storage import Storage, local_path, open_storage
@@ -119,6 +119,12 @@ class Checkpointer:
             end the process before the final save, is not chained) and are restored by
             :meth:`close`. Under torch.distributed, create it after ``init_process_group``; the
             ranks agree through the job's store (docs/design.md, "Preemption").
+        preemption_grace_s: the time a preemption leaves between its notice and the kill, 20 s by
+            default (torchrun's is 30 s: ``--shutdown-timeout`` or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``;
+            Kubernetes' ``terminationGracePeriodSeconds``, 30 s by default). Every wait a notice adds
+            ends within it, not within ``DistributedOptions.timeout_s``: the ranks' agreement and its
+            exchanges within half of it, the immediate persist and the final save's wait for the
+            other ranks within all of it. Set it a few seconds below your scheduler's grace.
 
     Raises:
         ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
@@ -175,6 +181,7 @@ class Checkpointer:
         mtbf_s: float | None = None,
         costs: MeasuredCosts | None = None,
         preemption_signals: tuple[int, ...] | None = None,
+        preemption_grace_s: float = GRACE_S,
     ) -> None:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
@@ -182,6 +189,7 @@ class Checkpointer:
         _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
                             save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         signals = check_signals(preemption_signals, path=directory)
+        grace_s = check_grace(preemption_grace_s, path=os.fspath(directory))
         if signals and read_only:
             raise InvalidArgumentError("preemption_signals needs a Checkpointer that saves (read_only=False)",
                                        argument="preemption_signals", path=directory)
@@ -271,10 +279,13 @@ class Checkpointer:
         self._preemption: Preemption | None = None
         if signals:
             try:
+                writer = self._engine.writer
                 self._preemption = Preemption(
-                    signals, path=self.directory, dist=so.distributed,
-                    settle=self._settle_memory_only if keeper is not None else None,
-                    persist=self._engine.writer.persist_held if keeper is not None else None)
+                    signals, path=self.directory, dist=so.distributed, grace_s=grace_s,
+                    idle=self._engine.idle if keeper is not None else None,
+                    held=(lambda: writer.memory_only_step) if keeper is not None else None,
+                    persist=(lambda bound_s, sent: writer.persist_held(bound_s, sent=sent, bound_s=bound_s))
+                    if keeper is not None else None)
             except BaseException:
                 self._engine.close()
                 raise
@@ -343,6 +354,9 @@ class Checkpointer:
         meta = dict(clean_metadata(metadata, reserved=RESERVED_METADATA_KEYS, path=self._step_path(step)), step=step)
         t_start = self._cadence.clock()
         persist = True
+        # the final save after a preemption notice waits for the other ranks only as long as the notice leaves
+        bound = self._preemption.time_left() if self._preemption is not None and self._preemption.is_final(step) \
+            else None
         # the immediate persist after a preemption signal never runs while a save is handed over
         with self._preemption.saving() if self._preemption is not None else contextlib.nullcontext():
             if self.memory_tier is not None:
@@ -354,12 +368,12 @@ class Checkpointer:
                 mem.drop_premap()  # the keeper lets go of the step it held once this one is in memory
                 persist = self._persists(step)
                 r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                            retention=self.retention, memory=True, persist=persist)
+                                            retention=self.retention, memory=True, persist=persist, timeout_s=bound)
                 if persist:
                     self._last_persist = time.monotonic()
             else:
                 r = self._engine.save_async(self.directory, step_name(step), dict(items), metadata=meta, step=step,
-                                            retention=self.retention)
+                                            retention=self.retention, timeout_s=bound)
         self._cadence.started()
         r._add_before_done(self._record)
         r._add_before_done(lambda resp, exc: self._cadence.durable(step, t_start, resp, exc, persisted=persist))
@@ -621,18 +635,6 @@ class Checkpointer:
         self._engine.raise_failures()
         if self.memory_tier is not None and not self.read_only and not self._engine.closed and self._engine.idle():
             self._engine.writer.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def _settle_memory_only(self, timeout: float) -> int | None:
-        """For the persist after a preemption signal (saves are held back meanwhile): wait up to
-        ``timeout`` for the saves in flight, then the step only memory holds (None: none, or still busy)."""
-        # Not Engine.wait(): it syncs overlapped copies, which only the training thread may do
-        # (their versions are judged against its steps); unsynced, each finishes on its own.
-        deadline = time.monotonic() + timeout
-        while not self._engine.closed and not self._engine.idle():
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.005)
-        return None if self._engine.closed else self._engine.writer.memory_only_step
 
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.

@@ -62,8 +62,9 @@ class Coordinator(Protocol):
     def rank(self) -> int:
         """This process's rank in the saving group (valid once :meth:`active`)."""
 
-    def begin(self, root_url: str, name: str) -> Collective:
-        """Number this save and say who takes part; may run a collective at the first save."""
+    def begin(self, root_url: str, name: str, timeout_s: float | None = None) -> Collective:
+        """Number this save and say who takes part; may run a collective at the first save.
+        ``timeout_s`` bounds this save's waits for the other ranks below the usual one."""
 
     def abort(self, root_url: str, name: str, info: Collective, path: str, exc: BaseException) -> None:
         """This rank failed before handing the save off: tell the other ranks' writers at once."""
@@ -201,11 +202,13 @@ class Engine:
         retention: RetentionPolicy | None = None,
         memory: bool = False,
         persist: bool = True,
+        timeout_s: float | None = None,
     ) -> Response:
         """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`.
 
         ``memory``: commit to the memory tier (the engine's writer must be a keeper); ``persist``:
-        also write to storage.
+        also write to storage. ``timeout_s``: a collective save waits this long at most for the
+        other ranks (None: ``DistributedOptions.timeout_s``; a preemption's final save has less).
         """
         t0 = time.perf_counter()
         if self._closed:
@@ -213,7 +216,7 @@ class Engine:
         self.raise_failures()
         path = f"{root_url.rstrip('/')}/{name}"
         coordinator = self._coordinator if self._collective() else None
-        info = coordinator.begin(root_url, name) if coordinator is not None else None
+        info = coordinator.begin(root_url, name, timeout_s) if coordinator is not None else None
         try:
             with paused_gc():  # see zerostall.gcpause: a state of many leaves made the collector walk it all
                 return self._save_async(root_url, name, path, items, t0, info, metadata, step, retention,

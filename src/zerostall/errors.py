@@ -32,6 +32,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── TornSnapshotError(RuntimeError)              an overlapped tensor changed before its copy was done
     │   └── DonatedArrayError                        a jax.Array donated before its background copy
     ├── ReplicaError(RuntimeError)                   a replica in another host's memory could not be formed, sent or received intact
+    ├── PeerUnreachableError(TimeoutError)           a rank, a keeper or the job's store did not answer within timeout_s (.step .ranks)
     └── PreemptionError(RuntimeError)                the ranks could not agree on the final step after a preemption notice
 
     ZerostallWarning(UserWarning)                    a guarantee is weaker than documented; what was asked for still works
@@ -424,3 +425,24 @@ class PreemptionError(ZerostallError, RuntimeError):
 
 _BY_NAME["PreemptionError"] = PreemptionError
 __all__ += ["PreemptionError"]
+
+
+class PeerUnreachableError(ZerostallError, TimeoutError):
+    """A peer did not answer within ``DistributedOptions.timeout_s``: another rank, another host's
+    keeper, or the job's ``torch.distributed`` store. The peer may be cut off by the network, hung
+    (stopped, swapping) or gone; nothing tells these apart from here, so every wait on a peer ends
+    at that bound and raises this. ``step`` is the step the wait was for, where known; ``ranks``
+    the ranks that did not answer, where known (empty: the store itself did not answer, so no
+    rank could be heard). A ``TimeoutError``, so ``except TimeoutError`` and ``except OSError``
+    catch it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None,
+                 step: int | None = None, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, path=path, rank=rank)
+        self.step = step
+        self.ranks = tuple(ranks)
+
+
+_BY_NAME["PeerUnreachableError"] = PeerUnreachableError
+__all__ += ["PeerUnreachableError"]

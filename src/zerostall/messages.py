@@ -55,8 +55,9 @@ __all__ = [
 #: keeper that ignored it would offer a deleted directory's step to a trainer of a new one), Closed,
 #: PersistHeld and Persisted; 7: ReplicaSetup, ImageQuery.origin (a keeper that ignored it would
 #: answer with its own step for another rank's replica); 8: LeafLayout, ForgetLayout, SaveJob.layout
-#: and SaveJob.order (a job may name its leaf rows and unchanged item nodes instead of carrying them)
-PROTOCOL = 8
+#: and SaveJob.order (a job may name its leaf rows and unchanged item nodes instead of carrying them);
+#: 9: PersistHeld.timeout_s (a preemption notice bounds the keepers' persist by the time it leaves)
+PROTOCOL = 9
 
 
 class ProtocolMismatchError(WriterError):
@@ -406,6 +407,9 @@ class PersistHeld:
     #: the trainer's number for this request, repeated in the answer (an answer to a request the
     #: trainer stopped waiting for is then not taken for a later one's)
     request: int
+    #: bounds a collective step's persist below the job's ``timeout_s`` (None: that timeout);
+    #: after a preemption notice, the time the notice leaves
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

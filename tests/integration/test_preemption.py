@@ -9,6 +9,7 @@ ends the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,8 +30,9 @@ DEADLINE_S = 90.0  # generous: only a hang takes this long
 class Proc:
     """A trainer process (or ``launcher`` + the trainer) whose stdout lines are collected as they come."""
 
-    def __init__(self, args: list[str], log: Path, launcher: tuple[str, ...] = ()) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+    def __init__(self, args: list[str], log: Path, launcher: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
         env.pop("ZEROSTALL_FAULTS", None)
         with open(log, "a") as err:  # a keeper writing to a pipe we read would keep it open
             self.p = subprocess.Popen([sys.executable, *launcher, TRAINER, *args], stdout=subprocess.PIPE,
@@ -164,3 +166,70 @@ def test_sigterm_to_torchrun_reaches_its_workers_and_both_save_the_same_final_st
     final = int(finals[0].split()[1])
     assert _committed(d)[-1] == final
     assert [ln.split()[2] for ln in run.seen("CLOSED")] == ["True", "True"]  # each worker's handler restored
+
+
+@pytest.mark.parametrize("lag,where", [(0.5, "save"), (3.0, "save"), (3.0, "collective")])
+def test_sigterm_to_torchrun_with_a_rank_behind_saves_the_final_step_before_the_kill(
+        tmp_path: Path, lag: float, where: str) -> None:
+    """Rank 1 is ``lag`` seconds behind when the notice comes: with ``where="save"`` rank 0's
+    (persisted, collective) save of step 8 is in flight and needs rank 1's share; with
+    ``"collective"`` rank 0 waits inside the training loop's all-reduce for rank 1. No zerostall
+    thread waits for another rank while it holds anything, and the notice bounds its waits by
+    ``preemption_grace_s`` (20 s), not by the job's ``timeout_s`` (300 s here): both ranks save the
+    same final step, persisted, leave through ``ckpt.preempted`` and exit before torchrun's
+    SIGKILL (30 s after its SIGTERM); step 8 is durable too."""
+    d = tmp_path / "run"
+    log = tmp_path / "stderr.log"
+    run = Proc(["env", str(d), "0", str(lag), where], log,
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
+    try:
+        _wait(lambda: run.seen("SAVED 8" if where == "save" else "ENTER 9"), "rank 0 at step 8 or 9")
+        if where == "collective":
+            time.sleep(0.3)  # rank 0 inside the all-reduce, rank 1 still asleep before it
+        t0 = time.monotonic()
+        os.kill(run.p.pid, signal.SIGTERM)
+        run.finish()
+        took = time.monotonic() - t0
+    finally:
+        run.kill()
+    finals = run.seen("FINAL")
+    assert len(finals) == 2 and finals[0] == finals[1], (run.lines[-10:], log.read_text()[-3000:])
+    final = int(finals[0].split()[1])
+    assert final >= 9 and final in _committed(d), (final, _committed(d))
+    assert 8 in _committed(d)  # the save in flight at the notice committed too
+    assert [ln.split()[2] for ln in run.seen("CLOSED")] == ["True", "True"]  # both left the loop and closed
+    text = log.read_text()
+    assert "forcefully exiting" not in text and took < 25.0, (took, text[-3000:])
+
+
+def test_a_hung_rank_at_the_notice_is_named_within_half_the_grace_and_the_keepers_persist_the_held_step(
+        tmp_path: Path) -> None:
+    """Rank 1 is stopped (SIGSTOP: alive, silent) when rank 0 is signalled: rank 0's watcher gives
+    up the agreement at half of ``preemption_grace_s`` (not ``timeout_s``); rank 0's next
+    ``should_save`` raises ``PreemptionError`` naming rank 1 and the step its memory holds. Rank 1,
+    continued later, hears that the agreement was given up and raises too, instead of going on
+    alone. Both leave as a crash, and their keepers persist the step both hold (3) together."""
+    d, port = tmp_path / "run", _port()
+    procs = [Proc([str(r), "2", str(port), str(d), "3"], tmp_path / f"stderr-{r}.log", extra_env={"ZS_GRACE_S": "6"})
+             for r in range(2)]
+    try:
+        _wait(lambda: all(p.seen("HELD") for p in procs), "step 3 in memory on both ranks")
+        os.kill(procs[1].p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(procs[0].p.pid, signal.SIGTERM)
+        log0 = tmp_path / "stderr-0.log"
+        _wait(lambda: "did not answer" in log0.read_text(), "rank 0 giving up the agreement")
+        gave_up = time.monotonic() - t0
+        os.kill(procs[1].p.pid, signal.SIGCONT)
+        (d / "go").touch()
+        assert [p.finish() for p in procs] == [3, 3], [p.lines[-5:] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.p.pid, signal.SIGCONT)
+            p.kill()
+    assert gave_up < 3.0 + 2.0, gave_up  # half of the 6 s grace, plus a margin
+    err0 = _one(procs[0], "PREEMPTION_ERROR")
+    assert "rank(s) [1] did not answer" in " ".join(err0) and "holds step 3" in " ".join(err0), err0
+    assert "gave up the agreement" in " ".join(_one(procs[1], "PREEMPTION_ERROR"))
+    _wait(lambda: _committed(d) == [3], "the keepers' persist of step 3 after both trainers ended")

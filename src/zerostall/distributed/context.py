@@ -60,8 +60,9 @@ class DistContext:
             self.group, self._rank, self.world = group_rank_world(self.opts)
         return self._rank
 
-    def begin(self, root_url: str, name: str) -> Collective:
-        """Number this save; at the first one, agree on the run id (the only collective)."""
+    def begin(self, root_url: str, name: str, timeout_s: float | None = None) -> Collective:
+        """Number this save; at the first one, agree on the run id (the only collective).
+        ``timeout_s`` bounds this save's waits below ``DistributedOptions.timeout_s``."""
         rank = self.rank
         if self.run is None:
             import torch.distributed as dist
@@ -74,8 +75,9 @@ class DistContext:
                 raise ValueError(f"a collective save needs the same path on every rank, got {sorted(paths)}")
             self.run = str(gathered[0][0])
         self.counter += 1
+        bound = self.opts.timeout_s if timeout_s is None else min(self.opts.timeout_s, timeout_s)
         return Collective(rank=rank, world=self.world, run=self.run, counter=self.counter,
-                          timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s)
+                          timeout_s=bound, poll_s=self.opts.poll_s)
 
     def abort(self, root_url: str, name: str, info: Collective, path: str, exc: BaseException) -> None:
         """Decide "abort" for a save that failed on this rank's training thread."""
@@ -103,7 +105,7 @@ class DistContext:
                 if dec.get("decision") == "abort":
                     finish(None, error_of(dec))
                     return
-                wait_for_outcome(storage, names, timeout_s=self.opts.timeout_s, poll_s=self.opts.poll_s,
+                wait_for_outcome(storage, names, timeout_s=info.timeout_s, poll_s=self.opts.poll_s,
                                  rank=info.rank, path=path)
                 finish(WriterStats(nbytes=0), None)
             except BaseException as exc:  # noqa: BLE001 - every path ends the response

@@ -549,7 +549,7 @@ class Keeper:
             if directory_replaced(self.spec.root, self.spec.instance):
                 self._directory_gone("it was deleted")
 
-    def persist_held(self, closing: bool = False) -> None:
+    def persist_held(self, closing: bool = False, timeout_s: float | None = None) -> None:
         """Write the held step to storage if only memory has it (its trainer closed, died, or asked
         for it in ``wait()``).
 
@@ -562,6 +562,9 @@ class Keeper:
         is of this very step; one of an older step (the dead run's, while this trainer saved
         newer ones) neither delays nor blocks this persist, and once this one has stored the
         newest step it is abandoned (:meth:`_abandon_dead_runs`).
+
+        ``timeout_s`` bounds a collective persist below the job's ``timeout_s`` (after a
+        preemption notice: the time the notice leaves).
         """
         held = self._use_held()
         stored = self._stored_step  # nothing held: the newest step went to storage with its save
@@ -569,7 +572,7 @@ class Keeper:
             try:
                 if closing:
                     self._wait_persisting(held)  # the persist after a crash may be writing this very step
-                self._persist(held, closing=closing)
+                self._persist(held, closing=closing, timeout_s=timeout_s)
                 stored = held.job.step if held.persisted else None
             finally:
                 self._unuse_held(held)
@@ -621,18 +624,22 @@ class Keeper:
             held.attempted = True
             return True
 
-    def _persist(self, held: _Held, closing: bool = False, *, claimed: bool = False) -> None:
+    def _persist(self, held: _Held, closing: bool = False, *, claimed: bool = False,
+                 timeout_s: float | None = None) -> None:
         if not claimed and not self._claim(held):
             return
         try:
-            self._persist_once(held, closing)
+            self._persist_once(held, closing, timeout_s)
         finally:
             with self._cond:
                 held.persisting = False
                 self._cond.notify_all()
 
-    def _persist_once(self, held: _Held, closing: bool) -> None:
+    def _persist_once(self, held: _Held, closing: bool, timeout_s: float | None = None) -> None:
         job = dataclasses.replace(held.job, persist=True)
+        coll = job.collective
+        if coll is not None and timeout_s is not None and timeout_s < coll.timeout_s:
+            job = dataclasses.replace(job, collective=dataclasses.replace(coll, timeout_s=max(0.1, timeout_s)))
         known: list[int] | None = None
         if held.checked is not None:
             # A leaf the check after the crash found changed since its save is never persisted

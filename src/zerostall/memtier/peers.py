@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from zerostall.errors import ZerostallError
+from zerostall.jobstore import bounded
 from zerostall.lease import host_id
 from zerostall.memtier.placement import replica_holders, replica_origins
 from zerostall.memtier.replica import OutgoingStep, ReceivedStep, ReplicaGroup, ReplicaOf
@@ -59,13 +60,15 @@ _STORE_TRIES = 3
 
 
 def open_store(setup: ReplicaSetup) -> Any:
-    """A client of the job's store, prefixed for this job's replicas."""
+    """A client of the job's store, prefixed for this job's replicas, every request bounded by
+    the job's ``timeout_s`` (:mod:`zerostall.jobstore`: torch's client waits forever for a store
+    that stops answering). It connects at its first request."""
     import torch.distributed
 
     dist: Any = torch.distributed  # its store classes are not in its stubs' exports
     host, _, port = setup.store.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=setup.timeout_s))
-    return dist.PrefixStore(f"zerostall-replicas/{setup.job}", store)
+    return bounded(lambda: dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=setup.timeout_s)),
+                   setup.timeout_s, what=f"the job's store at {setup.store}", prefix=f"zerostall-replicas/{setup.job}")
 
 
 def pair_group(store: Any, setup: ReplicaSetup, name: str, generation: int, member: int) -> ReplicaGroup:
@@ -207,13 +210,19 @@ class Peers:
                 ok = False
                 continue
             try:
+                # The offer and the pair's formation end within timeout_s together, whatever
+                # the store or the holder does (cut off, stopped); the transfer's own waits are
+                # each bounded by it too (a cut mid-transfer ends at the first piece it stalls).
+                store.deadline = time.monotonic() + setup.timeout_s
                 n = int(store.add(f"offers/{setup.rank}-{h}", 1))
                 store.set(f"offer/{setup.rank}-{h}/{n}", json.dumps({"step": step}))
                 g = links.get(h)
                 if g is None:  # the pair's first offer: both ends form its group, named by it
                     g = links[h] = pair_group(store, setup, f"pair/{setup.rank}-{h}", n, SENDER)
+                store.deadline = None
                 g.send_step(RECEIVER, out)
             except (ZerostallError, RuntimeError, OSError) as exc:
+                store.deadline = None
                 dead.add(h)
                 dropped = links.pop(h, None)
                 if dropped is not None:

@@ -41,6 +41,7 @@ from typing import Any
 from zerostall.checksum import Span, checksum, join_crcs
 from zerostall.errors import ReplicaError, ZerostallError
 from zerostall.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from zerostall.jobstore import bounded
 from zerostall.lease import host_id
 from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
 from zerostall.memtier.link import OK as _OK
@@ -157,7 +158,8 @@ class ReplicaGroup:
         self._key = job_key(secret, job_id)
         if isinstance(store, str):
             addr, _, port = store.rpartition(":")
-            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            store = bounded(lambda: dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s)),
+                            timeout_s, what=f"the store at {store}")
         base = dist.PrefixStore(f"zerostall-replica/{group}/{generation}", store)
         self.formation: Formation = form(base, job_id=job_id, key=self._key, member=member, size=size,
                                          host=host or host_id(), timeout_s=self.timeout_s)

@@ -583,14 +583,18 @@ class WriterClient:
         job = self._memory_only
         return job.step if job is not None else None
 
-    def persist_held(self, timeout: float | None = None) -> None:
+    def persist_held(self, timeout: float | None = None, *, sent: Callable[[], None] | None = None,
+                     bound_s: float | None = None) -> None:
         """Have the keeper persist the newest step this trainer saved that only memory holds (none:
         return at once), and return once it is on storage; the keeper goes on serving. Call after
         the jobs submitted have finished. Under torch.distributed the persist of a collective step
         is collective: every rank's trainer must call this (it is the persist of :meth:`close`).
 
         ``timeout``: return after about this many seconds even if the keeper has not answered
-        (the persist goes on; a later call, or close(), waits for it again).
+        (the persist goes on; a later call, or close(), waits for it again). ``bound_s`` bounds
+        a collective step's persist in the keepers below the job's ``timeout_s``. ``sent()`` is
+        called once the request is on its way (or there is nothing to ask): a save handed over
+        after it is persisted after this step, never instead of it.
 
         Raises:
             KeeperPersistError: the persist failed (its ``cause`` says why; the step is still in
@@ -599,15 +603,20 @@ class WriterClient:
         """
         job = self._memory_only
         if job is None or self.keeper is None or self.kind is not WriterKind.PROCESS:
+            if sent is not None:
+                sent()
             return
         told = len(self.close_failures)
         request = next(self._requests)
         try:
             if self._conn is None:
                 raise OSError("no keeper")
-            self._send(PersistHeld(request=request))
+            self._send(PersistHeld(request=request, timeout_s=bound_s))
         except OSError:  # no keeper to ask: its listener saw it end
             request = 0
+        finally:
+            if sent is not None:
+                sent()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._persisted_event:
             while request and request not in self._persisted and self._listener is not None \

@@ -71,7 +71,7 @@ class HeldSteps(Protocol):
 
     def setup_replicas(self, setup: ReplicaSetup) -> None: ...
 
-    def persist_held(self, closing: bool = False) -> None: ...
+    def persist_held(self, closing: bool = False, timeout_s: float | None = None) -> None: ...
 
     def durable_step(self) -> int | None: ...
 
@@ -160,7 +160,7 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
             elif keeper is not None and isinstance(msg, ReplicaSetup):
                 keeper.setup_replicas(msg)
             elif keeper is not None and isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
-                keeper.persist_held(closing=True)
+                keeper.persist_held(closing=True, timeout_s=msg.timeout_s)
                 keeper.report_failed(conn)
                 _send(conn, Persisted(request=msg.request, step=keeper.durable_step()))
             elif isinstance(msg, Close):
