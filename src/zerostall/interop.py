@@ -72,9 +72,10 @@ from zerostall.format.header import (
     DATA_ALIGN,
     MAX_HEADER,
     HeaderError,
+    TensorEntry,
     decode_header,
-    encode_header,
     header_length,
+    header_of,
     tensor_entries,
 )
 from zerostall.format.layout import fsync_dir
@@ -337,12 +338,23 @@ def _umask() -> int:
 
 @dataclass(frozen=True)
 class _Tensor:
+    """One tensor of an exported file, before its place in the file is chosen: its flat key, its
+    dtype and (global) shape, and the leaves that hold its bytes. Once placed, its header entry is a
+    :class:`~zerostall.format.header.TensorEntry`."""
+
     key: str
     dtype: str
     shape: tuple[int, ...]
-    nbytes: int
-    leaf: LeafEntry | None  # one leaf's bytes, or:
+    leaf: LeafEntry | None  # saved whole: the one leaf (of this dtype and shape), or:
     shards: tuple[tuple[LeafEntry, tuple[int, ...]], ...] = ()  # (leaf, offset in the global tensor)
+
+    @classmethod
+    def whole(cls, key: str, leaf: LeafEntry) -> _Tensor:
+        return cls(key, leaf.dtype, leaf.shape, leaf)
+
+    @property
+    def nbytes(self) -> int:
+        return self.leaf.nbytes if self.leaf is not None else math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     @property
     def itemsize(self) -> int:
@@ -403,7 +415,7 @@ class _Flattener:
         if t in ("array", "bytes") or (t == "custom" and "leaf" in node):
             lf = self.m.leaves[node["leaf"]]
             self._check_crc(lf)
-            self._add(_Tensor(key, lf.dtype, lf.shape, lf.nbytes, lf), zs_key)
+            self._add(_Tensor.whole(key, lf), zs_key)
         elif t == "sharded":
             self._add(self._sharded(node, key, zs_key), zs_key)
         else:
@@ -434,9 +446,7 @@ class _Flattener:
         if covered != math.prod(gshape):  # the boxes lie inside the shape (parse_manifest checked)
             raise CorruptCheckpointError(f"the saved shards cover {covered} of the tensor's {math.prod(gshape)} "
                                          "elements", path=self.path, key=zs_key)
-        sized = [lf for lf, _ in shards if lf.nbytes]
-        nbytes = sized[0].nbytes // math.prod(sized[0].shape) * math.prod(gshape) if sized else 0
-        return _Tensor(key, node["dtype"], gshape, nbytes, None, tuple(shards))
+        return _Tensor(key, node["dtype"], gshape, None, tuple(shards))
 
 
 def _roots(m: Manifest, item: str | None) -> list[tuple[str, list[str]]]:
@@ -536,12 +546,12 @@ def _write_safetensors(f: BinaryIO, flat: _Flat, src: _Source, item: str | None,
     if meta is None:
         meta = dict(flat.values)
         meta["%zerostall"] = json.dumps({"source": src.path, "item": item, "metadata": src.m.metadata})
-    header: dict[str, Any] = {"__metadata__": meta}
+    entries: list[TensorEntry] = []
     pos = 0
     for t in order:
-        header[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        entries.append(TensorEntry(t.key, t.dtype, t.shape, pos, pos + t.nbytes))
         pos += t.nbytes
-    head = encode_header(header, align=DATA_ALIGN)  # the data section starts aligned, as in zerostall's own files
+    head = header_of(entries, meta, align=DATA_ALIGN)  # the data section starts aligned, as in zerostall's own files
     if len(head) - 8 > MAX_HEADER:
         raise UnsupportedLeafError(f"the safetensors header would be {len(head) - 8} bytes, more than the "
                                    f"{MAX_HEADER} readers accept (too many keys or values)", path=src.path)

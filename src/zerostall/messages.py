@@ -15,8 +15,8 @@ introduces itself with :class:`Hello` as its first message.
 Errors cross the boundary as :class:`WireError` (:func:`to_wire` / :func:`from_wire`), the same
 codec the ranks of a collective save use for each other's failures.
 
-A bottom layer: it imports only :mod:`zerostall.errors`, :mod:`zerostall.options` and the
-version, never a stage.
+A bottom layer: it imports only :mod:`zerostall.errors`, :mod:`zerostall.options`, the version
+and the manifest's leaf record (:mod:`zerostall.format.manifest`), never a stage.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from zerostall.errors import (
     ZerostallError,
     wire_class,
 )
+from zerostall.format.manifest import LeafEntry
 from zerostall.options import RetentionPolicy
 
 __all__ = [
@@ -56,8 +57,9 @@ __all__ = [
 #: PersistHeld and Persisted; 7: ReplicaSetup, ImageQuery.origin (a keeper that ignored it would
 #: answer with its own step for another rank's replica); 8: LeafLayout, ForgetLayout, SaveJob.layout
 #: and SaveJob.order (a job may name its leaf rows and unchanged item nodes instead of carrying them);
-#: 9: PersistHeld.timeout_s (a preemption notice bounds the keepers' persist by the time it leaves)
-PROTOCOL = 9
+#: 9: PersistHeld.timeout_s (a preemption notice bounds the keepers' persist by the time it leaves);
+#: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field
+PROTOCOL = 10
 
 
 class ProtocolMismatchError(WriterError):
@@ -137,20 +139,11 @@ def from_wire(w: WireError) -> ZerostallError:
 # -- the data of a save ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class LeafRow:
-    """One staged leaf: where its bytes lie in the staged file image (and so in the data file)."""
-
-    key: str
-    kind: str  # torch, numpy, numpy_scalar, bytes, custom (the manifest's leaf kinds)
-    dtype: str  # safetensors dtype name
-    shape: tuple[int, ...]
-    file: int  # index into SaveJob.files
-    offset: int  # absolute byte offset in that file
-    nbytes: int
-    #: False when no other rank can hold these bytes (a shard of a Shard-only DTensor): a
-    #: collective save does not hash it looking for replicas
-    shared: bool = True
+#: One staged leaf: where its bytes lie in the staged file image (and so in the data file). It is
+#: the manifest's own leaf record, as the staging plan made it (``crc32c`` None: the checksums of
+#: a save travel in :attr:`SaveJob.crcs`, since a layout's rows serve every save of it); the
+#: writer writes it into the manifest unchanged, with the checksum.
+LeafRow = LeafEntry
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -112,6 +112,8 @@ def _doc(msg: object) -> dict:
     (lambda d: d.update(id=True), "save.id must be int"),
     (lambda d: d.update(id="7"), "save.id must be int"),
     (lambda d: d["leaves"][0].update(shape="2x3"), "save.leaves[0].shape must be a list"),
+    (lambda d: d["leaves"][1].update(crc32c="beef"), "save.leaves[1].crc32c must be int"),
+    (lambda d: d["leaves"][1].update(shared=0), "save.leaves[1].shared must be bool"),
     (lambda d: d["files"][0].pop("buffer"), "save.files[0] lacks 'buffer'"),
     (lambda d: d["retention"].update(keep_last=0), "keep_last must be"),
     (lambda d: d["write"].update(direct_io=1), "save.write.direct_io must be bool"),

@@ -1,23 +1,27 @@
 """The safetensors header codec: an 8-byte little-endian length *N*, *N* bytes of JSON, then the
 data section. zerostall's data files, exported files and imported files all go through it.
 
-:func:`encode_header` writes the header; :func:`header_length`, :func:`decode_header` and
-:func:`tensor_entries` read one, checking everything the format's reference reader checks and
-raising :class:`HeaderError` that says what is wrong (callers name the file).
+:class:`TensorEntry` is the format's own record of one tensor. :func:`header_of` writes a header
+from such records (zerostall's data files derive theirs from their leaf entries,
+:meth:`zerostall.format.manifest.LeafEntry.header_entry`), :func:`encode_header` from its JSON
+object; :func:`header_length`, :func:`decode_header` and :func:`tensor_entries` read one, checking
+everything the format's reference reader checks and raising :class:`HeaderError` that says what is
+wrong (callers name the file).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from zerostall.dtypes import ITEMSIZE
 
 __all__ = [
-    "DATA_ALIGN", "MAX_HEADER", "HeaderError", "TensorEntry", "encode_header", "header_length", "decode_header",
-    "tensor_entries",
+    "DATA_ALIGN", "MAX_HEADER", "HeaderError", "TensorEntry", "header_of", "encode_header", "header_length",
+    "decode_header", "tensor_entries",
 ]
 
 #: zerostall's data files and exports start every tensor (and the data section) at a multiple of this
@@ -40,6 +44,15 @@ class TensorEntry:
     shape: tuple[int, ...]
     lo: int
     hi: int
+
+
+def header_of(tensors: Iterable[TensorEntry], metadata: dict[str, str], *, align: int = DATA_ALIGN) -> bytes:
+    """The header of a file holding ``tensors`` (in the order given) and ``metadata``, as
+    :func:`encode_header` frames it."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.lo, t.hi]}
+    return encode_header(header, align=align)
 
 
 def encode_header(header: dict[str, Any], *, align: int = DATA_ALIGN) -> bytes:

@@ -18,10 +18,11 @@ from typing import Any
 
 from zerostall.dtypes import ITEMSIZE
 from zerostall.errors import CorruptCheckpointError, UnsupportedFormatError
+from zerostall.format.header import TensorEntry
 from zerostall.format.layout import MANIFEST_NAME
 
 __all__ = [
-    "FORMAT_VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "FileEntry", "LeafEntry", "Manifest",
+    "FORMAT_VERSION", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "FileEntry", "LeafEntry", "leaf_entry", "Manifest",
     "parse_manifest", "encode_manifest",
 ]
 
@@ -37,22 +38,60 @@ NODE_TYPES = frozenset({"none", "bool", "int", "float", "str", "bytes", "array",
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
+_new_object = object.__new__
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the checkpoint, "/"-separated, no ".." components
     size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LeafEntry:
+    """One leaf: its bytes are ``[offset, offset + nbytes)`` of data file ``file``.
+
+    The one record of a leaf from plan to manifest: the staging plan makes it
+    (:func:`zerostall.stage.plan.lay_out`), the writer receives it unchanged on the wire (it is
+    :class:`zerostall.messages.LeafRow`), and the manifest holds it as :meth:`to_json` spells it,
+    with the ``crc32c`` the writer (or staging) computed; :func:`parse_manifest` reads it back.
+    The data file's safetensors header entry is derived from it (:meth:`header_entry`).
+    """
+
     key: str
-    kind: str
-    dtype: str
+    kind: str  # torch, numpy, numpy_scalar, bytes, custom (LEAF_KINDS)
+    dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
-    file: int
-    offset: int
+    file: int  # index into the manifest's files (on the wire: into SaveJob.files)
+    offset: int  # absolute byte offset in that file
     nbytes: int
-    crc32c: int | None
+    #: CRC32C of the bytes; None until computed (a planned leaf), or a manifest that lacks one
+    crc32c: int | None = None
+    #: False when no other process can hold these bytes (a shard of a Shard-only DTensor): a
+    #: collective save does not hash them looking for replicas. Not written to the manifest
+    #: (a load does not care who else held the bytes): a parsed entry says True.
+    shared: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's object for this leaf (``shared`` is not part of it)."""
+        return {"key": self.key, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
+                "file": self.file, "offset": self.offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+    def header_entry(self, data_start: int) -> TensorEntry:
+        """This leaf's entry in the safetensors header of its data file, whose data section starts at
+        byte ``data_start``."""
+        lo = self.offset - data_start
+        return TensorEntry(self.key, self.dtype, self.shape, lo, lo + self.nbytes)
+
+
+def leaf_entry(key: str, kind: str, dtype: str, shape: tuple[int, ...], file: int, offset: int, nbytes: int,
+               crc32c: int | None = None, shared: bool = True) -> LeafEntry:
+    """``LeafEntry(...)`` without the frozen dataclass's ``__init__`` (one ``object.__setattr__``
+    per field): for the callers that make one per leaf of a layout or a manifest of thousands."""
+    entry = _new_object(LeafEntry)
+    entry.__dict__.update(key=key, kind=kind, dtype=dtype, shape=shape, file=file, offset=offset, nbytes=nbytes,
+                          crc32c=crc32c, shared=shared)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -210,16 +249,13 @@ def _ranks(doc: dict[str, Any], n_leaves: int, path: str) -> tuple[dict[str, Any
     return tuple(out)
 
 
-_new_object = object.__new__
-
-
 def _plain_leaf(lf: Any, sizes: list[int]) -> LeafEntry | None:
     """``lf`` as a :class:`LeafEntry` when it passes every check of :func:`_leaf`, else None (then
     :func:`_leaf` runs and says what is wrong).
 
     The same checks in fewer steps: a manifest of 20,000 leaves spent ~8 us a leaf in
     :func:`_leaf`'s helper calls. The entry is built without the frozen dataclass's ``__init__``
-    (one ``object.__setattr__`` per field).
+    (:func:`leaf_entry`).
     """
     if type(lf) is not dict:
         return None
@@ -244,10 +280,7 @@ def _plain_leaf(lf: Any, sizes: list[int]) -> LeafEntry | None:
         return None
     if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
         return None
-    entry = _new_object(LeafEntry)
-    entry.__dict__.update(key=key, kind=kind, dtype=dtype, shape=tuple(shape), file=fi, offset=offset,
-                          nbytes=nbytes, crc32c=crc)
-    return entry
+    return leaf_entry(key, kind, dtype, tuple(shape), fi, offset, nbytes, crc)
 
 
 def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
@@ -285,7 +318,7 @@ def _leaf(lf: Any, i: int, files: list[FileEntry], path: str) -> LeafEntry:
     crc = lf.get("crc32c")
     if crc is not None and (type(crc) is not int or not 0 <= crc < 2**32):
         raise _bad("crc32c must be a 32-bit unsigned integer", path, key)
-    return LeafEntry(key, kind, dtype, dims, fi, offset, nbytes, crc)
+    return LeafEntry(key=key, kind=kind, dtype=dtype, shape=dims, file=fi, offset=offset, nbytes=nbytes, crc32c=crc)
 
 
 def _check_overlaps(leaves: list[LeafEntry], path: str) -> None:

@@ -39,7 +39,7 @@ from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.persist.collective import CollectiveStep
-from zerostall.stage.plan import plan_file
+from zerostall.stage.plan import lay_out
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.base import as_piece_writer
 
@@ -261,7 +261,7 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
             if getattr(step, "writes", True):
                 written, files = _write(job, step, storage, views, mine)
             else:  # the staged images stay where they are (the memory tier)
-                written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
+                written = [lf.to_json() for lf in job.leaves]
                 files = [{"name": f.name, "size": f.length} for f in job.files]
         finally:
             if crc_thread is not None:
@@ -343,7 +343,10 @@ def _known(job: SaveJob, known_crcs: Sequence[int | None] | None) -> list[int | 
 
 def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview],
            mine: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Write this writer's data files; return the manifest rows of the leaves written, and the files."""
+    """Write this writer's data files; return the manifest rows of the leaves written, and the files.
+
+    A row is the leaf's entry as the trainer planned it (:meth:`~zerostall.format.manifest.LeafEntry.to_json`),
+    unchanged where the staged image is the file; the caller adds the checksum."""
     w = job.write
     if len(mine) == len(job.leaves):
         # Everything staged is this writer's: the staged images are the files, written as they are.
@@ -358,21 +361,17 @@ def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview],
         else:
             with ThreadPoolExecutor(max_workers=min(4, len(job.files))) as pool:
                 list(pool.map(write_file, range(len(job.files))))
-        written = [_row(lf, lf.file, lf.offset) for lf in job.leaves]
+        written = [lf.to_json() for lf in job.leaves]
         return written, [{"name": f.name, "size": f.length} for f in job.files]
-    # A collective save gave some leaves to other ranks: lay out the rest compactly (same rules as
-    # the staging plan) and write each leaf from the staging buffer to its new offset.
+    # A collective save gave some leaves to other ranks: lay out the rest compactly (the staging
+    # plan's own rules) and write each leaf from the staging buffer to its new place, which only
+    # this writer knows: its entry, laid out again, is what the manifest records.
     leaves = [job.leaves[i] for i in mine]
-    fplan, offsets = plan_file(leaves, rank=job.collective.rank if job.collective is not None else 0)
+    fplan, placed = lay_out(leaves, rank=job.collective.rank if job.collective is not None else 0)
     name = job.files[0].name
     _write_compact(storage, step.data_key(name), views, fplan.header, fplan.size,
-                   [(lf.file, lf.offset, off, lf.nbytes) for lf, off in zip(leaves, offsets, strict=True)])
-    return [_row(lf, 0, off) for lf, off in zip(leaves, offsets, strict=True)], [{"name": name, "size": fplan.size}]
-
-
-def _row(lf: LeafRow, file: int, offset: int) -> dict[str, Any]:
-    return {"key": lf.key, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape), "file": file,
-            "offset": offset, "nbytes": lf.nbytes}
+                   [(lf.file, lf.offset, to.offset, lf.nbytes) for lf, to in zip(leaves, placed, strict=True)])
+    return [to.to_json() for to in placed], [{"name": name, "size": fplan.size}]
 
 
 def _write_compact(storage: Storage, key: str, views: list[memoryview], header: bytes, size: int,

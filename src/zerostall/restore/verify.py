@@ -158,8 +158,8 @@ def _check_header(storage: Storage, name: str, m: Manifest, fi: int, size: int) 
         if leaf.file != fi:
             continue
         h = header.get(leaf.key)
-        want = {"dtype": leaf.dtype, "shape": list(leaf.shape),
-                "data_offsets": [leaf.offset - start, leaf.offset - start + leaf.nbytes]}
+        entry = leaf.header_entry(start)  # what the header says of a leaf the manifest describes so
+        want = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.lo, entry.hi]}
         if not isinstance(h, dict):
             out.append(bad("the data file's header has no entry for this leaf", leaf.key))
             continue

@@ -5,10 +5,10 @@ is copied exactly once, from the source tensor into its final place in a data-fi
 """
 
 from zerostall.stage.buffers import BufferPool, HostBuffer, Slot
-from zerostall.stage.plan import FilePlan, LeafSlot, Plan, make_plan
+from zerostall.stage.plan import FilePlan, Plan, make_plan
 from zerostall.stage.stager import CopyEngine, CpuCopyEngine, CudaCopyEngine, select_engine, stage
 
 __all__ = [
-    "BufferPool", "HostBuffer", "Slot", "FilePlan", "LeafSlot", "Plan", "make_plan",
+    "BufferPool", "HostBuffer", "Slot", "FilePlan", "Plan", "make_plan",
     "CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage",
 ]

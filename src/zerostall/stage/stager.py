@@ -159,8 +159,8 @@ def _views(slot: Slot, plan: Plan, flat: FlatState) -> list[Any]:
         return slot.views
     views: list[Any] = []
     torch = sys.modules.get("torch")
-    for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file, strict=True):
-        buf = slot.buffers[fi].mmap
+    for leaf, place in zip(flat.leaves, plan.leaves, strict=True):
+        buf = slot.buffers[place.file].mmap
         if leaf.nbytes == 0:
             views.append(None)
         elif leaf.kind == "torch":
