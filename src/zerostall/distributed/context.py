@@ -1,7 +1,7 @@
 """The training-thread side of collective saves: who we are, the run id, the save counter.
 
-Runs on the training thread. The only collective here is one ``all_gather_object`` at an
-engine's first collective save (the run id from rank 0, and a check that every rank saves the
+Runs on the training thread. The only collective here is one exchange (bounded by
+``timeout_s``: :mod:`zerostall.distributed.exchange`) at an engine's first collective save (the run id from rank 0, and a check that every rank saves the
 same path); every later save derives its attempt's names locally from ``(run id, counter)``.
 """
 
@@ -12,6 +12,7 @@ import threading
 import uuid
 from typing import Any
 
+from zerostall.distributed.exchange import gather
 from zerostall.errors import ZerostallError
 from zerostall.messages import Collective, WriterStats
 from zerostall.options import DistributedOptions
@@ -65,11 +66,8 @@ class DistContext:
         ``timeout_s`` bounds this save's waits below ``DistributedOptions.timeout_s``."""
         rank = self.rank
         if self.run is None:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, (uuid.uuid4().hex[:12], f"{root_url.rstrip('/')}/{name}"),
-                                   group=self.group)
+            gathered = gather((uuid.uuid4().hex[:12], f"{root_url.rstrip('/')}/{name}"), self.opts,
+                              what="the first collective save", path=f"{root_url.rstrip('/')}/{name}")
             paths = {g[1] for g in gathered}
             if len(paths) != 1:
                 raise ValueError(f"a collective save needs the same path on every rank, got {sorted(paths)}")
@@ -123,10 +121,6 @@ def agree_steps(local: list[int], opts: DistributedOptions | None) -> list[int]:
     filesystem cache): a step only some ranks see cannot be loaded by all of them, so it is
     not offered to any. Runs on the training thread of every rank of the group: every rank must call it.
     """
-    import torch.distributed as dist
-
-    group, _, world = group_rank_world(opts)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, [int(s) for s in local], group=group)
+    gathered = gather([int(s) for s in local], opts, what="listing the steps every rank sees")
     common = set(gathered[0]).intersection(*gathered[1:])
     return sorted(common)

@@ -4,8 +4,9 @@ Runs on the training thread of every rank (a load is collective: every rank call
 same checkpoint). Rank ``r`` restores the tree rank ``r`` saved (ranks beyond the saving world
 take rank 0's). Leaves that every saving rank referenced (DDP state) are, with
 ``replicated=BROADCAST``, read by one rank each (spread by bytes) and broadcast; everything
-else each rank reads itself. Two ``all_gather_object`` calls (after planning, after reading)
-make every rank raise the same error instead of leaving others blocked in a broadcast.
+else each rank reads itself. Exchanges after planning, after reading and after copying (bounded
+by ``timeout_s``: :mod:`zerostall.distributed.exchange`) make every rank raise the same error
+instead of leaving others blocked in a broadcast.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerostall.distributed.context import active, group_rank_world
+from zerostall.distributed.exchange import broadcast, gather
 from zerostall.format.manifest import Manifest
 from zerostall.messages import WireError, from_wire, to_wire
 from zerostall.options import DistributedOptions, LoadOptions, Replicated
@@ -125,8 +127,8 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         want = sorted(by_leaf)
     except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (want, _wire(err, rank, path)), group=group)
+    dopts = opts.distributed or DistributedOptions()
+    gathered = gather((want, _wire(err, rank, path)), dopts, what="the collective load's plan", path=path)
     _raise_first([g[1] for g in gathered], rank, err)
 
     # Replicated leaves: one reader each, spread by bytes, grouped into batches per owner.
@@ -160,8 +162,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         commit = prepare_reads(storage, name, m, reads, opts, path)
     except BaseException as exc:  # noqa: BLE001 - gathered below, so that every rank raises the same error
         err = exc
-    statuses: list[Any] = [None] * world
-    dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
+    statuses = gather(_wire(err, rank, path), dopts, what="the collective load's reads", path=path)
     _raise_first(statuses, rank, err)
     # Every rank verified its reads: only now does any rank write into its templates (all or nothing
     # across the group, LoadOptions.atomic); an I/O error while copying is still raised everywhere.
@@ -169,7 +170,7 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
         commit()
     except BaseException as exc:  # noqa: BLE001 - gathered below
         err = exc
-    dist.all_gather_object(statuses, _wire(err, rank, path), group=group)
+    statuses = gather(_wire(err, rank, path), dopts, what="the collective load's copies", path=path)
     _raise_first(statuses, rank, err)
 
     on_cuda = dist.get_backend(group) == "nccl"
@@ -184,27 +185,21 @@ def load_collective(root_url: str, name: str, items: dict[str, Any] | None, opts
     return assemble(thunks, path)
 
 
-def agree_step(local_latest: Any, opts: DistributedOptions | None) -> Any:
-    """Rank 0's answer to "which step is the latest", on every rank (one broadcast)."""
-    import torch.distributed as dist
-
-    group, _, _ = group_rank_world(opts)
-    box = [local_latest]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
+def agree_step(local_latest: Any, opts: DistributedOptions | None, *, what: str = "agreeing on a step",
+               path: str | None = None) -> Any:
+    """Rank 0's answer (plain data) to "which step is the latest", on every rank (one broadcast,
+    bounded by ``timeout_s``: :mod:`zerostall.distributed.exchange`)."""
+    return broadcast(local_latest, opts, what=what, path=path)
 
 
-def gather_objects(obj: Any, opts: DistributedOptions | None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (one ``all_gather_object``)."""
-    import torch.distributed as dist
-
-    group, _, world = group_rank_world(opts)
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def gather_objects(obj: Any, opts: DistributedOptions | None, *, what: str = "a collective exchange",
+                   step: int | None = None, path: str | None = None) -> list[Any]:
+    """Every rank's ``obj`` (plain data), in rank order, on every rank (bounded by ``timeout_s``:
+    :mod:`zerostall.distributed.exchange`)."""
+    return gather(obj, opts, what=what, step=step, path=path)
 
 
 def raise_together(err: BaseException | None, opts: DistributedOptions | None, path: str) -> None:
     """Raise on every rank the first error any rank had (``err`` is this rank's, or None)."""
     _, rank, _ = group_rank_world(opts)
-    _raise_first(gather_objects(_wire(err, rank, path), opts), rank, err)
+    _raise_first(gather_objects(_wire(err, rank, path), opts, what="sharing the outcome", path=path), rank, err)
