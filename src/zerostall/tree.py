@@ -3,8 +3,9 @@
 Runs on the training thread at every save: it only walks containers and reads tensor metadata;
 no tensor bytes are touched here.
 
-A state is a nest of dict / list / tuple / namedtuple whose leaves are torch tensors, numpy
-arrays, Python scalars (int, float, bool, str, None), ``bytes``, objects with a
+A state is a nest of dict / list / tuple / namedtuple whose leaves are objects of a registered
+array type (:mod:`zerostall.arraytypes`: torch tensors and numpy arrays, registered here; JAX
+arrays, DTensors), Python scalars (int, float, bool, str, None), ``bytes``, objects with a
 ``state_dict()`` / ``load_state_dict()`` pair (:class:`Stateful`: modules, optimizers, LR
 schedulers, user objects), or objects of a type with a registered :class:`LeafHandler`.
 """
@@ -26,12 +27,16 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from zerostall import arraytypes
+from zerostall.arraytypes import ArrayLeaf, ArrayType, LeafKind, Node, array_type_of, register_array_type
 from zerostall.dtypes import ITEMSIZE, numpy_dtype_name, torch_dtype_name
 from zerostall.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedLeafError
 
 __all__ = [
     "Stateful",
     "LeafHandler",
+    "TORCH",
+    "NUMPY",
     "register_handler",
     "unregister_handler",
     "ArrayLeaf",
@@ -51,8 +56,6 @@ __all__ = [
 ]
 
 JSON = Any
-Node = dict[str, Any]
-LeafKind = Literal["torch", "numpy", "numpy_scalar", "bytes", "custom"]
 
 
 @runtime_checkable
@@ -156,9 +159,9 @@ def _bump_generation() -> None:
 
 
 def registry_generation() -> int:
-    """A number that changes whenever a handler or flattener is registered or removed: a
+    """A number that changes whenever a handler or an array type is registered or removed: a
     :class:`Layout` made under another generation may flatten differently and is not used."""
-    return _GENERATION
+    return _GENERATION + arraytypes.generation()
 
 
 def handler_for_type(type_: type) -> LeafHandler | None:
@@ -176,26 +179,11 @@ def handler_by_name(name: str) -> LeafHandler | None:
 
 
 @dataclass(frozen=True)
-class ArrayLeaf:
-    """One run of bytes to stage: a tensor, an array, or an encoded object."""
-
-    key: str
-    kind: LeafKind
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    value: Any  # the tensor / array / bytes; never part of the plan's identity
-    #: False when no other process can hold these bytes (a shard of a Shard-only DTensor): a
-    #: collective save need not hash them looking for replicas
-    shared: bool = True
-
-
-@dataclass(frozen=True)
 class FlatState:
     items: dict[str, Node]
     leaves: list[ArrayLeaf]
-    #: per leaf index: the key a registered flattener's ``reuse`` gave for the object that leaf
-    #: came from (:func:`register_flattener`), where it made exactly that one leaf
+    #: per leaf index: the key a registered array type's ``reuse`` gave for the object that leaf
+    #: came from (:attr:`zerostall.arraytypes.ArrayType.reuse`), where it made exactly that one leaf
     reuse_keys: dict[int, Any] = field(default_factory=dict)
 
     @property
@@ -208,41 +196,20 @@ class FlatState:
 LeafFlattener = Callable[[Any, str, list[ArrayLeaf]], Node]
 #: ``(key, leaf value)`` of an object a flattener makes one leaf of: see :func:`register_flattener`
 LeafReuse = Callable[[Any], tuple[Any, Any]]
-_FLATTENERS: list[tuple[Callable[[type], bool], LeafFlattener]] = []
-_FLATTENER_OF: dict[type, LeafFlattener | None] = {}  # per concrete type: one dict lookup per leaf
-_REUSE: dict[LeafFlattener, LeafReuse] = {}
 
 
 def register_flattener(match: Callable[[type], bool], flatten: LeafFlattener, *,
                        reuse: LeafReuse | None = None) -> None:
-    """Flatten objects whose type satisfies ``match`` with ``flatten`` (checked before torch and numpy).
+    """Flatten objects whose type satisfies ``match`` with ``flatten``: an array type
+    (:func:`zerostall.arraytypes.register_array_type`) that says only how to flatten, named after
+    ``flatten``; loads of its templates take the built-in rules (a ``DTensor`` template is read as
+    a ``torch.Tensor`` is, through its box, :func:`zerostall.restore.register_template_box`).
 
-    How array types from other libraries plug in without this module importing them:
-    :mod:`zerostall.distributed` registers ``DTensor``; a JAX integration registers ``jax.Array``.
     ``flatten(obj, key, leaves)`` appends the object's :class:`ArrayLeaf` s to ``leaves`` and
-    returns the tree node that refers to them. A later registration wins over an earlier one.
-
-    ``reuse(obj)``, for a flattener that makes one torch leaf of an object, returns ``(key,
-    value)`` cheaply: objects of equal keys flatten to the same node and the same leaf but for
-    its value, which is ``value``, whose type, dtype and shape a save of a kept layout checks in
-    bulk (:class:`Layout`). A save of a kept layout then calls ``reuse`` instead of ``flatten``,
-    and flattens as usual where the key differs.
+    returns the tree node that refers to them; ``reuse`` is :attr:`ArrayType.reuse`.
     """
-    with _HANDLER_LOCK:
-        _FLATTENERS.insert(0, (match, flatten))
-        if reuse is not None:
-            _REUSE[flatten] = reuse
-        _FLATTENER_OF.clear()
-        _bump_generation()
-
-
-def _flattener_for(t: type) -> LeafFlattener | None:
-    try:
-        return _FLATTENER_OF[t]
-    except KeyError:
-        fn = next((f for m, f in _FLATTENERS if m(t)), None)
-        _FLATTENER_OF[t] = fn
-        return fn
+    register_array_type(ArrayType(name=f"{flatten.__module__}.{flatten.__qualname__}", matches=match,
+                                  flatten=flatten, reuse=reuse))
 
 
 _LAZY: dict[str, Callable[[], None]] = {}  # module whose import enables an integration -> its loader
@@ -287,7 +254,7 @@ def flatten(items: dict[str, Any], *, states: dict[int, tuple[Any, Any]] | None 
     out: dict[str, Node] = {}
     reuse_keys: dict[int, Any] = {}
     _local.states = states or None
-    _local.reuse_keys = reuse_keys if _REUSE else None
+    _local.reuse_keys = reuse_keys if arraytypes.reuses() else None
     try:
         for name, tree in items.items():
             if not isinstance(name, str) or not name or "/" in name:
@@ -324,25 +291,17 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
         return {"type": "float", "value": obj.hex()}
     if t is str:
         return {"type": "str", "value": obj}
-    if _FLATTENERS:
-        hook = _flattener_for(t)
-        if hook is not None:
-            recorded: dict[int, Any] | None = getattr(_local, "reuse_keys", None)
-            reuse = _REUSE.get(hook) if recorded is not None else None
-            if reuse is None:
-                return hook(obj, key, leaves)
-            n = len(leaves)
-            node = hook(obj, key, leaves)
-            if len(leaves) == n + 1 and recorded is not None:
-                recorded[n] = reuse(obj)[0]
-            return node
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return add_torch_leaf(obj, key, leaves)
-    if isinstance(obj, np.ndarray):
-        return _numpy_leaf(obj, key, leaves, "numpy")
-    if isinstance(obj, np.generic):
-        return _numpy_leaf(np.asarray(obj), key, leaves, "numpy_scalar")
+    array_type = array_type_of(t)  # torch, numpy and every registered type: one dict lookup
+    if array_type is not None:
+        reuse = array_type.reuse
+        recorded: dict[int, Any] | None = getattr(_local, "reuse_keys", None) if reuse is not None else None
+        if recorded is None or reuse is None:
+            return array_type.flatten(obj, key, leaves)
+        n = len(leaves)
+        node = array_type.flatten(obj, key, leaves)
+        if len(leaves) == n + 1:
+            recorded[n] = reuse(obj)[0]
+        return node
     handler = handler_for_type(t)
     if handler is not None:
         return _custom_leaf(obj, handler, key, leaves)
@@ -352,9 +311,10 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
     if isinstance(obj, dict):
         keys: list[Any] = []
         values: list[Node] = []
-        # A state_dict is a dict of plain tensors: those go straight to add_torch_leaf, without a
-        # _flatten call's checks (~0.6 us a leaf, paid at every save; a flattener for the type still wins).
-        plain = (torch.Tensor, torch.nn.Parameter) if torch is not None else ()
+        # A state_dict is a dict of plain tensors: those go straight to add_torch_leaf (torch's
+        # flatten), without a _flatten call's checks (~0.6 us a leaf, paid at every save; another
+        # array type registered for the class still wins: _plain_tensors asks the registry).
+        plain = _plain_tensors()
         for k, v in obj.items():
             if type(k) not in (str, int):
                 raise UnsupportedLeafError(
@@ -363,8 +323,7 @@ def _flatten(obj: Any, key: str, leaves: list[ArrayLeaf], depth: int) -> Node:
                        else ""), key=key)
             keys.append(k)
             child = f"{key}/{k}" if key else str(k)
-            tv = type(v)
-            if tv in plain and (not _FLATTENERS or _flattener_for(tv) is None):
+            if type(v) in plain:
                 values.append(add_torch_leaf(v, child, leaves))
             else:
                 values.append(_flatten(v, child, leaves, depth + 1))
@@ -532,6 +491,52 @@ def _custom_leaf(obj: Any, handler: LeafHandler, key: str, leaves: list[ArrayLea
     return {"type": "custom", "handler": handler.name, "json": encoded}
 
 
+# -- torch and numpy: array types like any other ------------------------------------------------
+
+
+def _is_torch_tensor_type(t: type) -> bool:
+    torch = sys.modules.get("torch")  # a tensor's class exists only once torch is imported
+    return torch is not None and issubclass(t, torch.Tensor)
+
+
+def _read_torch(planner: Any, node: Node, template: Any, key: str) -> Any:
+    return planner.into_tensor(node, template, key)
+
+
+def _is_numpy_type(t: type) -> bool:
+    return issubclass(t, (np.ndarray, np.generic))
+
+
+def _flatten_numpy(a: Any, key: str, leaves: list[ArrayLeaf]) -> Node:
+    if isinstance(a, np.ndarray):
+        return _numpy_leaf(a, key, leaves, "numpy")
+    return _numpy_leaf(np.asarray(a), key, leaves, "numpy_scalar")
+
+
+def _read_numpy(planner: Any, node: Node, template: Any, key: str) -> Any:
+    return planner.into_ndarray(node, template, key)
+
+
+#: torch tensors: staged by torch's own copies (zerostall.stage.stager), read into a template
+#: tensor's memory (:meth:`zerostall.restore.ReadPlanner.into_tensor`)
+TORCH = register_array_type(ArrayType(name="torch.Tensor", matches=_is_torch_tensor_type, flatten=add_torch_leaf,
+                                      read=_read_torch))
+#: numpy arrays and scalars (:meth:`zerostall.restore.ReadPlanner.into_ndarray`)
+NUMPY = register_array_type(ArrayType(name="numpy.ndarray", matches=_is_numpy_type, flatten=_flatten_numpy,
+                                      read=_read_numpy))
+
+
+def _plain_tensors() -> tuple[type, ...]:
+    """``torch.Tensor`` and ``Parameter`` where torch's own array type flattens them: the classes
+    that the flatten of a dict hands straight to :func:`add_torch_leaf`, and a kept layout checks
+    in bulk, with no ``_flatten`` call per leaf (the bulk of a large state; see the dict branch of
+    ``_flatten``)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    return tuple(c for c in (torch.Tensor, torch.nn.Parameter) if array_type_of(c) is TORCH)
+
+
 # -- re-walking a state of a known layout --------------------------------------------------------
 
 
@@ -627,19 +632,17 @@ _EXACT_SCALARS = ("int", "str", "bool", "none")
 
 
 def _hooked(t: type) -> bool:
-    """Whether a flattener or handler decides how objects of type ``t`` are saved."""
-    return bool(_FLATTENERS and _flattener_for(t) is not None) or handler_for_type(t) is not None
+    """Whether an array type or a handler decides how objects of type ``t`` are saved."""
+    return array_type_of(t) is not None or handler_for_type(t) is not None
 
 
 def _unwrap(obj: Any, depth: int, states: dict[int, tuple[Any, Any]]) -> Any:
     """``obj`` with Stateful objects replaced by their ``state_dict()`` as :func:`_flatten` does;
     each call's result is recorded in ``states`` (for a full flatten that follows)."""
-    torch = sys.modules.get("torch")
     while depth <= _MAX_DEPTH:
         t = type(obj)
         if t is dict or t is OrderedDict or t is list or t is tuple or t in _SCALARS or _hooked(t) \
-                or isinstance(obj, (dict, list, tuple, bytes, bytearray, np.ndarray, np.generic)) \
-                or (torch is not None and isinstance(obj, torch.Tensor)) or not is_stateful(obj):
+                or isinstance(obj, (dict, list, tuple, bytes, bytearray)) or not is_stateful(obj):
             return obj
         state = obj.state_dict()
         states[id(obj)] = (obj, state)
@@ -671,10 +674,7 @@ class Layout:
         #: the leaves as flattened, without their values (the plan's identity only)
         self.leaves = [_array_leaf(leaf.key, leaf.kind, leaf.dtype, leaf.shape, leaf.nbytes, None, leaf.shared)
                        for leaf in flat.leaves]
-        torch = sys.modules.get("torch")
-        plain: tuple[type, ...] = ()
-        if torch is not None and not (_FLATTENERS and (_flattener_for(torch.Tensor) or _flattener_for(torch.nn.Parameter))):
-            plain = (torch.Tensor, torch.nn.Parameter)
+        plain = _plain_tensors()
         #: per leaf: a plain tensor reached through dicts, lists and tuples (checked by the caller)
         self.fast = [leaf.kind == "torch" and type(leaf.value) in plain for leaf in flat.leaves]
         self._ops = [_compile(flat.items[name], self.fast, flat.reuse_keys) for name in self.names]
@@ -696,7 +696,7 @@ class Layout:
             UnsupportedLeafError: as :func:`flatten`, for a leaf flattened as usual.
         """
         load_lazy_integrations()
-        if self.generation != _GENERATION or list(items) != self.names:
+        if self.generation != registry_generation() or list(items) != self.names:
             return None
         values: list[Any] = []
         others: dict[int, ArrayLeaf] = {}
@@ -721,8 +721,8 @@ class Layout:
             values.append(obj)
             return op.node
         if kind == "keyed":  # a registered type's one leaf: its key, else flattened as usual
-            hook = _flattener_for(type(obj)) if _FLATTENERS else None
-            reuse = _REUSE.get(hook) if hook is not None else None
+            array_type = array_type_of(type(obj))
+            reuse = array_type.reuse if array_type is not None else None
             if reuse is not None:
                 k, v = reuse(obj)
                 if k == op.reuse_key:

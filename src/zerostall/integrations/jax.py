@@ -1,15 +1,17 @@
 """JAX: ``jax.Array`` leaves and JAX pytrees in every save and load function and the Checkpointer.
 
 Nothing to call: :mod:`zerostall` loads this module at the first save or load after ``jax`` has
-been imported (``import zerostall.integrations.jax`` does it explicitly). It registers two hooks:
+been imported (``import zerostall.integrations.jax`` does it explicitly). It registers two array
+types (:func:`zerostall.arraytypes.register_array_type`), ``jax.Array`` and JAX's pytree nodes,
+each once: how to flatten one, how to stage it and how to load into a template of it.
 
-Saving (training thread, a :func:`zerostall.tree.register_flattener` hook):
+Saving (training thread):
 
 * a ``jax.Array`` on one device is an ordinary array leaf. JAX arrays are immutable, so with
   overlapped staging (the default) ``save_*_async`` only holds a reference to each (and on an
   accelerator starts its device-to-host transfer with ``copy_to_host_async``) and returns; the
-  copy into the staging buffer runs on the engine's copier thread (a background source, see
-  :func:`zerostall.stage.overlap.register_background_source`), straight from the device buffer
+  copy into the staging buffer runs on the engine's copier thread (the array type's background
+  source, :attr:`zerostall.arraytypes.ArrayType.source`), straight from the device buffer
   (a zero-copy host view on CPU, the finished transfer elsewhere). ``response.wait_staged()``
   waits for it. With ``staging="blocking"`` the same copy runs before the call returns.
 * donation (``donate_argnums``) is the one way a saved array can change: the step deletes it.
@@ -29,7 +31,7 @@ Saving (training thread, a :func:`zerostall.tree.register_flattener` hook):
   dict of its children, named by their key paths (field names, dict keys, indices). Optax states
   are named tuples and already are a zerostall container. Static fields are not saved.
 
-Loading (a :func:`zerostall.restore.register_node_reader` hook):
+Loading (the array types' ``read``):
 
 * a template ``jax.Array`` or ``jax.ShapeDtypeStruct`` gets a new ``jax.Array`` with the
   template's sharding (a ``ShapeDtypeStruct`` without one: the default device). Each distinct
@@ -73,6 +75,7 @@ except ImportError as _exc:  # only when imported by hand: zerostall loads this 
         "zerostall.integrations.jax needs the `jax` package, which is not installed: "
         "pip install 'zerostall[jax]'", name=(_exc.name or "jax").split(".")[0]) from _exc
 
+from zerostall.arraytypes import ArrayLeaf, ArrayType, register_array_type
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, torch_dtype_name
 from zerostall.errors import (
     DonatedArrayError,
@@ -81,11 +84,10 @@ from zerostall.errors import (
     MissingKeyError,
     UnsupportedLeafError,
 )
-from zerostall.restore import ReadPlanner, Thunk, register_node_reader
-from zerostall.restore.plan import ML_DTYPE_NAMES, plan_box, saved_shards
+from zerostall.restore import ReadPlanner, Thunk
+from zerostall.restore.plan import plan_box, saved_shards
 from zerostall.stage import overlap as _overlap
-from zerostall.stage.overlap import register_background_source
-from zerostall.tree import ArrayLeaf, flatten_child, key_join, register_flattener
+from zerostall.tree import flatten_child, key_join
 
 __all__ = ["is_jax_array_type", "is_pytree_node_type", "flatten_array", "flatten_pytree_node", "join_processes"]
 
@@ -304,10 +306,6 @@ def _into_pytree_node(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key
     return lambda: jax.tree_util.tree_unflatten(treedef, [p() for p in parts])
 
 
-def _is_ml_dtype(tmpl: Any) -> bool:
-    return isinstance(tmpl, np.ndarray) and torch_dtype_name(tmpl.dtype.name) in ML_DTYPE_NAMES
-
-
 def _is_key_dtype(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
 
@@ -353,20 +351,19 @@ def _scalar_into_jax(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key:
     return build
 
 
-def _reader(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
+def _read_array(planner: ReadPlanner, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+    """Into a ``jax.Array`` or ``jax.ShapeDtypeStruct`` template."""
     t = node["type"]
-    if isinstance(tmpl, (jax.Array, jax.ShapeDtypeStruct)):
-        if t in ("int", "float", "bool") and tuple(tmpl.shape) == () and not _is_key_dtype(tmpl.dtype):
-            return _scalar_into_jax(planner, node, tmpl, key)
-        if t not in ("array", "sharded"):
-            raise MismatchError(f"checkpoint has a {t} here but the template has an array",
-                                path=planner.path, key=key)
-        return _into_key(planner, node, tmpl, key) if _is_key_dtype(tmpl.dtype) else _into_jax(planner, node, tmpl, key)
-    if t == "array" and _is_ml_dtype(tmpl):
-        return planner.into_numpy(node, tmpl, key)  # restore's own rule refuses types numpy alone lacks
-    if tmpl is not None and is_pytree_node_type(type(tmpl)):
-        return _into_pytree_node(planner, node, tmpl, key)
-    return None
+    if t in ("int", "float", "bool") and tuple(tmpl.shape) == () and not _is_key_dtype(tmpl.dtype):
+        return _scalar_into_jax(planner, node, tmpl, key)
+    if t not in ("array", "sharded"):
+        raise MismatchError(f"checkpoint has a {t} here but the template has an array",
+                            path=planner.path, key=key)
+    return _into_key(planner, node, tmpl, key) if _is_key_dtype(tmpl.dtype) else _into_jax(planner, node, tmpl, key)
+
+
+def _is_array_template_type(t: type) -> bool:
+    return issubclass(t, (jax.Array, jax.ShapeDtypeStruct))
 
 
 def join_processes(timeout_s: float = 300.0) -> None:
@@ -415,10 +412,10 @@ def join_processes(timeout_s: float = 300.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-register_background_source(_HostView)
+register_array_type(ArrayType(name="jax.Array", matches=is_jax_array_type, flatten=flatten_array, read=_read_array,
+                              templates=_is_array_template_type, source=_HostView))
+register_array_type(ArrayType(name="jax pytree node", matches=is_pytree_node_type, flatten=flatten_pytree_node,
+                              read=_into_pytree_node))
 # Saves whose background copy is still queued at exit finish before jax's own exit handlers
 # (registered earlier, so run later) tear its backends down.
 atexit.register(_overlap._drain_all)
-register_flattener(is_pytree_node_type, flatten_pytree_node)
-register_flattener(is_jax_array_type, flatten_array)
-register_node_reader(_reader)

@@ -7,8 +7,12 @@ destination: straight into the template tensor's memory when it is a contiguous 
 else a fresh host buffer copied in afterwards. It returns *thunks* that assemble the result
 once the reads (:func:`zerostall.restore.read.execute_reads`) are done.
 
-Templates of array types this module does not know (a ``DTensor``) plug in through
-:func:`register_template_box`.
+Which template goes where is the registry's (:mod:`zerostall.arraytypes`): a template of a
+registered array type is read by that type's ``read`` (torch's and numpy's call
+:meth:`ReadPlanner.into_tensor` and :meth:`ReadPlanner.into_ndarray`; JAX's builds ``jax.Array`` s),
+asked after the node readers (:func:`register_node_reader`) and before the built-in rules for
+containers, scalars and template-less leaves. A ``DTensor`` template is read as a tensor through
+its box (:func:`register_template_box`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from zerostall import envvars
-from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype
+from zerostall.arraytypes import reader_of
+from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype, torch_dtype_name
 from zerostall.errors import (
     CorruptCheckpointError,
     MismatchError,
@@ -35,7 +40,7 @@ from zerostall.errors import (
 )
 from zerostall.format.manifest import LeafEntry, Manifest
 from zerostall.restore.files import ArrivedFiles, DataFiles
-from zerostall.tree import handler_by_name, is_stateful, key_join, load_lazy_integrations
+from zerostall.tree import TORCH, handler_by_name, is_stateful, key_join, load_lazy_integrations
 
 __all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
            "register_node_reader", "Shard", "saved_shards", "plan_box", "numpy_dtype",
@@ -72,8 +77,9 @@ def _box_of(tmpl: Any) -> TemplateBox | None:
     return next((b(tmpl) for m, b in _BOXES if m(t)), None)
 
 
-#: template types :meth:`ReadPlanner.build` hands straight to :meth:`ReadPlanner.array` for ``array``
-#: nodes (filled by :func:`_plain_templates` once torch is imported)
+#: template types :meth:`ReadPlanner.build` reads ``array`` nodes into as torch's array type does,
+#: without asking the readers: ``torch.Tensor`` and ``Parameter`` while torch's type reads them
+#: (set by :func:`_plain_templates` at each planner, once torch is imported)
 _PLAIN_TEMPLATES: set[type] = set()
 #: readers registered with ``plain=True``: they want plain tensor templates too (the fast path is off)
 _READERS_FOR_PLAIN: list[NodeReader] = []
@@ -82,7 +88,11 @@ _READERS_FOR_PLAIN: list[NodeReader] = []
 def _plain_templates() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
-        _PLAIN_TEMPLATES.update((torch.Tensor, torch.nn.Parameter))
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            if reader_of(cls) is TORCH:
+                _PLAIN_TEMPLATES.add(cls)
+            else:
+                _PLAIN_TEMPLATES.discard(cls)
 
 
 #: ``reader(planner, node, template, key)``: a thunk for a node it takes over, else None
@@ -93,10 +103,11 @@ _READERS: list[NodeReader] = []
 def register_node_reader(reader: NodeReader, *, plain: bool = False) -> None:
     """Let ``reader`` plan tree nodes before the built-in rules (a later registration is asked first).
 
-    How templates of other array libraries plug in: the JAX integration reads into ``jax.Array``
-    / ``jax.ShapeDtypeStruct`` templates with their sharding and walks registered pytree nodes.
-    ``reader`` returns None for nodes it leaves to the next reader or the built-in rules; it
-    queues its reads on ``planner.reads`` like the built-in rules do.
+    For rules that are not an array type's (those say how to read their templates in
+    :attr:`zerostall.arraytypes.ArrayType.read`, asked after the readers): :mod:`zerostall.api`
+    refuses templates on torch's ``meta`` device here. ``reader`` returns None for nodes it leaves
+    to the next reader or the other rules; it queues its reads on ``planner.reads`` like the
+    built-in rules do.
 
     ``plain=False`` (the default) promises that ``reader`` returns None for an ``array`` node whose
     template is a plain ``torch.Tensor`` or ``torch.nn.Parameter`` on the CPU: the planner
@@ -198,16 +209,39 @@ class ReadPlanner:
         return MismatchError(f"{what} differs: checkpoint has {saved}, template has {want}", path=self.path, key=key)
 
     def array(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+        """An ``array`` node whose template no array type reads: none, or a Python value (a
+        placeholder: the saved array comes back in fresh memory, as saved)."""
         leaf = self._leaf(node["leaf"])
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(tmpl, torch.Tensor):
-            return self._into_torch(leaf, tmpl, key, torch)
-        if isinstance(tmpl, np.ndarray):
-            return self._into_numpy(leaf, tmpl, key)
         if tmpl is not None and not isinstance(tmpl, (int, float, bool, np.generic)):
             raise MismatchError(f"checkpoint has an array here but the template has {type(tmpl).__name__}",
                                 path=self.path, key=key)
         return self._fresh(leaf, key)
+
+    def into_tensor(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
+        """An ``array`` or ``sharded`` node into the torch tensor ``tmpl`` (torch's array type's
+        read): in its own memory where it is a contiguous CPU tensor, through the device pass on
+        an accelerator, else through a temporary; a ``sharded`` node by box. None for other nodes."""
+        t = node["type"]
+        if t == "array":
+            return self._into_torch(self._leaf(node["leaf"]), tmpl, key, sys.modules["torch"])
+        if t == "sharded":
+            return self._sharded(node, tmpl, key)
+        return None
+
+    def into_ndarray(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
+        """An ``array`` node into the numpy array ``tmpl`` (numpy's array type's read); with bf16 /
+        fp8 ``ml_dtypes`` arrays and ``sharded`` JAX nodes, by box (:meth:`into_numpy`). None for
+        other nodes, and for a numpy scalar template (a placeholder)."""
+        if not isinstance(tmpl, np.ndarray):
+            return None
+        t = node["type"]
+        if t == "array":
+            if torch_dtype_name(tmpl.dtype.name) in ML_DTYPE_NAMES:  # a type numpy alone lacks
+                return self.into_numpy(node, tmpl, key)
+            return self._into_numpy(self._leaf(node["leaf"]), tmpl, key)
+        if t == "sharded" and node.get("kind") == "jax":
+            return self.into_numpy(node, tmpl, key)
+        return None
 
     def _into_torch(self, leaf: LeafEntry, t: Any, key: str, torch: Any) -> Thunk:
         want = _TORCH_DTYPES.get(leaf.dtype)
@@ -307,10 +341,11 @@ class ReadPlanner:
         """A thunk producing the value of ``node``; ``tmpl`` gives destinations and, unless
         ``follow_checkpoint``, the structure (keys absent from the template are not read)."""
         if type(tmpl) in _PLAIN_TEMPLATES and not _READERS_FOR_PLAIN and node.get("type") == "array" and tmpl.is_cpu:
-            # A plain CPU tensor template of an array node (the bulk of a large state): no Stateful
-            # test (a failed getattr costs ~1 us) and no node readers, which all leave such a pair
-            # alone (a meta tensor, which one refuses, is not on the CPU; see register_node_reader)
-            return self.array(node, tmpl, key)
+            # A plain CPU tensor template of an array node (the bulk of a large state): torch's read,
+            # with no Stateful test (a failed getattr costs ~1 us), no node readers, which all leave
+            # such a pair alone (a meta tensor, which one refuses, is not on the CPU; see
+            # register_node_reader), and no registry lookup
+            return self._into_torch(self._leaf(node["leaf"]), tmpl, key, sys.modules["torch"])
         if tmpl is not None and is_stateful(tmpl):
             target = tmpl
             inner = self.build(node, stateful_template(self, target, node), key, follow_checkpoint=True)
@@ -326,6 +361,12 @@ class ReadPlanner:
             return load
         for reader in _READERS:
             thunk = reader(self, node, tmpl, key)
+            if thunk is not None:
+                return thunk
+        array_type = reader_of(type(tmpl)) if tmpl is not None else None
+        if array_type is not None:
+            assert array_type.read is not None
+            thunk = array_type.read(self, node, tmpl, key)
             if thunk is not None:
                 return thunk
         t = node["type"]

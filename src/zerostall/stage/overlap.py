@@ -26,8 +26,8 @@ through ``t.data`` moves no counter the save recorded (the alias has its own), s
 instead: while a copy is in flight, a ``.data`` access of a tensor sharing memory with it waits
 for the copy as a step does (:class:`_DataAccess`).
 
-**Background sources.** A leaf whose value is an instance of a type registered with
-:func:`register_background_source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
+**Background sources.** A leaf whose value is an instance of a registered array type's
+:attr:`~zerostall.arraytypes.ArrayType.source` (JAX's immutable arrays: :mod:`zerostall.integrations.jax`)
 is copied by the same thread through the value's own ``copy_into(dst)``, in every overlapped
 save, owned by an optimizer or not, after its ``hold()`` ran in the save call; the value judges
 itself whether it is still intact and raises (a :class:`~zerostall.errors.TornSnapshotError`
@@ -46,16 +46,17 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 from zerostall import envvars
+from zerostall.arraytypes import BackgroundSource, background_sources
 from zerostall.checksum import join_crcs
 from zerostall.errors import TornSnapshotError, ZerostallError
 from zerostall.memcopy import copy
 from zerostall.stage.ownership import Spans, deferrable, note_optimizer, optimizer_tensors, span
 
 __all__ = ["OverlapTask", "Copier", "Guard", "GUARD", "build_task", "CHUNK", "BackgroundSource",
-           "register_background_source", "deferrable_any", "sync_all"]
+           "deferrable_any", "sync_all"]
 
 log = logging.getLogger("zerostall")
 
@@ -230,40 +231,14 @@ class _Enqueuer:
 _ENQUEUER = _Enqueuer()
 
 
-class BackgroundSource(Protocol):
-    """A leaf value that copies itself into its staging view on the copier thread."""
-
-    def hold(self) -> None:
-        """On the training thread, in the save call: keep what the later copy needs (may raise)."""
-
-    def copy_into(self, dst: Any, crc: int | None = None) -> int | None:
-        """Copy every byte into ``dst``; raise if the source can no longer give the bytes of the call.
-
-        With ``crc`` (0 starts a CRC32C), return the CRC32C of the bytes where the copy's own pass
-        computed it (:func:`zerostall.memcopy.copy_array`), else ``None``: the writer sums them."""
-
-
-#: leaf value types copied through :meth:`BackgroundSource.copy_into` (see :func:`register_background_source`)
-_SOURCES: tuple[type, ...] = ()
-
-
-def register_background_source(t: type) -> None:
-    """Copy leaves whose value is a ``t`` (a :class:`BackgroundSource`) in the background in overlapped saves.
-
-    For values nothing can modify in place (a registering integration's promise): the save returns
-    holding a reference, and the value's ``copy_into`` runs on the copier thread.
-    """
-    global _SOURCES
-    if t not in _SOURCES:
-        _SOURCES = (*_SOURCES, t)
-
-
 def deferrable_any(items: Any, leaves: list[Any]) -> tuple[list[bool], list[Any]] | None:
-    """:func:`~zerostall.stage.ownership.deferrable` plus the leaves of registered background sources."""
+    """:func:`~zerostall.stage.ownership.deferrable` plus the leaves whose value is a registered
+    array type's background source (:func:`zerostall.arraytypes.background_sources`)."""
     split = deferrable(items, leaves)
-    if not _SOURCES:
+    sources = background_sources()
+    if not sources:
         return split
-    host = [isinstance(leaf.value, _SOURCES) and leaf.nbytes > 0 for leaf in leaves]
+    host = [isinstance(leaf.value, sources) and leaf.nbytes > 0 for leaf in leaves]
     if not any(host):
         return split
     if split is None:
@@ -301,7 +276,7 @@ class OverlapTask:
     span_tensors: list[Any] = field(default_factory=list)
     span_lock: threading.Lock = field(default_factory=threading.Lock)
     _verdicts: dict[int, bool] = field(default_factory=dict)
-    #: background sources (see :func:`register_background_source`), copied after ``cpu``
+    #: background sources (:attr:`zerostall.arraytypes.ArrayType.source`), copied after ``cpu``
     host: list[_HostCopy] = field(default_factory=list)
     #: ``cpu`` cut into claimable pieces (set by :func:`build_task`)
     pieces: _Pieces | None = None
@@ -478,7 +453,7 @@ def _list_host_copies(task: OverlapTask, leaves: list[Any], views: list[Any], de
     """List the copies of ``task`` in bulk, one comprehension a field, when every deferred leaf is
     a host tensor (no background source, nothing on CUDA): a state of many leaves paid ~1 us a
     leaf in the general loop of :func:`build_task`. False (nothing done) otherwise."""
-    if _SOURCES:
+    if background_sources():
         return False
     picked = [li for li, (dst, d) in enumerate(zip(views, defer, strict=True)) if d and dst is not None]
     ts = [leaves[li].value for li in picked]
@@ -504,10 +479,11 @@ def build_task(path: str, leaves: list[Any], views: list[Any], defer: list[bool]
     task = OverlapTask(path, owners={id(o) for o in owners or ()}, crc=crc)
     by_device: dict[Any, list[tuple[str, Any, Any, int, Any]]] = {}
     listed = _list_host_copies(task, leaves, views, defer)
+    sources = background_sources()
     for li, (leaf, dst, d) in enumerate(() if listed else zip(leaves, views, defer, strict=True)):
         if not d or dst is None:
             continue
-        if _SOURCES and isinstance(leaf.value, _SOURCES):
+        if sources and isinstance(leaf.value, sources):
             source = cast(BackgroundSource, leaf.value)
             try:
                 source.hold()

@@ -10,17 +10,18 @@ from __future__ import annotations
 import sys
 from itertools import compress, count, repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 import zerostall.memcopy as memcopy
+from zerostall.arraytypes import ArrayLeaf, BackgroundSource, background_sources
 from zerostall.checksum import join_crcs
 from zerostall.cpus import usable_cpus
 from zerostall.dtypes import to_numpy_dtype, to_torch_dtype
 from zerostall.stage.buffers import Slot
 from zerostall.stage.plan import Plan
-from zerostall.tree import ArrayLeaf, FlatState
+from zerostall.tree import FlatState
 
 __all__ = ["CopyEngine", "CpuCopyEngine", "CudaCopyEngine", "select_engine", "stage", "prepare_slot", "STAGE_CRC",
            "staging_checksums"]
@@ -230,6 +231,7 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
         engine = select_engine(flat.leaves if skip is None else
                                [leaf for leaf, s in zip(flat.leaves, skip, strict=True) if not s], crc=want)
     torch = sys.modules.get("torch")
+    sources = background_sources()
     grad_off = torch.no_grad() if torch is not None else None
     if grad_off is not None:
         grad_off.__enter__()
@@ -262,11 +264,14 @@ def stage(flat: FlatState, plan: Plan, slot: Slot, engine: CopyEngine | None = N
                 else:
                     engine.copy(dst, leaf.value, i)
             elif leaf.kind in ("numpy", "numpy_scalar"):
-                if want and leaf.nbytes >= memcopy.MIN_STREAM:
-                    assert crcs is not None
-                    crcs[i] = memcopy.copy_array(dst, leaf.value, crc=0)
+                crc = 0 if want and leaf.nbytes >= memcopy.MIN_STREAM else None
+                if sources and isinstance(leaf.value, sources):  # an array type's source copies itself
+                    got = cast(BackgroundSource, leaf.value).copy_into(dst, crc)
                 else:
-                    memcopy.copy_array(dst, leaf.value)
+                    got = memcopy.copy_array(dst, leaf.value, crc)
+                if crc is not None:
+                    assert crcs is not None
+                    crcs[i] = got
             else:
                 dst[:] = np.frombuffer(leaf.value, dtype=np.uint8)
         if dsts:
