@@ -82,7 +82,13 @@ def _make_class() -> type:
             self.deadline: float | None = None
 
         def _bound(self, wait_s: float | None) -> float:
-            bound = self._timeout_s if wait_s is None else wait_s + SLACK_S
+            """How long a request may take: ``timeout_s`` (within the deadline), or for one that
+            waits ``wait_s`` on the server (a wait, whose own timeout the caller already cut to
+            the deadline; a get), that plus :data:`SLACK_S`, so that a live server's own
+            timeout is what ends it."""
+            if wait_s is not None:
+                return wait_s + SLACK_S
+            bound = self._timeout_s
             if self.deadline is not None:
                 bound = min(bound, max(0.0, self.deadline - time.monotonic()))
             return bound

@@ -58,8 +58,10 @@ __all__ = [
 #: answer with its own step for another rank's replica); 8: LeafLayout, ForgetLayout, SaveJob.layout
 #: and SaveJob.order (a job may name its leaf rows and unchanged item nodes instead of carrying them);
 #: 9: PersistHeld.timeout_s (a preemption notice bounds the keepers' persist by the time it leaves);
-#: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field
-PROTOCOL = 10
+#: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field;
+#: 11: ImageQuery.request and Image.request (an answer to a query the trainer stopped waiting for,
+#: a keeper that hung, is never taken for a later query's: it may describe another rank's replica)
+PROTOCOL = 11
 
 
 class ProtocolMismatchError(WriterError):
@@ -456,6 +458,8 @@ class ImageQuery:
     #: ask instead for the replica this keeper holds of rank ``origin``'s step (another host's
     #: rank; :class:`ReplicaSetup`): the :class:`Image` then describes that replica
     origin: int | None = None
+    #: the asker's number for this query, repeated in the :class:`Image` that answers it
+    request: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -520,6 +524,8 @@ class Image:
     instance: str = ""
     #: the replicas of other ranks' steps this keeper holds (:class:`ReplicaSetup`)
     replicas: tuple[HeldReplica, ...] = ()
+    #: the :class:`ImageQuery` this answers (its ``request``)
+    request: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
-"""One rank of the node-loss tests of replicas (gloo; each rank its own process, its host given
-by ``ZEROSTALL_HOST_ID``; the job's store is the test's, at ``MASTER_ADDR:MASTER_PORT``, as
-torchrun's agent store outlives its workers).
+"""One rank of the node-loss and partition tests of replicas (gloo; each rank its own process, in
+a namespace host of tests/support/nshosts.py; the job's store is the test's, at
+``MASTER_ADDR:MASTER_PORT``, as torchrun's agent store outlives its workers).
 
 ``python _replica_host_trainer.py PHASE RANK WORLD DIR TIMEOUT_S OUT [REPLICAS]`` with PHASE:
 
@@ -10,7 +10,14 @@ torchrun's agent store outlives its workers).
   inodes of this trainer's staging memfds>`` and ``READY``, then wait to be killed;
 - ``resume``: restore the step the ranks agree on, train on to step ``LAST`` and ``close()``;
   write ``OUT`` (JSON: the agreed step, the step loaded, whether the state after the load and at
-  the end equals an uninterrupted run's, bit for bit, and the keeper failures reported).
+  the end equals an uninterrupted run's, bit for bit, the keeper failures reported, and how long
+  the load took); with ``ZS_HOLD_AFTER_LOAD=1``, print ``LOADED`` after the load and wait for a
+  line on stdin before training on;
+- ``partition``: steps 1..5 (each with an all-reduce), waiting before step 5's save until the
+  file ``DIR/../cut`` exists (the test cuts a host off first); print ``RESULT5 <tiers>
+  <seconds result() took>``, then call ``latest_step()`` and print ``UNREACHABLE <seconds>
+  <JSON: ranks, message>`` when it raises ``PeerUnreachableError``, which then ends the process
+  through ``with ck`` (a failing job: its keepers persist what they hold).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
@@ -42,6 +50,37 @@ def uninterrupted(rank: int, step: int) -> torch.Tensor:
     for s in range(1, step + 1):
         w = train(rank, w, s)
     return w
+
+
+def partition(ck: Checkpointer, rank: int, d: str, timeout: float) -> None:
+    """Steps 1..5 (step 4 persisted), each with the training step's all-reduce; before step 5's
+    save, wait for the test to cut a host off (``DIR/../cut``); then ``ck.latest_step()``, a
+    zerostall collective, which the partition must end within ``timeout``: leave as a failing
+    job does (an exception out of ``with ck``)."""
+    from zerostall.errors import PeerUnreachableError
+
+    cut = os.path.join(os.path.dirname(d), "cut")
+    w, x = torch.zeros(64, 64), torch.ones(1)
+    with ck:
+        for step in range(1, 6):
+            w = train(rank, w, step)
+            dist.all_reduce(x)  # the training step's own collective
+            if step == 5:
+                print("REDUCED 5", flush=True)
+                while not os.path.exists(cut):
+                    time.sleep(0.01)
+            t0 = time.monotonic()
+            ck.save_pytree(step, {"w": w, "step": step})
+            if step == 5:
+                print("RESULT5", ",".join(ck.stats()[-1].tiers), f"{time.monotonic() - t0:.2f}", flush=True)
+        t0 = time.monotonic()
+        try:
+            ck.latest_step()
+        except PeerUnreachableError as exc:
+            print("UNREACHABLE", f"{time.monotonic() - t0:.2f}", json.dumps({"ranks": list(exc.ranks), "message": str(exc)}),
+                  flush=True)
+            raise
+        print("NOT CUT OFF", flush=True)
 
 
 def main() -> None:
@@ -76,10 +115,18 @@ def main() -> None:
         print("READY", flush=True)
         sys.stdin.read()
         return
+    if phase == "partition":
+        partition(ck, rank, d, timeout)
+        return
     res: dict = {"adopted": ck._engine.writer.adopted}
     start = ck.latest_step()
     assert start is not None
+    t0 = time.monotonic()
     got = ck.load_pytree(template={"w": torch.zeros(64, 64), "step": 0})
+    res["load_s"] = time.monotonic() - t0
+    if os.environ.get("ZS_HOLD_AFTER_LOAD") == "1":  # the test lets a hung keeper go on first
+        print("LOADED", flush=True)
+        sys.stdin.readline()
     loaded = ck.last_loaded_step
     assert loaded is not None
     res["agreed"], res["loaded"] = start, loaded

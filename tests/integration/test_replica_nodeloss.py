@@ -1,15 +1,16 @@
 """A lost node costs no memory step: every rank's newest step is also in another host's keeper.
 
-Four gloo ranks, each its own process; hosts simulated with ``ZEROSTALL_HOST_ID`` (ranks 0 and 1
-on host A, 2 and 3 on host B); the job's store is this test's (as torchrun's agent store, it
-outlives the workers). ``MemoryTier(persist_interval_steps=4, replicas=1)``: steps 1..6 are saved,
-step 4 persisted, and each rank's step is replicated to the keeper of the rank one host over
-(rank 2's to rank 0's keeper, 3's to 1's, 0's to 2's, 1's to 3's). Then host B is lost (trainers
-and keepers SIGKILLed) and host A's trainers die; the job restarts with ranks 2 and 3 on a new
-host C, whose keepers are empty. Storage holds step 4 only. The fallbacks (a corrupted replica,
-both copies lost) run the same job with a rank per host, hosts A and B, then A and C.
+Four gloo ranks, each its own process, on hosts made as network namespaces (tests/support/nshosts.py:
+each its own address, hostname, /dev/shm and /tmp; no ``ZEROSTALL_HOST_ID``): ranks 0 and 1 on
+host a, 2 and 3 on host b; the job's store runs in host a (as torchrun's agent store, it outlives
+the workers). ``MemoryTier(persist_interval_steps=4, replicas=1)``: steps 1..6 are saved, step 4
+persisted, and each rank's step is replicated to the keeper of the rank one host over (rank 2's to
+rank 0's keeper, 3's to 1's, 0's to 2's, 1's to 3's). Then host b is lost (every process in it
+SIGKILLed) and host a's trainers die; the job restarts with ranks 2 and 3 on a new host c, whose
+keepers are empty. Storage holds step 4 only. The fallbacks (a corrupted replica, both copies
+lost) run the same job with a rank per host, hosts a and b, then a and c.
 
-When the job never restarts, host A's keepers persist step 6 all the same: each stands in for
+When the job never restarts, host a's keepers persist step 6 all the same: each stands in for
 the lost rank whose replica it holds, once that rank's keeper lease has expired.
 """
 
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from hostjob import JobStore, lose_host, start_ranks
+
 from zerostall.commit import committed_steps, step_name
 from zerostall.format.layout import MANIFEST_NAME
 from zerostall.format.manifest import parse_manifest
@@ -40,13 +43,13 @@ TIMEOUT_S = 20.0
 #: long for B's dead ranks before giving up; the restarted trainers adopting them wait that out
 FIRST_TIMEOUT_S = 8.0
 DEADLINE_S = 120.0
-HOSTS_FIRST = ["A", "A", "B", "B"]
-HOSTS_AFTER = ["A", "A", "C", "C"]
+HOSTS_FIRST = ["a", "a", "b", "b"]
+HOSTS_AFTER = ["a", "a", "c", "c"]
 
 
 @pytest.fixture
 def job_store() -> object:
-    """The job's store, hosted here as torchrun's agent would: (store, port)."""
+    """A job's store hosted here (for the one-host refusal, which needs no other host)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
@@ -54,20 +57,21 @@ def job_store() -> object:
     del store
 
 
-def _start(phase: str, d: Path, hosts: list[str], port: int, log: Path, replicas: int = 1
-           ) -> list[subprocess.Popen[str]]:
-    procs = []
-    with open(log, "a") as err:  # stderr to a file: a keeper keeps a pipe open while it persists
-        for r in range(len(hosts)):
-            env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"host-{hosts[r]}",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            env.pop("ZEROSTALL_FAULTS", None)
-            procs.append(subprocess.Popen(
-                [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d),
-                 str(FIRST_TIMEOUT_S if phase == "first" else TIMEOUT_S),
-                 str(d.parent / f"out-{r}.json"), str(replicas)], stdout=subprocess.PIPE, stderr=err, stdin=subprocess.PIPE,
-                text=True, env=env))
-    return procs
+@pytest.fixture
+def job(nshosts, tmp_path: Path) -> tuple[object, JobStore]:
+    """Hosts a..d as namespaces sharing ``tmp_path``, and the job's store in host a."""
+    hosts = nshosts(["a", "b", "c", "d"], shared=[tmp_path])
+    return hosts, JobStore(hosts, "a")
+
+
+def _start(job: tuple[object, JobStore], phase: str, d: Path, hosts: list[str], log: Path, replicas: int = 1,
+           timeout: float | None = None, **env: object) -> list[subprocess.Popen[str]]:
+    ns, store = job
+    if timeout is None:
+        timeout = FIRST_TIMEOUT_S if phase == "first" else TIMEOUT_S
+    return start_ranks(ns, store, hosts, lambda r: [sys.executable, WORKER, phase, str(r), str(len(hosts)), str(d),  # type: ignore[arg-type]
+                                                    str(timeout), str(d.parent / f"out-{r}.json"), str(replicas)], log,
+                       **env)  # type: ignore[arg-type]
 
 
 def _read_until(p: subprocess.Popen[str], word: str, log: Path) -> dict[str, str]:
@@ -85,23 +89,23 @@ def _read_until(p: subprocess.Popen[str], word: str, log: Path) -> dict[str, str
     raise AssertionError(f"timed out waiting for {word}")
 
 
-def _lose_host_b(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_FIRST, lost: str = "B",
-                 replicas: int = 1) -> list[dict[str, str]]:
+def _lose_host_b(job: tuple[object, JobStore], d: Path, log: Path, hosts: list[str] = HOSTS_FIRST, lost: str = "b",
+                 replicas: int = 1, **env: object) -> list[dict[str, str]]:
     """Run the first job to step 6, lose host ``lost`` entirely, then the other hosts' trainers (not
     their keepers)."""
-    procs = _start("first", d, hosts, port, log, replicas)
+    procs = _start(job, "first", d, hosts, log, replicas, **env)
     said = [_read_until(p, "READY", log) for p in procs]
-    for r, h in enumerate(hosts):
-        if h == lost:  # every process of the lost host
-            os.kill(int(said[r]["KEEPER"]), signal.SIGKILL)
-        procs[r].kill()
+    lose_host(job[0], lost)  # type: ignore[arg-type]
+    for p in procs:
+        p.kill()
     for p in procs:
         p.wait(timeout=DEADLINE_S)
     return said
 
 
-def _resume(d: Path, port: int, log: Path, hosts: list[str] = HOSTS_AFTER, replicas: int = 1) -> list[dict]:
-    procs = _start("resume", d, hosts, port, log, replicas)
+def _resume(job: tuple[object, JobStore], d: Path, log: Path, hosts: list[str] = HOSTS_AFTER,
+            replicas: int = 1) -> list[dict]:
+    procs = _start(job, "resume", d, hosts, log, replicas)
     for p in procs:
         assert p.wait(timeout=DEADLINE_S) == 0, log.read_text()[-6000:]
     return [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(len(hosts))]
@@ -121,13 +125,12 @@ def _replica_memfds(keeper: int, trainer_inodes: set[int]) -> list[str]:
     return list(out.values())
 
 
-def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_path: Path, job_store: object) -> None:
+def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_path: Path, job) -> None:
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    port = job_store.port  # type: ignore[attr-defined]
-    said = _lose_host_b(d, port, log)
+    said = _lose_host_b(job, d, log)
     assert all(s["TIERS"] == "memory,peer" for s in said)  # result() returned once the replica held step 6
     assert committed_steps(open_storage(str(d))) == [4]  # step 6 is on no storage: only memory can give it
-    outs = _resume(d, port, log)
+    outs = _resume(job, d, log)
     assert [o["agreed"] for o in outs] == [6] * WORLD
     assert [o["loaded"] for o in outs] == [6] * WORLD  # ranks 2 and 3 from the replicas on host A
     assert [o["adopted"] for o in outs] == [True, True, False, False]
@@ -136,12 +139,11 @@ def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_pat
     assert 7 in committed_steps(open_storage(str(d)))  # close() persisted it
 
 
-def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_store: object) -> None:
+def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job) -> None:
     # A rank per host (the fallback does not depend on how many ranks a host has): rank 1's step
     # is held by rank 0's keeper only.
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    port = job_store.port  # type: ignore[attr-defined]
-    said = _lose_host_b(d, port, log, hosts=["A", "B"])
+    said = _lose_host_b(job, d, log, hosts=["a", "b"])
     keeper0 = int(said[0]["KEEPER"])
     bufs = _replica_memfds(keeper0, {int(i) for i in said[0]["INODES"].split()})
     assert bufs, "rank 0's keeper holds no replica"
@@ -151,7 +153,7 @@ def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_stor
             b = f.read(1)
             f.seek(8192)
             f.write(bytes([b[0] ^ 0xFF]))
-    outs = _resume(d, port, log, hosts=["A", "C"])
+    outs = _resume(job, d, log, hosts=["a", "c"])
     assert [o["agreed"] for o in outs] == [6] * 2
     assert [o["loaded"] for o in outs] == [4] * 2  # every rank fell back to storage's newest step
     assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
@@ -159,15 +161,14 @@ def test_a_corrupted_replica_is_never_loaded_storage_is(tmp_path: Path, job_stor
         assert any(step == 6 and "could not be restored from memory" in msg for step, msg in o["keeper_failures"])
 
 
-def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job_store: object,
+def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, job,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # Three hosts, a rank each, two replicas: rank 2's step is held by rank 0's and rank 1's keepers.
     # All-or-nothing loads: rank 2 receives its share into memfds, then loads from them (the other
     # tests' loads receive straight into the templates).
     monkeypatch.setenv("ZS_ATOMIC_LOADS", "1")
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    port = job_store.port  # type: ignore[attr-defined]
-    said = _lose_host_b(d, port, log, hosts=["A", "B", "C"], lost="C", replicas=2)
+    said = _lose_host_b(job, d, log, hosts=["a", "b", "c"], lost="c", replicas=2)
     assert all(s["TIERS"] == "memory,peer" for s in said)
     keeper0 = int(said[0]["KEEPER"])
     bufs = _replica_memfds(keeper0, {int(i) for i in said[0]["INODES"].split()})
@@ -178,7 +179,7 @@ def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, j
             b = f.read(1)
             f.seek(8192)
             f.write(bytes([b[0] ^ 0xFF]))
-    outs = _resume(d, port, log, hosts=["A", "B", "D"], replicas=2)
+    outs = _resume(job, d, log, hosts=["a", "b", "d"], replicas=2)
     assert [o["agreed"] for o in outs] == [6] * 3
     assert [o["loaded"] for o in outs] == [6] * 3  # rank 2's share came from rank 1's keeper
     assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
@@ -186,15 +187,51 @@ def test_a_corrupted_replica_sends_the_rank_to_its_next_holder(tmp_path: Path, j
         assert any(step == 6 and "trying rank 1's keeper" in msg for step, msg in o["keeper_failures"])
 
 
-def test_both_copies_lost_falls_back_to_storage_without_a_hang(tmp_path: Path, job_store: object) -> None:
+def test_both_copies_lost_falls_back_to_storage_without_a_hang(tmp_path: Path, job) -> None:
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    port = job_store.port  # type: ignore[attr-defined]
-    said = _lose_host_b(d, port, log, hosts=["A", "B"])  # a rank per host
-    os.kill(int(said[0]["KEEPER"]), signal.SIGKILL)  # host A's keeper too: no copy of step 6 is left anywhere
-    outs = _resume(d, port, log, hosts=["A", "C"])
+    said = _lose_host_b(job, d, log, hosts=["a", "b"])  # a rank per host
+    os.kill(int(said[0]["KEEPER"]), signal.SIGKILL)  # host a's keeper too: no copy of step 6 is left anywhere
+    outs = _resume(job, d, log, hosts=["a", "c"])
     assert [o["agreed"] for o in outs] == [4] * 2
     assert [o["loaded"] for o in outs] == [4] * 2
     assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+
+
+def test_a_holder_that_hangs_during_the_restore_is_passed_over_for_the_next_within_timeout_s(
+        tmp_path: Path, job) -> None:
+    """Three hosts, a rank each, two replicas; host c (rank 2) is lost. During the restore, rank 0's
+    keeper, a holder of rank 2's share and of rank 0's own step, hangs (it stops itself, SIGSTOP,
+    when its trainer asks it for rank 2's replica: alive, silent). Within ``timeout_s`` both shares
+    it was to give come from the next holder, rank 1's keeper, each rank told (a WARNING naming
+    rank 0's keeper), every rank restored from memory bit for bit; once the keeper goes on, the
+    job trains and saves on with it."""
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    hang = {0: {"ZEROSTALL_FAULTS": json.dumps({"keeper_serve_replica": "stop"})}}  # rank 0's keeper only
+    said = _lose_host_b(job, d, log, hosts=["a", "b", "c"], lost="c", replicas=2, rank_env=hang)
+    keeper0 = int(said[0]["KEEPER"])
+    timeout = 6.0
+    procs = _start(job, "resume", d, ["a", "b", "d"], log, replicas=2, timeout=timeout,
+                   env={"ZS_HOLD_AFTER_LOAD": "1"})
+    try:
+        for p in procs:
+            _read_until(p, "LOADED", log)
+        with open(f"/proc/{keeper0}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "T"  # it hung where the test made it
+    finally:
+        os.kill(keeper0, signal.SIGCONT)
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.wait(timeout=DEADLINE_S) == 0, log.read_text()[-6000:]
+    outs = [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(3)]
+    assert [o["loaded"] for o in outs] == [6] * 3  # from memory: rank 1's keeper gave ranks 0 and 2 their shares
+    assert all(o["restored_equal"] and o["final_equal"] for o in outs), outs
+    assert all(o["load_s"] < timeout + 6.0 for o in outs), [o["load_s"] for o in outs]  # one round waited it out
+    for o in outs:  # each rank was told of the holder that did not answer, and of the one tried next
+        assert any(step == 6 and "rank 0's keeper" in msg and "trying rank 1's keeper" in msg
+                   for step, msg in o["keeper_failures"]), o["keeper_failures"]
 
 
 def _leaf_indices(node: object) -> list[int]:
@@ -207,7 +244,7 @@ def _leaf_indices(node: object) -> list[int]:
 
 
 def test_a_lost_host_s_newest_memory_step_is_persisted_by_the_survivors_without_a_restart(
-        tmp_path: Path, job_store: object, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, job, monkeypatch: pytest.MonkeyPatch) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from _replica_host_trainer import uninterrupted
 
@@ -215,8 +252,7 @@ def test_a_lost_host_s_newest_memory_step_is_persisted_by_the_survivors_without_
 
     monkeypatch.setenv("ZEROSTALL_LEASE_S", "2")  # host B's keepers are proven gone 2 s after they die
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    port = job_store.port  # type: ignore[attr-defined]
-    said = _lose_host_b(d, port, log)  # host B's keepers and every trainer are gone; nothing restarts
+    said = _lose_host_b(job, d, log)  # host b's keepers and every trainer are gone; nothing restarts
     storage = open_storage(str(d))
     deadline = time.monotonic() + DEADLINE_S
     while 6 not in committed_steps(storage):

@@ -12,6 +12,8 @@ Phases (checkpoints in :func:`zerostall.persist.job.run_job`, in order): ``begin
   so a test knows the writer has reached the phase;
 * ``raise:<ERRNO NAME>``: raise ``OSError(errno, ...)`` as a failing system call would;
 * ``exit``: the writer process dies at once, as if killed (``os._exit(137)``);
+* ``stop``: the process hangs there (it stops itself with SIGSTOP: alive, silent) until a
+  SIGCONT; marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does;
 * ``wait:<path>``: block until the file ``path`` exists (lets a test order events without
   timing thresholds); marks arrival in ``ZEROSTALL_FAULTS_MARK`` as ``sleep`` does.
 
@@ -22,6 +24,8 @@ trainer's own saves never reach it, so ``raise:ENOSPC`` there fails only that pe
 And ``premap_populate``, in the restarted trainer itself (set it in its environment): after its
 background thread has mapped the adopted keeper's step and before it pre-faults it
 (:mod:`zerostall.memtier.premap`), so a test can load while the pre-fault is still to run.
+And ``keeper_serve_replica``, where a keeper is about to hand its trainer the replica of another
+rank's step it holds (a restore from memory after a node loss serves it from there).
 And ``keeper_bind``, right before the keeper binds its name (``raise:EACCES`` there fails that
 bind as an LSM or seccomp policy would: the keeper then serves, unadoptable).
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -88,6 +93,12 @@ def hit(phase: str, path: str = "") -> None:
         raise _error(arg, phase)
     elif verb == "exit":
         os._exit(137)
+    elif verb == "stop":  # the process hangs (SIGSTOP: alive, silent) until someone sends SIGCONT
+        mark = os.environ.get(MARK_ENV)
+        if mark:
+            with open(os.path.join(mark, f"{phase}-{os.getpid()}"), "w"):
+                pass
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif verb == "wait":
         mark = os.environ.get(MARK_ENV)
         if mark:  # as for sleep: the test knows the writer is held here

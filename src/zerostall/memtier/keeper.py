@@ -488,6 +488,7 @@ class Keeper:
 
     def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None) -> None:
         if origin is not None:
+            faults.hit("keeper_serve_replica")
             self.peers.with_replica(origin, lambda r: self._send_replica(conn, send, r), lend=True)
             return
         held = self.held  # stable: only this thread (the job loop) replaces it

@@ -16,8 +16,8 @@ import mmap
 import os
 import secrets
 import threading
+import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from zerostall.commit import committed_steps, step_name
@@ -27,9 +27,12 @@ from zerostall.distributed.load import agree_step, gather_objects, raise_togethe
 from zerostall.engine import Engine
 from zerostall.errors import (
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     InvalidArgumentError,
     KeeperPersistError,
+    PeerUnreachableError,
     ReplicaError,
+    StorageError,
     ZerostallError,
     ZerostallWarning,
 )
@@ -125,7 +128,7 @@ class MemorySide:
 
     def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
         """Every rank's (storage steps, held step, {origin: replica step held}): one all_gather_object."""
-        img = self.held_image() if not self._engine.closed else None
+        img = self.held_image(self._timeout_s()) if not self._engine.closed else None
         mem = img.step if img is not None else None
         reps = {r.origin: r.step for r in img.replicas} if img is not None else {}
         out: list[tuple[list[int], int | None, dict[int, int]]] = gather_objects((storage_steps, mem, reps), self.dist)
@@ -140,13 +143,17 @@ class MemorySide:
         return sorted(set(stored) | set(sources))
 
     def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
-        """A collective load of ``agreed`` with replicas: each rank from its own memory, or, where
-        its memory lacks the step (a rank on a new host), from a replica another keeper holds,
-        received over the job's authenticated group and verified against every leaf's CRC32C.
-        A transfer that fails (a checksum, another run's or topology's replica, a dead or silent
-        holder) is told (a WARNING and an entry in ``keeper_failures``, on every rank) and the
-        next holder of that share is tried; when a share has no holder left, every rank loads
-        storage's newest step instead. Every wait is bounded by ``DistributedOptions(timeout_s)``."""
+        """A collective load of ``agreed`` with replicas: each rank from the first of its sources
+        that delivers (its own keeper's memory, then each keeper holding a replica of its share,
+        in placement order), received over the job's authenticated group and verified against
+        every leaf's CRC32C. The ranks go in rounds: in each, a rank whose share has not arrived
+        tries its next source while the holders serve; a source that fails (its keeper died,
+        hung or let go of the step, a checksum, another run's or topology's replica) is told (a
+        WARNING and an entry in ``keeper_failures``, on every rank) and the next one is tried in
+        the next round; when a share has no source left, every rank loads storage's newest step
+        instead. Every wait is bounded by ``DistributedOptions(timeout_s)``, so a round ends
+        within it whatever a peer does. A failure of the request itself (a template that does
+        not match) is raised on every rank."""
         sources = self._sources
         if sources is None or (agreed not in sources and agreed not in self._stored):
             self.agreed_steps(committed_steps(self._storage))  # a step given by the caller: plan it now
@@ -155,94 +162,105 @@ class MemorySide:
         if agreed not in sources:
             return load(self.directory, step_name(agreed), items, self.load_options)
         plan = sources[agreed]
-        _, rank, _ = group_rank_world(self.dist)
+        _, rank, world = group_rank_world(self.dist)
         if all(p[0] == r for r, p in enumerate(plan)):
             return self.load_collective(agreed, items)
-        # the ranks that lack their share, and which of its holders each tries now
-        tries = {r: 0 for r, p in enumerate(plan) if p[0] != r}
-        got = None
+        tries = [0] * world  # per rank: its source now, an index into plan[rank]
+        pending = set(range(world))  # the ranks whose share has not arrived
         into = _LoadInto(items, self.load_options, self.step_path(agreed))
-        while tries:
+        out: dict[str, Any] | None = None
+        while pending:
             self._transfers += 1
-            now = {r: plan[r][k] for r, k in tries.items()}
-            received, err = self._exchange(agreed, now, rank, self._transfers, into)
-            got = received if received is not None else got
-            failed = {r: e for r, e in enumerate(gather_objects(err, self.dist)) if e is not None}
+            now = {r: plan[r][tries[r]] for r in sorted(pending)}
+            got, err, fatal = self._round(agreed, now, rank, self._transfers, into, items)
+            out = got if got is not None else out
+            raise_together(fatal, self.dist, self.step_path(agreed))
+            failed = {r: e for r, e in enumerate(gather_objects(err, self.dist, what="restoring from memory",
+                                                                step=agreed)) if e is not None}
             for r, e in sorted(failed.items()):
                 nxt = plan[r][tries[r] + 1] if tries[r] + 1 < len(plan[r]) else None
                 self._tell(agreed, f"rank {r}: {e}", f"trying rank {nxt}'s keeper" if nxt is not None else None)
-            tries = {r: k + 1 for r, k in tries.items() if r in failed}
-            if any(k >= len(plan[r]) for r, k in tries.items()):
-                if got is not None:
-                    got.close()
+                tries[r] += 1
+            pending = set(failed)
+            if any(tries[r] >= len(plan[r]) for r in pending):
                 return self._fall_back(agreed, items)
-        out: dict[str, Any] | None = None
-        load_err: BaseException | None = None
-        try:
-            if got is None:
-                out = self.load_from_memory(agreed, items, collective=True)
-                if out is None:
-                    raise CheckpointNotFoundError("the memory tier no longer holds this step",
-                                                  path=self.step_path(agreed))
-            elif got.scattered:  # received into the templates (and fresh arrays), verified: assemble
-                assert into.thunks is not None
-                out = assemble(into.thunks, self.step_path(agreed))
-            else:
-                files = [(n, ln, b.size, os.dup(b.fd)) for n, ln, b in zip(got.names, got.lengths, got.buffers,
-                                                                        strict=True)]
-                # Every leaf matched its CRC32C as it arrived, into memory of this process that
-                # nothing else writes: only the copy is left (as for a step the keeper verified).
-                opts = dataclasses.replace(self.load_options or LoadOptions(), verify=False)
-                with open_image(step_name(agreed), got.manifest, files) as image:
-                    out = self.load_image(image, agreed, items, opts)
-        except BaseException as exc:  # noqa: BLE001 - raised on every rank below
-            load_err = exc
-        finally:
-            if got is not None:
-                got.close()
-        raise_together(load_err, self.dist, self.step_path(agreed))
         assert out is not None
         return out
 
-    def _exchange(self, step: int, now: dict[int, int], rank: int, generation: int,
-                  into: Callable[[Manifest], Scatter | None]) -> tuple[Any, str | None]:
-        """Send the replicas this rank's keeper holds to the ranks ``now`` maps to this rank, and
-        receive this rank's share if ``now`` names its holder (``into``: where its bytes go): the
-        received step (None: nothing received) and why receiving failed. A failed send is seen by
-        its receiver, which says so."""
+    def _round(self, step: int, now: dict[int, int], rank: int, generation: int, into: _LoadInto,
+               items: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None, BaseException | None]:
+        """One round of :meth:`load_replicated`: serve the shares ``now`` asks of this rank's
+        keeper (``now``: each pending rank -> the rank whose keeper it tries), each on a thread,
+        and meanwhile get this rank's own share if it is pending: loaded from its own keeper, or
+        received. Returns (this rank's tree, or None; why its source failed; a failure of the
+        request itself, raised on every rank)."""
         setup = self.replicas
         assert setup is not None
         senders: list[threading.Thread] = []
-        got = None
+        out: dict[str, Any] | None = None
         err: str | None = None
+        fatal: BaseException | None = None
+        source = now.get(rank)
         try:
             store = open_store(setup)
+            # Every pair of this round forms, and every keeper answers, within timeout_s (a holder
+            # cut off, or hung, ends it); the transfers' own waits are each bounded by it too.
+            deadline = store.deadline = time.monotonic() + setup.timeout_s
             for r, holder in now.items():
-                if holder == rank:
-                    t = threading.Thread(target=self._serve_replica, args=(store, setup, r, step, generation),
+                if holder == rank and r != rank:
+                    t = threading.Thread(target=self._serve_replica,
+                                         args=(store, setup, r, step, generation, deadline),
                                          name="zerostall-replica-serve", daemon=True)
                     t.start()
                     senders.append(t)
-            if rank in now:
+            if source == rank:  # this rank's own keeper, while the threads serve the others
+                out = self.load_from_memory(step, items, collective=True,
+                                            timeout_s=max(0.0, deadline - time.monotonic()))
+                if out is None:
+                    err = f"this host's keeper no longer holds step {step}, or did not answer within {setup.timeout_s:g} s"
+            elif source is not None:
                 with pair_group(store, setup, f"fetch/{rank}", generation, RECEIVER) as g:
                     got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step,
                                       into=into)
-        except (ZerostallError, RuntimeError, OSError) as exc:
-            err = f"its share of step {step} did not come from rank {now.get(rank)}'s keeper: {exc}"
+                try:
+                    out = self._load_received(got, step, items, into)
+                finally:
+                    got.close()
+        except BaseException as exc:  # noqa: BLE001 - the next source is tried, or every rank raises it
+            if _source_failed(exc):
+                whose = "its own keeper" if source == rank else f"rank {source}'s keeper"
+                err = f"its share of step {step} did not come from {whose}: {exc}"
+            else:  # a failure of the request itself (a template that does not match)
+                fatal = exc
         for t in senders:
             t.join()
-        return got, err
+        return out, err, fatal
 
-    def _serve_replica(self, store: Any, setup: ReplicaSetup, origin: int, step: int, generation: int) -> None:
-        """Send rank ``origin``'s step, as this rank's keeper holds it, to rank ``origin``."""
+    def _load_received(self, got: Any, step: int, items: dict[str, Any] | None, into: _LoadInto) -> dict[str, Any]:
+        """The tree of a share received from a holder, verified as it arrived."""
+        if got.scattered:  # received into the templates (and fresh arrays), verified: assemble
+            assert into.thunks is not None
+            return assemble(into.thunks, self.step_path(step))
+        files = [(n, ln, b.size, os.dup(b.fd)) for n, ln, b in zip(got.names, got.lengths, got.buffers, strict=True)]
+        # Every leaf matched its CRC32C as it arrived, into memory of this process that
+        # nothing else writes: only the copy is left (as for a step the keeper verified).
+        opts = dataclasses.replace(self.load_options or LoadOptions(), verify=False)
+        with open_image(step_name(step), got.manifest, files) as image:
+            return self.load_image(image, step, items, opts)
+
+    def _serve_replica(self, store: Any, setup: ReplicaSetup, origin: int, step: int, generation: int,
+                       deadline: float) -> None:
+        """Send rank ``origin``'s step, as this rank's keeper holds it, to rank ``origin`` (this
+        rank's keeper answering by ``deadline``)."""
         maps: list[mmap.mmap] = []
         try:
-            got = self._engine.writer.query_image(origin=origin)
+            got = self._engine.writer.query_image(max(0.0, deadline - time.monotonic()), origin=origin)
             if got is None or got[0].step != step:
                 if got is not None:
                     for fd in got[1]:
                         os.close(fd)
-                raise ReplicaError(f"this rank's keeper no longer holds rank {origin}'s step {step}")
+                raise ReplicaError(f"this rank's keeper no longer holds rank {origin}'s step {step}" if got is not None
+                                   else f"this rank's keeper did not answer within {setup.timeout_s:g} s")
             img, fds = got
             try:
                 maps = [mmap.mmap(fd, f.size, mmap.MAP_SHARED, mmap.PROT_READ) for f, fd in zip(img.files, fds,
@@ -283,6 +301,11 @@ class MemorySide:
 
     def start_premap(self) -> None:
         self.premap = Premap(self._engine.writer) if self._engine.writer.adopted else None
+
+    def _timeout_s(self) -> float:
+        """How long the trainer waits for its keeper's answer (a keeper that hung, SIGSTOP or
+        swapping, holds no load longer): the job's ``DistributedOptions.timeout_s``."""
+        return (self.dist or DistributedOptions()).timeout_s
 
     def step_path(self, step: int) -> str:
         return f"{self.directory.rstrip('/')}/{step_name(step)}"
@@ -339,7 +362,7 @@ class MemorySide:
         return out
 
     def load_from_memory(self, step: int, items: dict[str, Any] | None, *,
-                         collective: bool = False) -> dict[str, Any] | None:
+                         collective: bool = False, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Load ``step`` from this host's memory tier if it holds it (verified as from storage, or
         already by the keeper after a crash: then the load only copies).
 
@@ -351,16 +374,17 @@ class MemorySide:
         writer = self._engine.writer
         writer.pin_held()
         try:
-            return self._read_memory_step(step, items, collective=collective)
+            return self._read_memory_step(step, items, collective=collective, timeout_s=timeout_s)
         finally:
             writer.unpin_held()
 
     def _read_memory_step(self, step: int, items: dict[str, Any] | None, *,
-                          collective: bool = False) -> dict[str, Any] | None:
+                          collective: bool = False, timeout_s: float | None = None) -> dict[str, Any] | None:
         """:meth:`load_from_memory`, with the held slots pinned."""
         if not collective and active(self.dist):
             return None
-        got = self._engine.writer.query_image() if not self._engine.closed else None
+        bound = self._timeout_s() if timeout_s is None else timeout_s
+        got = self._engine.writer.query_image(bound) if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got
@@ -426,6 +450,16 @@ def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -
     if exc.path is not None and exc.path.startswith(image_url):
         exc.path = step_path
         exc.message = f"{exc.message} [read from this host's memory tier]"
+
+
+def _source_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says a source of a share failed (its keeper gone, hung or without the step,
+    the transport, the bytes), so that the next source may deliver, rather than the request (a
+    template that does not match, a missing key), which no source can satisfy."""
+    if isinstance(exc, (ReplicaError, PeerUnreachableError, CorruptCheckpointError, StorageError,
+                        KeeperPersistError)):
+        return True
+    return isinstance(exc, (RuntimeError, OSError)) and not isinstance(exc, ZerostallError)
 
 
 def _ranks_per_host(hosts: list[str], directory: str) -> int:

@@ -127,7 +127,7 @@ class WriterClient:
         self._adopted_pid: int | None = None
         #: memory-tier jobs done but whose buffers the keeper still holds: job id -> release
         self._held: dict[int, Callable[[], None]] = {}
-        self._image_waiter: list[tuple[Image, list[int]] | None] | None = None
+        self._image_waiter: tuple[int, list[tuple[Image, list[int]] | None]] | None = None
         self._image_event = threading.Event()
         self._query_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -671,14 +671,17 @@ class WriterClient:
         return out
 
     def _image_reply(self, reply: tuple[Image, list[int]] | None) -> None:
-        box = self._image_waiter
-        if box is None:
+        """An :class:`Image` arrived (None: the keeper ended). One that answers a query nobody
+        waits for any more (it timed out: the keeper hung meanwhile) is dropped, descriptors
+        closed: it may describe another rank's replica than the query now waiting asked for."""
+        waiter = self._image_waiter
+        if waiter is None or (reply is not None and reply[0].request != waiter[0]):
             if reply is not None:
                 for fd in reply[1]:
                     os.close(fd)
             return
         self._image_waiter = None
-        box.append(reply)
+        waiter[1].append(reply)
         self._image_event.set()
 
     def query_image(self, timeout: float | None = 600.0, *, start: bool = True,
@@ -693,7 +696,11 @@ class WriterClient:
         """
         if self.keeper is None or self.kind is not WriterKind.PROCESS:
             return None
-        with self._query_lock:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # another thread's query may be waiting for a keeper that hung: never past our own timeout
+        if not self._query_lock.acquire(timeout=-1 if timeout is None else timeout):
+            return None
+        try:
             if not start and (not self.alive() or self._closing):
                 return None
             try:
@@ -701,17 +708,20 @@ class WriterClient:
             except ZerostallError:
                 return None
             box: list[tuple[Image, list[int]] | None] = []
+            request = next(self._requests)
             self._image_event.clear()
-            self._image_waiter = box
+            self._image_waiter = (request, box)
             try:
-                self._send(ImageQuery(origin=origin))
+                self._send(ImageQuery(origin=origin, request=request))
             except OSError:
                 self._image_waiter = None
                 return None
-            if not self._image_event.wait(timeout):
+            if not self._image_event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 self._image_waiter = None
                 return None
             return box[0] if box else None
+        finally:
+            self._query_lock.release()
 
     def _fail_pending(self) -> None:
         with self._lock:

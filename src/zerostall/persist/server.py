@@ -8,6 +8,7 @@ the trainer is killed), after finishing every job it had already received, so a 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import mmap
 import os
@@ -28,6 +29,7 @@ from zerostall.messages import (
     Failed,
     ForgetLayout,
     Hello,
+    Image,
     ImageQuery,
     LeafLayout,
     MapBuffer,
@@ -155,7 +157,7 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ImageQuery):
-                keeper.send_image(conn, lambda m: _send(conn, m), msg.origin)
+                keeper.send_image(conn, _answering(conn, msg.request), msg.origin)
                 keeper.report_failed(conn)
             elif keeper is not None and isinstance(msg, ReplicaSetup):
                 keeper.setup_replicas(msg)
@@ -178,6 +180,15 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
         for m in maps.values():
             _close(m)
         conn.close()
+
+
+def _answering(conn: Connection, request: int) -> Callable[[Message], None]:
+    """Send on ``conn``, an :class:`Image` marked as the answer to query ``request``."""
+
+    def send(m: Message) -> None:
+        _send(conn, dataclasses.replace(m, request=request) if isinstance(m, Image) else m)
+
+    return send
 
 
 def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None,
