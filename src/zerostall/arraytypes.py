@@ -14,6 +14,17 @@ registration is asked before an earlier one, so an integration's type (a ``DTens
 This module sits below the pipeline and imports nothing of it: the planner a reader receives is
 a :class:`zerostall.restore.ReadPlanner`, typed ``Any`` here for that reason.
 
+**Integrations that load themselves.** An integration whose types can only exist once its
+framework is imported (JAX) declares itself as an entry point of the group
+:data:`ENTRY_POINT_GROUP` in its package's metadata: the name is the module whose import turns it
+on, the value the module that registers its array types (zerostall's own ``pyproject.toml``
+declares ``jax = "zerostall.integrations.jax"``). :func:`load_integrations`, called at every
+flatten and load, reads the group once per process and imports an entry's module the first time
+its trigger is in ``sys.modules``: ``import zerostall`` imports no framework, a JAX user imports
+nothing more, and no module of zerostall names a module above it in a string (the integration
+names itself; the import linter sees every import statement there is). A checkout used without
+being installed has no entry points: ``import zerostall.integrations.jax`` then registers JAX.
+
 Example (a wrapper of a numpy array, saved as one numpy leaf and read back in place)::
 
     >>> import numpy as np
@@ -33,6 +44,7 @@ Example (a wrapper of a numpy array, saved as one numpy leaf and read back in pl
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +55,7 @@ from zerostall.errors import ArgumentTypeError, InvalidArgumentError
 __all__ = [
     "ArrayLeaf", "LeafKind", "Node", "Thunk", "ArrayType", "BackgroundSource", "register_array_type",
     "unregister_array_type", "array_type_of", "reader_of", "background_sources", "reuses", "generation",
+    "ENTRY_POINT_GROUP", "load_integrations", "add_trigger",
 ]
 
 Node = dict[str, Any]
@@ -200,3 +213,43 @@ def reuses() -> bool:
 def generation() -> int:
     """A number that changes with every registration: a layout kept under another may flatten differently."""
     return _GENERATION
+
+
+#: the entry-point group integrations declare themselves in: ``trigger module = "registering module"``
+ENTRY_POINT_GROUP = "zerostall.array_types"
+#: ``(trigger module, load)`` of the integrations not loaded yet; None until the group is read
+_PENDING: list[tuple[str, Callable[[], object]]] | None = None
+_ADDED: list[tuple[str, Callable[[], object]]] = []  # add_trigger's, before the group is read
+
+
+def add_trigger(module: str, load: Callable[[], object]) -> None:
+    """Run ``load`` (once) at the first flatten or load after ``module`` has been imported by anyone:
+    an entry point of :data:`ENTRY_POINT_GROUP` declared at run time."""
+    with _LOCK:
+        (_ADDED if _PENDING is None else _PENDING).append((module, load))
+
+
+def load_integrations() -> None:
+    """Import the declared integrations whose trigger module is imported by now.
+
+    Reads :data:`ENTRY_POINT_GROUP` the first time (a few ms); afterwards, one check of
+    ``sys.modules`` per integration not loaded yet, and nothing once all are.
+    """
+    global _PENDING
+    pending = _PENDING
+    if pending is not None and not any(m in sys.modules for m, _ in pending):
+        return
+    with _LOCK:
+        if _PENDING is None:
+            _PENDING = _declared() + _ADDED
+            _ADDED.clear()
+        due = [entry for entry in _PENDING if entry[0] in sys.modules]
+        _PENDING[:] = [entry for entry in _PENDING if entry[0] not in sys.modules]
+    for _, load in due:
+        load()
+
+
+def _declared() -> list[tuple[str, Callable[[], object]]]:
+    from importlib.metadata import entry_points  # here: ~40 ms to import where nothing has yet
+
+    return [(ep.name, ep.load) for ep in entry_points(group=ENTRY_POINT_GROUP)]

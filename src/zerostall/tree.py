@@ -12,13 +12,13 @@ schedulers, user objects), or objects of a type with a registered :class:`LeafHa
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import operator
 import random
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,28 +212,21 @@ def register_flattener(match: Callable[[type], bool], flatten: LeafFlattener, *,
                                   flatten=flatten, reuse=reuse))
 
 
-_LAZY: dict[str, Callable[[], None]] = {}  # module whose import enables an integration -> its loader
-
-
 def register_lazy_integration(module: str, load: Callable[[], None]) -> None:
     """Run ``load`` (once) at the first save or load after ``module`` has been imported by anyone.
 
-    How an integration turns itself on without this layer importing it, and without
-    ``import zerostall`` importing a framework: this module registers the JAX integration for
-    ``"jax"`` (an object of a JAX type cannot exist before ``jax`` is imported).
+    Deprecated: an integration declares itself as an entry point
+    (:data:`zerostall.arraytypes.ENTRY_POINT_GROUP`); this declares one at run time
+    (:func:`zerostall.arraytypes.add_trigger`).
     """
-    with _HANDLER_LOCK:
-        _LAZY[module] = load
+    warnings.warn("zerostall.tree.register_lazy_integration is deprecated: declare an entry point of the group "
+                  f"{arraytypes.ENTRY_POINT_GROUP!r}, or call zerostall.arraytypes.add_trigger",
+                  DeprecationWarning, stacklevel=2)
+    arraytypes.add_trigger(module, load)
 
 
-def load_lazy_integrations() -> None:
-    """Load the integrations whose trigger module is imported by now (one dict check when none is)."""
-    if not _LAZY:
-        return
-    with _HANDLER_LOCK:
-        due = [_LAZY.pop(m) for m in [m for m in _LAZY if m in sys.modules]]
-    for load in due:
-        load()
+#: the integrations whose trigger module is imported by now, loaded (see :mod:`zerostall.arraytypes`)
+load_lazy_integrations = arraytypes.load_integrations
 
 
 def key_join(prefix: str, part: Any) -> str:
@@ -249,7 +242,7 @@ def flatten(items: dict[str, Any], *, states: dict[int, tuple[Any, Any]] | None 
     ``states``: ``{id(obj): (obj, obj.state_dict())}`` already obtained in this save (by
     :meth:`Layout.rewalk`): those objects' state dicts are taken from there, not asked again.
     """
-    load_lazy_integrations()
+    arraytypes.load_integrations()
     leaves: list[ArrayLeaf] = []
     out: dict[str, Node] = {}
     reuse_keys: dict[int, Any] = {}
@@ -359,6 +352,10 @@ def _leaf_hint(obj: Any) -> str:
         return "save its state, g.bit_generator.state (a dict), and restore it by assigning that attribute"
     if isinstance(obj, random.Random):
         return "save its state, r.getstate() (a tuple), and restore it with r.setstate(state)"
+    if name.split(".")[0] in ("jax", "jaxlib"):
+        return ("JAX support (zerostall.integrations.jax) is not loaded: it turns itself on through an entry point "
+                f"of {arraytypes.ENTRY_POINT_GROUP!r} in zerostall's installed metadata, which this installation "
+                "lacks (reinstall zerostall), so import zerostall.integrations.jax")
     return "save its state_dict()"
 
 
@@ -695,7 +692,7 @@ class Layout:
         Raises:
             UnsupportedLeafError: as :func:`flatten`, for a leaf flattened as usual.
         """
-        load_lazy_integrations()
+        arraytypes.load_integrations()
         if self.generation != registry_generation() or list(items) != self.names:
             return None
         values: list[Any] = []
@@ -837,12 +834,3 @@ def _with_value(leaf: ArrayLeaf, value: Any) -> ArrayLeaf:
     d.update(leaf.__dict__)
     d["value"] = value
     return out
-
-
-def _load_jax_integration() -> None:
-    importlib.import_module("zerostall.integrations.jax")
-
-
-# JAX arrays and pytrees work without an explicit import: the integration loads at the first save
-# or load after jax itself has been imported (so importing zerostall never imports jax).
-register_lazy_integration("jax", _load_jax_integration)

@@ -153,3 +153,39 @@ def test_a_later_registration_for_a_class_wins_and_leaves_the_rest_to_the_earlie
     finally:
         unregister_array_type("test.Marked")
     assert array_type_of(Marked) is TORCH
+
+
+def test_an_integration_loads_once_at_the_first_flatten_after_its_trigger_is_imported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from zerostall.arraytypes import add_trigger
+    from zerostall.tree import flatten, register_lazy_integration
+
+    calls: list[str] = []
+    add_trigger("zs_test_trigger", lambda: calls.append("entry"))
+    with pytest.warns(DeprecationWarning, match="entry point"):
+        register_lazy_integration("zs_test_trigger", lambda: calls.append("lazy"))
+    flatten({"x": 1})
+    assert calls == []
+    monkeypatch.setitem(sys.modules, "zs_test_trigger", types.ModuleType("zs_test_trigger"))
+    flatten({"x": 1})
+    flatten({"x": 1})
+    assert calls == ["entry", "lazy"]
+
+
+def test_the_jax_integration_is_declared_as_an_entry_point_of_the_installed_package() -> None:
+    from importlib.metadata import entry_points
+
+    from zerostall.arraytypes import ENTRY_POINT_GROUP
+
+    assert {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)} == {"jax": "zerostall.integrations.jax"}
+
+
+def test_a_jax_leaf_without_its_integration_names_the_module_to_import() -> None:
+    from zerostall.tree import flatten
+
+    fake = type("ArrayImpl", (), {"__module__": "jaxlib.fake"})
+    with pytest.raises(UnsupportedLeafError, match="import zerostall.integrations.jax"):
+        flatten({"x": fake()})

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from zerostall import envvars
-from zerostall.arraytypes import reader_of
+from zerostall.arraytypes import load_integrations, reader_of
 from zerostall.dtypes import ITEMSIZE, to_numpy_dtype, to_torch_dtype, torch_dtype_name
 from zerostall.errors import (
     CorruptCheckpointError,
@@ -40,7 +40,7 @@ from zerostall.errors import (
 )
 from zerostall.format.manifest import LeafEntry, Manifest
 from zerostall.restore.files import ArrivedFiles, DataFiles
-from zerostall.tree import TORCH, handler_by_name, is_stateful, key_join, load_lazy_integrations
+from zerostall.tree import TORCH, handler_by_name, is_stateful, key_join
 
 __all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
            "register_node_reader", "Shard", "saved_shards", "plan_box", "numpy_dtype",
@@ -193,7 +193,7 @@ class ReadPlanner:
         self.path = path
         self.files = files
         self.reads: list[ReadRequest] = []
-        load_lazy_integrations()
+        load_integrations()
         _plain_templates()
 
     def _leaf(self, index: int) -> LeafEntry:
