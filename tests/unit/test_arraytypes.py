@@ -189,3 +189,51 @@ def test_a_jax_leaf_without_its_integration_names_the_module_to_import() -> None
     fake = type("ArrayImpl", (), {"__module__": "jaxlib.fake"})
     with pytest.raises(UnsupportedLeafError, match="import zerostall.integrations.jax"):
         flatten({"x": fake()})
+
+
+_DTENSOR_ONCE = """
+import socket, sys, torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import zerostall
+import zerostall.restore.plan as plan
+from zerostall.arraytypes import ArrayType, reader_of, register_array_type, unregister_array_type
+from zerostall.distributed import dtensor as d
+
+def read(planner, node, tmpl, key):
+    return planner.into_tensor(node, tmpl, key, box=d._template_box(tmpl) if node["type"] == "sharded" else None)
+
+unregister_array_type("zerostall.distributed.dtensor.flatten_dtensor")
+plan._BOXES.clear()
+one = register_array_type(ArrayType(name="DTensor", matches=d.is_dtensor_type, flatten=d.flatten_dtensor,
+                                    reuse=d.dtensor_reuse, read=read))
+mesh = init_device_mesh("cpu", (1,))
+x = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+assert reader_of(type(x)) is one
+with zerostall.Checkpointer(sys.argv[1]) as ck:
+    ck.save_pytree(1, {"x": x})
+    ck.save_pytree(2, {"x": x})
+    into = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+    out = ck.load_pytree(2, {"x": into})
+assert out["x"] is into and torch.equal(into.to_local(), torch.arange(12.0).reshape(4, 3))
+dist.destroy_process_group()
+print("loaded")
+"""
+
+
+def test_a_dtensor_needs_one_registration_too(tmp_path: Path) -> None:
+    """The one registration ``distributed.dtensor`` could make in place of its flattener and
+    template box: the box comes from its own read (``ReadPlanner.into_tensor(box=)``)."""
+    import os
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
+    res = subprocess.run([sys.executable, "-c", _DTENSOR_ONCE, str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=src))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("loaded")

@@ -217,15 +217,17 @@ class ReadPlanner:
                                 path=self.path, key=key)
         return self._fresh(leaf, key)
 
-    def into_tensor(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
+    def into_tensor(self, node: dict[str, Any], tmpl: Any, key: str, *, box: TemplateBox | None = None) -> Thunk | None:
         """An ``array`` or ``sharded`` node into the torch tensor ``tmpl`` (torch's array type's
         read): in its own memory where it is a contiguous CPU tensor, through the device pass on
-        an accelerator, else through a temporary; a ``sharded`` node by box. None for other nodes."""
+        an accelerator, else through a temporary; a ``sharded`` node by box: ``box`` (a sharded
+        template's own part of the global tensor), else the one :func:`register_template_box`
+        gives. None for other nodes."""
         t = node["type"]
         if t == "array":
             return self._into_torch(self._leaf(node["leaf"]), tmpl, key, sys.modules["torch"])
         if t == "sharded":
-            return self._sharded(node, tmpl, key)
+            return self._sharded(node, tmpl, key, box)
         return None
 
     def into_ndarray(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk | None:
@@ -390,7 +392,7 @@ class ReadPlanner:
             return self._dict(node, tmpl, key, follow_checkpoint)
         return self._sequence(node, tmpl, key, follow_checkpoint)
 
-    def _sharded(self, node: dict[str, Any], tmpl: Any, key: str) -> Thunk:
+    def _sharded(self, node: dict[str, Any], tmpl: Any, key: str, box: TemplateBox | None = None) -> Thunk:
         """A tensor saved as boxes: read the rows of each saved shard that intersect the template's box.
 
         The template is a registered box type (a ``DTensor``: its local box), a full tensor, or
@@ -404,7 +406,8 @@ class ReadPlanner:
         gshape = tuple(node["shape"])
         dtype_name = node["dtype"]
         dtype = to_torch_dtype(dtype_name)
-        box = _box_of(tmpl) if tmpl is not None else None
+        if box is None and tmpl is not None:
+            box = _box_of(tmpl)
         if tmpl is not None and box is None and not isinstance(tmpl, torch.Tensor):
             raise MismatchError(f"checkpoint has a tensor here but the template has {type(tmpl).__name__}",
                                 path=self.path, key=key)
