@@ -1,10 +1,11 @@
 """The keepers of the replica transport tests (tests/integration/test_replica_transport.py).
 
-``python _replica_worker.py`` imports torch once, starts the store, then forks one process per role, each with
-its own ``ZEROSTALL_HOST_ID``: ``a`` sends (host A), ``b`` receives (host B), ``x`` is the
-intruder (wrong secret, then another job, then another uid, on host C). Each prints one JSON
-line per scenario; the roles keep in step through keys in the test's store. The parent prints
-each child's exit status.
+``python _replica_worker.py ROLE STORE_ADDR STORE_PORT``, one process per role, each in a host of
+its own (tests/support/nshosts.py: its own address and hostname, no ``ZEROSTALL_HOST_ID``): ``a``
+sends (host a), ``b`` receives (host b), ``x`` is the intruder (wrong secret, then another job,
+then another uid, on host c). Each prints one JSON line per scenario; the roles keep in step
+through keys in the job's store, which runs in host a. In the ``hung`` scenario ``a`` stops itself
+(SIGSTOP) mid-transfer: the test continues it once ``b`` has reported.
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ JOB = "job-1"
 TIMEOUT = 20.0
 #: the intruder can run as another user (nobody) only when this runs as root
 AS_ROOT = os.getuid() == 0
-master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-port = master.port
-role = "parent"
+role, addr, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store: dist.TCPStore
 warned: list[str] = []
 
@@ -154,6 +153,17 @@ def run_a(g: ReplicaGroup) -> None:
     silent = group("silent", 0, 2, timeout_s=3.0)
     sync("silent")  # b's receive timed out meanwhile: this end never sent
     silent.close()
+    h = group("hung", 0, 2, timeout_s=3.0)
+
+    def hang(sent: int) -> None:
+        if not hung:
+            hung.append(sent)
+            os.kill(os.getpid(), signal.SIGSTOP)  # after the first piece: alive, silent, until the test continues it
+
+    hung: list[int] = []
+    out(scenario="hung", **attempt(lambda: h.send_step(1, step, progress=hang)))
+    sync("hung")
+    h.close()
     d = group("kill", 0, 2)
 
     def die(sent: int) -> None:
@@ -187,6 +197,11 @@ def run_b(g: ReplicaGroup) -> None:
     out(scenario="silent", **attempt(recv_from(silent)))
     sync("silent")
     silent.close()
+    h = group("hung", 1, 2, timeout_s=3.0)
+    t0 = time.monotonic()
+    out(scenario="hung", **attempt(recv_from(h)), seconds=time.monotonic() - t0)
+    sync("hung")
+    h.close()
     d = group("kill", 1, 2)
     t0 = time.monotonic()
     out(scenario="kill", **attempt(recv_from(d)), seconds=time.monotonic() - t0, timeout=TIMEOUT)
@@ -197,8 +212,8 @@ def recv_from(d: ReplicaGroup) -> object:
 
 
 def main() -> None:
-    global role, store
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    global store
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
     if role == "x":
         intruder()
         return
@@ -216,22 +231,12 @@ def main() -> None:
     (run_a if role == "a" else run_b)(kept)
 
 
-children = {}
-for r, host in (("a", "host-a"), ("b", "host-b"), ("x", "host-c")):
-    pid = os.fork()
-    if pid == 0:
-        role = r
-        os.environ["ZEROSTALL_HOST_ID"] = host
-        code = 0
-        try:
-            main()
-        except BaseException as exc:  # reported, then the test fails on the missing scenario
-            out(scenario="crash", error=f"{type(exc).__name__}: {exc}")
-            code = 1
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    children[pid] = r
-for _ in range(len(children)):
-    pid, status = os.wait()
-    out(scenario="exit", child=children[pid], status=os.waitstatus_to_exitcode(status))
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:  # reported, then the test fails on the missing scenario
+        out(scenario="crash", error=f"{type(exc).__name__}: {exc}")
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)

@@ -46,11 +46,17 @@ class Link:
 
     def send(self, t: Any, tag: int) -> Any:
         self.live.append(t)
-        return self.pg.send([t], self.rank, self.base + tag)
+        try:
+            return self.pg.send([t], self.rank, self.base + tag)
+        except RuntimeError as exc:  # gloo refuses at once on a connection the peer closed
+            raise self.broken(self, f"sending to {self.who} failed: {exc}") from exc
 
     def recv(self, t: Any, tag: int) -> Any:
         self.live.append(t)
-        return self.pg.recv([t], self.rank, self.base + tag)
+        try:
+            return self.pg.recv([t], self.rank, self.base + tag)
+        except RuntimeError as exc:
+            raise self.broken(self, f"receiving from {self.who} failed: {exc}") from exc
 
     def exchange(self, data: bytes, tag: int, what: str) -> bytes:
         """Send ``data`` and receive as many bytes from the peer."""
