@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from zerostall.distributed.exchange import decode, encode  # noqa: E402
+from zerostall.distributed.exchange import decode, encode
 
 RANK = """
 import datetime, json, os, sys, time

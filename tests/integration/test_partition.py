@@ -26,11 +26,11 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hostjob import JobStore, start_ranks  # noqa: E402
+from hostjob import JobStore, start_ranks
 
-from zerostall.commit import committed_steps  # noqa: E402
-from zerostall.restore.verify import verify_checkpoint  # noqa: E402
-from zerostall.storage import open_storage  # noqa: E402
+from zerostall.commit import committed_steps
+from zerostall.restore.verify import verify_checkpoint
+from zerostall.storage import open_storage
 
 WORKER = str(Path(__file__).parent / "_replica_host_trainer.py")
 PLACEMENT = ["a", "a", "d", "d"]

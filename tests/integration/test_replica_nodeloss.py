@@ -26,7 +26,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
 from hostjob import JobStore, lose_host, start_ranks
 
 from zerostall.commit import committed_steps, step_name
@@ -270,6 +269,69 @@ def test_a_lost_host_s_newest_memory_step_is_persisted_by_the_survivors_without_
             f.seek(w.offset)
             assert f.read(w.nbytes) == uninterrupted(r, 6).numpy().tobytes(), f"rank {r}"
     assert "standing in for it at step 6" in log.read_text()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def test_the_stand_in_goes_on_without_a_keeper_that_hangs_and_that_keeper_finds_the_step_stored_when_it_wakes(
+        tmp_path: Path, job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three hosts, a rank each, two replicas. Host c (rank 2) is lost and every trainer dies;
+    nothing restarts. Rank 1's keeper hangs (it stops itself, SIGSTOP, as it starts its persist
+    after its trainer died: alive, silent; a stop sent before its trainer died would be undone by
+    the kernel's SIGCONT to an orphaned process group). Rank 0's keeper persists step 6 alone: it
+    stands in for rank 2 (lost) and for rank 1 (whose keeper lease lapsed while it hung), from
+    their replicas, bit for bit. Woken after the commit, rank 1's keeper finds the step stored."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _replica_host_trainer import uninterrupted
+
+    from zerostall.restore.verify import verify_checkpoint
+
+    monkeypatch.setenv("ZEROSTALL_LEASE_S", "2")  # a keeper that stops renewing is proven gone 2 s later
+    d, log = tmp_path / "run", tmp_path / "log.txt"
+    hang = {1: {"ZEROSTALL_FAULTS": json.dumps({"keeper_persist": "stop"})}}  # rank 1's keeper only
+    procs = _start(job, "first", d, ["a", "b", "c"], log, replicas=2, rank_env=hang)
+    said = [_read_until(p, "READY", log) for p in procs]
+    keeper1 = int(said[1]["KEEPER"])
+    storage = open_storage(str(d))
+    try:
+        lose_host(job[0], "c")  # type: ignore[arg-type]
+        for p in procs:
+            p.kill()
+            p.wait(timeout=DEADLINE_S)
+        deadline = time.monotonic() + DEADLINE_S
+        while _state(keeper1) != "T":  # it hung where the test made it
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        while 6 not in committed_steps(storage):
+            assert time.monotonic() < deadline, f"step 6 never reached storage:\n{log.read_text()[-4000:]}"
+            time.sleep(0.2)
+        assert _state(keeper1) == "T"  # committed while it hung
+    finally:
+        os.kill(keeper1, signal.SIGCONT)
+    text = log.read_text()
+    assert "rank 2's keeper is gone: standing in for it at step 6" in text
+    assert "rank 1's keeper is gone: standing in for it at step 6" in text
+    ck = d / step_name(6)
+    assert verify_checkpoint(str(ck)).ok
+    m = parse_manifest((ck / MANIFEST_NAME).read_bytes(), path=str(ck))
+    for r in range(3):  # each rank's tensor, bit for bit as that rank saved it at step 6
+        (w,) = [m.leaves[i] for i in _leaf_indices(m.ranks[r]) if m.leaves[i].shape == (64, 64)]
+        with open(ck / m.files[w.file].path, "rb") as f:
+            f.seek(w.offset)
+            assert f.read(w.nbytes) == uninterrupted(r, 6).numpy().tobytes(), f"rank {r}"
+    deadline = time.monotonic() + DEADLINE_S  # woken, the keeper goes on: its persist finds step 6 there
+    while _state(keeper1) == "T":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert committed_steps(storage) == [4, 6]  # nothing it did undid the commit
+    assert "could not persist step 6" not in log.read_text()[len(text):]
 
 
 ONE_HOST = """

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from zerostall.errors import PeerUnreachableError  # noqa: E402
-from zerostall.jobstore import SLACK_S, bounded  # noqa: E402
+from zerostall.errors import PeerUnreachableError
+from zerostall.jobstore import SLACK_S, bounded
 
 SERVER = ("import datetime, sys, torch.distributed as d\n"
           "s = d.TCPStore('127.0.0.1', 0, is_master=True, timeout=datetime.timedelta(seconds=30))\n"

@@ -1,5 +1,7 @@
-"""Two writers of one rank's part of a collective attempt (a keeper only slow, and a stand-in for it
-from a replica): exactly one takes part, and the step is committed whole or not at all."""
+"""Two writers of one rank's part of a collective attempt (a keeper only slow or hung, and a stand-in
+for it from a replica): exactly one takes part, and the step is committed whole or not at all.
+Both yield (the one that finds the part taken withdraws); a writer that does not yield, a trainer's
+own collective save, aborts the attempt instead."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _views(rank: int) -> dict[int, memoryview]:
 def _run(root: Path, rank: int, errors: dict[str, BaseException], who: str, stand_in: bool = False) -> None:
     job = _job(root, rank)
     assert job.collective is not None
-    step = CollectiveStep(job, job.collective, open_storage(str(root)), stand_in=stand_in)
+    step = CollectiveStep(job, job.collective, open_storage(str(root)), yields=stand_in)
     try:
         run_save(job, _views(rank), lambda: None, step=step)
     except BaseException as exc:  # inspected by the test
@@ -72,13 +74,27 @@ def test_a_stand_in_finding_its_rank_s_part_taken_withdraws_and_the_step_commits
     assert sorted(got) == [0, 1]
 
 
-def test_a_keeper_finding_its_part_taken_by_a_stand_in_aborts_the_attempt_nothing_is_committed(
+def test_a_keeper_that_hung_finding_its_part_taken_by_a_stand_in_withdraws_and_the_step_commits(
+        tmp_path: Path) -> None:
+    errors: dict[str, BaseException] = {}
+    stand_in = threading.Thread(target=_run, args=(tmp_path, 1, errors, "stand-in", True))
+    stand_in.start()
+    _wait_table(tmp_path, 1)  # the stand-in took rank 1's part while its keeper hung
+    _run(tmp_path, 1, errors, "keeper", stand_in=True)  # its persist after the crash yields
+    assert isinstance(errors.pop("keeper"), RankTaken)
+    _run(tmp_path, 0, errors, "rank 0")
+    stand_in.join()
+    assert errors == {}
+    assert committed_steps(open_storage(str(tmp_path))) == [1]
+
+
+def test_a_writer_that_does_not_yield_finding_its_part_taken_aborts_the_attempt_nothing_is_committed(
         tmp_path: Path) -> None:
     errors: dict[str, BaseException] = {}
     stand_in = threading.Thread(target=_run, args=(tmp_path, 1, errors, "stand-in", True))
     stand_in.start()
     _wait_table(tmp_path, 1)
-    _run(tmp_path, 1, errors, "owner")  # the slow keeper: its table is refused, it decides "abort"
+    _run(tmp_path, 1, errors, "owner")  # a trainer's collective save: its table is refused, it decides "abort"
     _run(tmp_path, 0, errors, "rank 0")
     stand_in.join()
     assert set(errors) == {"owner", "rank 0", "stand-in"}

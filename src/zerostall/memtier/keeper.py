@@ -89,7 +89,7 @@ from zerostall.messages import (
 )
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
-from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
+from zerostall.persist.collective import CollectiveStep, RankTaken, abort_attempts_except, sweep_aborted_decisions
 from zerostall.persist.job import SoloStep, run_save, solo_manifest
 from zerostall.persist.server import lower_priority, serve
 from zerostall.storage import Storage, open_storage
@@ -669,10 +669,16 @@ class Keeper:
             if held.job.step is not None and held.job.step in committed_steps(storage):
                 held.persisted = True
                 return
+            # A collective step's part yields: a stand-in may have taken it while this keeper hung
+            # (its lease lapsed), writing the same step from its verified replica.
             run_save(job, held.views, lambda: None,
-                     step=SoloStep(job, storage) if job.collective is None else None, known_crcs=known,
-                     guard=lambda: self._check_directory(job, closing))
+                     step=SoloStep(job, storage) if job.collective is None else
+                     CollectiveStep(job, job.collective, storage, yields=True),
+                     known_crcs=known, guard=lambda: self._check_directory(job, closing))
             held.persisted = True
+        except RankTaken:
+            print(f"zerostall keeper: rank {self.spec.rank}'s part of {job.path} was taken by a stand-in (this keeper "
+                  "did not answer in time); the attempt goes on with it", file=sys.stderr, flush=True)
         except DirectoryReplacedError as exc:
             if closing:  # the live trainer's close() raises it: its newest step is stored nowhere
                 self._record_failure(job, exc, closing)

@@ -309,22 +309,27 @@ def merge_reports(reports: list[dict[str, Any]], data_dir: str
 
 
 class RankTaken(WriterError):
-    """A stand-in found its rank's part of the attempt already taken (by the rank's own keeper or
-    another stand-in): it withdraws, deciding nothing and removing nothing."""
+    """A writer that yields (a stand-in, or a keeper persisting after its trainer died) found its
+    rank's part of the attempt already taken (by the rank's own keeper or a stand-in): it
+    withdraws, deciding nothing and removing nothing."""
 
 
 class CollectiveStep:
     """This rank's part of a collective save, as :func:`zerostall.persist.job.run_save` drives it.
 
-    ``stand_in``: another rank's keeper takes this rank's part, from a replica of its step (see
-    :mod:`zerostall.memtier.standin`). Each rank's hash table is created only if absent, so at
-    most one writer ever takes a rank's part; a stand-in that finds it taken withdraws
-    (:class:`RankTaken`) instead of aborting the attempt the other writer takes part in.
+    ``yields``: another writer may take this rank's part of the same step, and this one then
+    withdraws (:class:`RankTaken`) instead of aborting the attempt the other takes part in: a
+    keeper standing in for a lost rank from a replica of its step (see
+    :mod:`zerostall.memtier.standin`), or a keeper persisting its own held step after its trainer
+    died, for which a stand-in may have taken over while it hung (its lease lapsed), with the
+    same step's verified bytes. Each rank's hash table is created only if absent, so at most one
+    writer ever takes a rank's part. A trainer's own collective save does not yield: a second
+    writer of its part means two processes claim one rank, and the attempt is aborted.
     """
 
-    def __init__(self, job: SaveJob, coll: Collective, storage: Storage, *, stand_in: bool = False) -> None:
+    def __init__(self, job: SaveJob, coll: Collective, storage: Storage, *, yields: bool = False) -> None:
         self.job, self.coll, self.storage = job, coll, storage
-        self.stand_in = stand_in
+        self.yields = yields
         self.names = attempt_names(storage, job.name, coll.run, coll.counter)
         # Every rank applies retention to its own view of the storage (the same view on shared
         # storage: then the others find rank 0's deletions done), with what every rank agreed.
@@ -355,7 +360,7 @@ class CollectiveStep:
         try:
             self.storage.put(names.table(coll.rank), json.dumps(doc).encode(), if_absent=True)
         except FileExistsError:
-            if not self.stand_in:
+            if not self.yields:
                 raise
             raise RankTaken(f"rank {coll.rank}'s part of this save is taken by another writer", path=job.path,
                             rank=coll.rank) from None
@@ -396,7 +401,8 @@ class CollectiveStep:
 
     def fail(self, exc: BaseException) -> BaseException:
         """Decide "abort" (unless another rank decided first) and return what every rank raises.
-        A stand-in whose rank's part is taken decides nothing: the attempt goes on without it."""
+        A writer that yields and whose rank's part is taken decides nothing: the attempt goes on
+        without it."""
         if isinstance(exc, RankTaken):
             return exc
         storage, names = self.storage, self.names
