@@ -98,8 +98,8 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     """``(figure, value)`` of the benchmarks ``make bench`` runs once, not per size: the save call of
     an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``), a Hugging Face
     Trainer's checkpoint stall (``benchmarks/hf_trainer.py``), the memory tier's replicas against
-    their socket floors (``benchmarks/replicas.py``) and the signal to durable of a preemption
-    (``benchmarks/preemption.py``). A benchmark that failed adds none."""
+    their socket floors (``benchmarks/replicas.py``) and the signal to durable of a preemption,
+    alone and with a rank behind (``benchmarks/preemption.py``). A benchmark that failed adds none."""
     out: list[tuple[str, float]] = []
     leaves = results.get("leaf_call") or {}
     for key, name in (("call", "leaf_call_x_floor_checkpointer"), ("free", "leaf_call_x_floor_free")):
@@ -122,6 +122,13 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     for key in ("held_s", "final_s"):
         if _ok(pre.get(key)) and _ok(pre.get("floor_s")) and pre["floor_s"] > 0:
             out.append((f"preemption_{key[:-2]}_durable_x_floor", float(pre[key]) / float(pre["floor_s"])))
+    # with a rank behind: seconds from the moment the lagging rank could reach the final step
+    for lag, fig in ((results.get("preemption_lag") or {}).get("lags") or {}).items():
+        if _ok(fig.get("final_s")):
+            out.append((f"preemption_lag{lag}_final_durable_after_lag_s", float(fig["final_s"]) - float(lag)))
+    rep_job = (results.get("replicas") or {}).get("restore_job_x_floor")
+    if _ok(rep_job):
+        out.append(("replicas_restore_job_x_floor", float(rep_job)))
     return out
 
 

@@ -219,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             results["preemption"] = run_child("preemption", ["--dir", str(scratch)], a.timeout)
             for line in results["preemption"].get("lines", [f"no result: {results['preemption'].get('error')}"]):
                 log(line)
+            # the same with a rank 0.5 s and 3 s behind at the notice: 2 torchrun ranks of 64 MiB
+            log("== preemption with a rank behind: signal to durable, 2 ranks x 64 MiB")
+            results["preemption_lag"] = run_child("preemption", ["--dir", str(scratch), "--lag", "0.5", "--lag", "3",
+                                                                 "--mib", "64", "--repeats", "2"], a.timeout)
+            for line in results["preemption_lag"].get("lines",
+                                                      [f"no result: {results['preemption_lag'].get('error')}"]):
+                log(line)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

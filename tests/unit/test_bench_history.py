@@ -140,12 +140,17 @@ def test_the_reference_history_holds_the_figures_the_docs_quote() -> None:
 def test_the_once_per_run_benchmarks_add_their_figures_and_a_failed_one_adds_none():
     results = {"leaf_call": {"ratios": {"call": 1.2, "free": 1.4}, "speedup_20k": 2.5},
                "hf_trainer": {"summary": {"stall_ratio": 0.02, "zerostall_stall_s": 0.07, "floor_memcpy_s": 0.5}},
-               "replicas": {"replication_x_floor": 0.3, "lost_x_without": 2.0, "restore_x_floor": None},
-               "preemption": {"held_s": 0.3, "final_s": 0.9, "floor_s": 0.2}}
+               "replicas": {"replication_x_floor": 0.3, "lost_x_without": 2.0, "restore_x_floor": None,
+                            "restore_job_x_floor": 1.7},
+               "preemption": {"held_s": 0.3, "final_s": 0.9, "floor_s": 0.2},
+               "preemption_lag": {"lags": {"0.5": {"final_s": 0.7}, "3": {"final_s": None}}}}
     assert dict(history.extra_figures(results)) == {
         "leaf_call_x_floor_checkpointer": 1.2, "leaf_call_x_floor_free": 1.4, "leaf_call_20k_speedup": 2.5,
         "hf_trainer_stall_zerostall_x_hf": 0.02, "hf_trainer_stall_zerostall_x_memcpy": 0.07 / 0.5,
         "replicas_replication_x_floor": 0.3, "replicas_lost_x_without": 2.0,  # no loss without: no ratio
-        "preemption_held_durable_x_floor": 0.3 / 0.2, "preemption_final_durable_x_floor": 0.9 / 0.2}
+        "preemption_held_durable_x_floor": 0.3 / 0.2, "preemption_final_durable_x_floor": 0.9 / 0.2,
+        "preemption_lag0.5_final_durable_after_lag_s": 0.7 - 0.5,  # a lag whose final step was never seen: none
+        "replicas_restore_job_x_floor": 1.7}
     assert history.extra_figures({"leaf_call": {"error": "timed out"}, "hf_trainer": {"error": "exited 1"},
-                                  "replicas": {"error": "timed out"}, "preemption": {"error": "exited 1"}}) == []
+                                  "replicas": {"error": "timed out"}, "preemption": {"error": "exited 1"},
+                                  "preemption_lag": {"error": "exited 1"}}) == []
