@@ -437,9 +437,9 @@ class PeerUnreachableError(ZerostallError, TimeoutError):
     catch it.
     """
 
-    def __init__(self, message: str, *, path: str | None = None, rank: int | None = None,
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None, rank: int | None = None,
                  step: int | None = None, ranks: tuple[int, ...] = ()) -> None:
-        super().__init__(message, path=path, rank=rank)
+        super().__init__(message, path=path, key=key, rank=rank)
         self.step = step
         self.ranks = tuple(ranks)
 

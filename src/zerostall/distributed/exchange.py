@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -34,27 +35,37 @@ _ROLL_CALL_S = 2.0
 
 
 def gather(obj: Any, opts: DistributedOptions | None, *, what: str, step: int | None = None,
-           path: str | None = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank; ``what`` names the operation in an error."""
+           path: str | None = None, after: float | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank; ``what`` names the operation in an error.
+
+    ``after``: the deadline (``time.monotonic()``) of bounded work every rank does right before
+    this exchange (a round of a load from memory): a rank that finished early waits for the others
+    until then and ``timeout_s`` more, since a live rank may arrive as late as that deadline.
+    """
     import torch
+    from torch._C import _distributed_c10d as c10d
 
     o = opts or DistributedOptions()
     pg, rank, world, seq = _side(o, what, step, path)
+    aopts: Any = c10d.AllgatherOptions()
+    aopts.timeout = timedelta(seconds=_wait_s(o, after))
     data = encode(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _done(pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]), o, what, step, path, seq, rank)
+    _done(pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)], aopts), o, what, step, path, seq,
+          rank)
     lengths = [int(t.item()) for t in sizes]
     mine = torch.zeros(max(lengths), dtype=torch.uint8)
     if data:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    _done(pg.allgather([outs], [mine]), o, what, step, path, seq, rank)
+    _done(pg.allgather([outs], [mine], aopts), o, what, step, path, seq, rank)
     return [decode(bytes(t[:n].numpy())) for t, n in zip(outs, lengths, strict=True)]
 
 
 def broadcast(obj: Any, opts: DistributedOptions | None, *, what: str, step: int | None = None,
-              path: str | None = None) -> Any:
-    """Rank 0's ``obj`` (of the group), on every rank (``obj`` of the others is ignored)."""
+              path: str | None = None, after: float | None = None) -> Any:
+    """Rank 0's ``obj`` (of the group), on every rank (``obj`` of the others is ignored);
+    ``after`` as for :func:`gather`."""
     import torch
     import torch.distributed as dist
 
@@ -64,12 +75,18 @@ def broadcast(obj: Any, opts: DistributedOptions | None, *, what: str, step: int
     size = torch.tensor([len(data)], dtype=torch.int64)
     bopts: Any = dist.BroadcastOptions()
     bopts.rootRank = 0
+    bopts.timeout = timedelta(seconds=_wait_s(o, after))
     _done(pg.broadcast([size], bopts), o, what, step, path, seq, rank)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8)
     if rank == 0 and data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     _done(pg.broadcast([buf], bopts), o, what, step, path, seq, rank)
     return decode(bytes(buf.numpy()))
+
+
+def _wait_s(opts: DistributedOptions, after: float | None) -> float:
+    """How long one collective of an exchange waits: ``timeout_s``, plus what is left of ``after``."""
+    return opts.timeout_s + (max(0.0, after - time.monotonic()) if after is not None else 0.0)
 
 
 # -- the values: JSON, tuples and non-string keys tagged --------------------------------------

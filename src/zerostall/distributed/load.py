@@ -29,7 +29,8 @@ from zerostall.restore import (
 )
 from zerostall.storage import open_storage
 
-__all__ = ["load", "load_collective", "replicated_leaves", "agree_step", "gather_objects", "raise_together"]
+__all__ = ["load", "load_collective", "replicated_leaves", "agree_step", "gather_objects", "raise_together",
+           "raise_first", "wire_error"]
 
 _BATCH = 256 << 20
 
@@ -193,13 +194,26 @@ def agree_step(local_latest: Any, opts: DistributedOptions | None, *, what: str 
 
 
 def gather_objects(obj: Any, opts: DistributedOptions | None, *, what: str = "a collective exchange",
-                   step: int | None = None, path: str | None = None) -> list[Any]:
-    """Every rank's ``obj`` (plain data), in rank order, on every rank (bounded by ``timeout_s``:
-    :mod:`zerostall.distributed.exchange`)."""
-    return gather(obj, opts, what=what, step=step, path=path)
+                   step: int | None = None, path: str | None = None, after: float | None = None) -> list[Any]:
+    """Every rank's ``obj`` (plain data), in rank order, on every rank (bounded by ``timeout_s``,
+    after the deadline ``after`` of bounded work before it: :mod:`zerostall.distributed.exchange`)."""
+    return gather(obj, opts, what=what, step=step, path=path, after=after)
 
 
-def raise_together(err: BaseException | None, opts: DistributedOptions | None, path: str) -> None:
+def raise_together(err: BaseException | None, opts: DistributedOptions | None, path: str, *,
+                   after: float | None = None) -> None:
     """Raise on every rank the first error any rank had (``err`` is this rank's, or None)."""
     _, rank, _ = group_rank_world(opts)
-    _raise_first(gather_objects(_wire(err, rank, path), opts, what="sharing the outcome", path=path), rank, err)
+    _raise_first(gather_objects(_wire(err, rank, path), opts, what="sharing the outcome", path=path, after=after),
+                 rank, err)
+
+
+def raise_first(statuses: list[Any], rank: int, mine: BaseException | None) -> None:
+    """Raise the first error of ``statuses`` (each rank's :func:`wire_error`, or None), ``mine``
+    for this rank's own (its original object)."""
+    _raise_first(statuses, rank, mine)
+
+
+def wire_error(exc: BaseException | None, rank: int, path: str) -> dict[str, Any] | None:
+    """``exc`` as plain data for an exchange (no pickled exception crosses ranks)."""
+    return _wire(exc, rank, path)

@@ -23,7 +23,7 @@ from typing import Any
 from zerostall.commit import committed_steps, step_name
 from zerostall.distributed import active, load
 from zerostall.distributed.context import group_rank_world
-from zerostall.distributed.load import agree_step, gather_objects, raise_together
+from zerostall.distributed.load import agree_step, gather_objects, raise_first, raise_together, wire_error
 from zerostall.engine import Engine
 from zerostall.errors import (
     CheckpointNotFoundError,
@@ -127,11 +127,14 @@ class MemorySide:
                         self.directory)
 
     def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
-        """Every rank's (storage steps, held step, {origin: replica step held}): one all_gather_object."""
+        """Every rank's (storage steps, held step, {origin: replica step held}): one exchange (a
+        rank whose keeper hangs asks it until ``timeout_s``; the others wait that out, then ``timeout_s``)."""
+        deadline = time.monotonic() + self._timeout_s()
         img = self.held_image(self._timeout_s()) if not self._engine.closed else None
         mem = img.step if img is not None else None
         reps = {r.origin: r.step for r in img.replicas} if img is not None else {}
-        out: list[tuple[list[int], int | None, dict[int, int]]] = gather_objects((storage_steps, mem, reps), self.dist)
+        out: list[tuple[list[int], int | None, dict[int, int]]] = gather_objects(
+            (storage_steps, mem, reps), self.dist, what="listing the steps in memory", after=deadline)
         return out
 
     def agreed_steps(self, storage_steps: list[int]) -> list[int]:
@@ -172,11 +175,16 @@ class MemorySide:
         while pending:
             self._transfers += 1
             now = {r: plan[r][tries[r]] for r in sorted(pending)}
-            got, err, fatal = self._round(agreed, now, rank, self._transfers, into, items)
+            deadline = time.monotonic() + (self.replicas.timeout_s if self.replicas is not None else self._timeout_s())
+            got, err, fatal = self._round(agreed, now, rank, self._transfers, into, items, deadline)
             out = got if got is not None else out
-            raise_together(fatal, self.dist, self.step_path(agreed))
-            failed = {r: e for r, e in enumerate(gather_objects(err, self.dist, what="restoring from memory",
-                                                                step=agreed)) if e is not None}
+            # One exchange per round: every rank's failure of the request, and which sources failed.
+            # A rank that finished early waits for the others until the round's deadline, and then
+            # timeout_s more: a live rank may be waiting for a hung source until that deadline.
+            statuses = gather_objects((err, wire_error(fatal, rank, self.step_path(agreed))), self.dist,
+                                      what="restoring from memory", step=agreed, after=deadline)
+            raise_first([st[1] for st in statuses], rank, fatal)
+            failed = {r: st[0] for r, st in enumerate(statuses) if st[0] is not None}
             for r, e in sorted(failed.items()):
                 nxt = plan[r][tries[r] + 1] if tries[r] + 1 < len(plan[r]) else None
                 self._tell(agreed, f"rank {r}: {e}", f"trying rank {nxt}'s keeper" if nxt is not None else None)
@@ -188,7 +196,8 @@ class MemorySide:
         return out
 
     def _round(self, step: int, now: dict[int, int], rank: int, generation: int, into: _LoadInto,
-               items: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None, BaseException | None]:
+               items: dict[str, Any] | None, deadline: float
+               ) -> tuple[dict[str, Any] | None, str | None, BaseException | None]:
         """One round of :meth:`load_replicated`: serve the shares ``now`` asks of this rank's
         keeper (``now``: each pending rank -> the rank whose keeper it tries), each on a thread,
         and meanwhile get this rank's own share if it is pending: loaded from its own keeper, or
@@ -203,9 +212,9 @@ class MemorySide:
         source = now.get(rank)
         try:
             store = open_store(setup)
-            # Every pair of this round forms, and every keeper answers, within timeout_s (a holder
-            # cut off, or hung, ends it); the transfers' own waits are each bounded by it too.
-            deadline = store.deadline = time.monotonic() + setup.timeout_s
+            # Every pair of this round forms, and every keeper answers, by the round's deadline (a
+            # holder cut off, or hung, ends it); the transfers' own waits are each bounded by timeout_s.
+            store.deadline = deadline
             for r, holder in now.items():
                 if holder == rank and r != rank:
                     t = threading.Thread(target=self._serve_replica,
@@ -316,7 +325,7 @@ class MemorySide:
         """The step this host's keeper holds (None: nothing held, or the keeper has exited)."""
         if self._engine.closed:
             return None
-        img = self.held_image()
+        img = self.held_image(self._timeout_s())
         return img.step if img is not None else None
 
     def held_image(self, timeout_s: float = 600.0) -> Any:
@@ -339,7 +348,9 @@ class MemorySide:
 
     def held_everywhere(self, step: int) -> bool:
         """Collectively: whether every rank's memory tier holds ``step`` (one all_gather_object)."""
-        return all(h == step for h in gather_objects(self.memory_step(), self.dist))
+        deadline = time.monotonic() + self._timeout_s()
+        return all(h == step for h in gather_objects(self.memory_step(), self.dist, what="listing the steps in memory",
+                                                     step=step, after=deadline))
 
     # -- loading -------------------------------------------------------------------------------
 
