@@ -138,11 +138,7 @@ class Engine:
                 self._plans.move_to_end(sig)
                 return hit
             plan = make_plan(flat, rank=rank)
-            rows = tuple(
-                LeafRow(key=leaf.key, kind=leaf.kind, dtype=leaf.dtype, shape=leaf.shape, file=fi,
-                        offset=place.offset, nbytes=leaf.nbytes, shared=leaf.shared)
-                for leaf, place, fi in zip(flat.leaves, plan.slots, plan.leaf_file, strict=True)
-            )
+            rows = plan.leaves  # the plan's own leaf records travel to the writer and the manifest
             self._plans[sig] = (plan, rows)
             if len(self._plans) > _PLAN_CACHE:
                 self._plans.popitem(last=False)

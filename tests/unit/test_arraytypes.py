@@ -200,20 +200,12 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 import zerostall
-import zerostall.restore.plan as plan
-from zerostall.arraytypes import ArrayType, reader_of, register_array_type, unregister_array_type
-from zerostall.distributed import dtensor as d
-
-def read(planner, node, tmpl, key):
-    return planner.into_tensor(node, tmpl, key, box=d._template_box(tmpl) if node["type"] == "sharded" else None)
-
-unregister_array_type("zerostall.distributed.dtensor.flatten_dtensor")
-plan._BOXES.clear()
-one = register_array_type(ArrayType(name="DTensor", matches=d.is_dtensor_type, flatten=d.flatten_dtensor,
-                                    reuse=d.dtensor_reuse, read=read))
+from zerostall.arraytypes import reader_of
+from zerostall.distributed import dtensor as d  # registers DTensor: one array type
 mesh = init_device_mesh("cpu", (1,))
 x = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
-assert reader_of(type(x)) is one
+one = reader_of(type(x))
+assert one is not None and one.name == "torch.distributed.tensor.DTensor" and one.matches is d.is_dtensor_type
 with zerostall.Checkpointer(sys.argv[1]) as ck:
     ck.save_pytree(1, {"x": x})
     ck.save_pytree(2, {"x": x})
@@ -226,8 +218,9 @@ print("loaded")
 
 
 def test_a_dtensor_needs_one_registration_too(tmp_path: Path) -> None:
-    """The one registration ``distributed.dtensor`` could make in place of its flattener and
-    template box: the box comes from its own read (``ReadPlanner.into_tensor(box=)``)."""
+    """``distributed.dtensor`` makes one registration: its flatten saves the local shard with its box,
+    its read gives a template its own box (``ReadPlanner.into_tensor(box=)``); a sharded DTensor
+    saves and loads back in place through it."""
     import os
     import subprocess
     import sys

@@ -22,7 +22,7 @@ def test_plan_is_a_valid_safetensors_layout():
         assert b == pos
         pos = e
     assert f.size == f.data_start + pos
-    for slot in plan.slots:
+    for slot in plan.leaves:
         assert (slot.offset - f.data_start) % DATA_ALIGN == 0
     assert f.alloc % 4096 == 0 and f.alloc >= f.size
     assert plan.nbytes == 3 + 20

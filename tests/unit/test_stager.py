@@ -24,7 +24,7 @@ def test_stage_copies_strided_views_and_every_kind():
              "bf": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}
     flat, plan, slot = _staged_bytes(state)
     buf = slot.buffers[0].mmap
-    for leaf, place in zip(flat.leaves, plan.slots):
+    for leaf, place in zip(flat.leaves, plan.leaves):
         raw = bytes(buf[place.offset:place.offset + place.nbytes])
         v = leaf.value
         if isinstance(v, torch.Tensor):
@@ -155,7 +155,7 @@ def test_stage_checksums_what_it_streams_and_leaves_the_rest_to_the_writer(monke
     assert [by_key[k][1] for k in ("small", "strided", "b")] == [None, None, None]
     # staged bytes are those of the sources either way
     buf = slot.buffers[0].mmap
-    for leaf, place in zip(flat.leaves, plan.slots):
+    for leaf, place in zip(flat.leaves, plan.leaves):
         v = leaf.value
         want = v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else (v.tobytes() if isinstance(v, np.ndarray) else v)
         assert bytes(buf[place.offset:place.offset + place.nbytes]) == want, leaf.key

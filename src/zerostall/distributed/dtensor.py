@@ -1,24 +1,25 @@
 """DTensor: saved as its local shard plus its box in the global tensor; loaded by box intersection.
 
-Saving (training thread, a flattener registered with :func:`zerostall.tree.register_flattener`):
-a ``sharded`` tree node with the global shape and dtype and one shard ``{offset, shape, leaf}``
+One array type (:func:`zerostall.arraytypes.register_array_type`) says both sides.
+
+Saving (training thread, its ``flatten``): a ``sharded`` tree node with the global shape and dtype and one shard ``{offset, shape, leaf}``
 per rank; rank 0's writer merges every rank's shards into one list (identical boxes, as under
 ``Replicate``, once). A shard of a DTensor placed only with ``Shard`` is marked not shared: no
 other rank holds those bytes, so the writer does not hash them.
 
-Loading (any number of ranks, a box registered with
-:func:`zerostall.restore.register_template_box`): each rank's template DTensor asks for its local
-box; :class:`zerostall.restore.ReadPlanner` reads only the rows of the saved shards that
-intersect it. Nothing here imports torch at module load.
+Loading (any number of ranks, its ``read``): each rank's template DTensor asks for its local box
+(``ReadPlanner.into_tensor(box=)``); :class:`zerostall.restore.ReadPlanner` reads only the rows of
+the saved shards that intersect it. Nothing here imports torch at module load.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from zerostall.arraytypes import ArrayType, register_array_type
 from zerostall.errors import UnsupportedLeafError
-from zerostall.restore import TemplateBox, register_template_box
-from zerostall.tree import ArrayLeaf, add_torch_leaf, register_flattener
+from zerostall.restore import TemplateBox
+from zerostall.tree import ArrayLeaf, add_torch_leaf
 
 __all__ = ["flatten_dtensor", "dtensor_reuse", "local_box", "is_dtensor_type"]
 
@@ -57,7 +58,7 @@ def flatten_dtensor(dt: Any, key: str, leaves: list[ArrayLeaf]) -> dict[str, Any
 
 
 def dtensor_reuse(dt: Any) -> tuple[Any, Any]:
-    """``(key, local shard)`` of ``dt`` for a save of a kept layout (:func:`zerostall.tree.register_flattener`):
+    """``(key, local shard)`` of ``dt`` for a save of a kept layout (:attr:`zerostall.arraytypes.ArrayType.reuse`):
     the node :func:`flatten_dtensor` makes depends only on the mesh, the placements and the global
     shape and dtype (the box is computed from them), and the leaf on the local shard, whose type,
     dtype and shape the save checks in bulk. A few attribute reads instead of the box's computation."""
@@ -71,5 +72,10 @@ def _template_box(dt: Any) -> TemplateBox:
     return TemplateBox(offset=offset, shape=shape, local=dt.to_local())
 
 
-register_flattener(is_dtensor_type, flatten_dtensor, reuse=dtensor_reuse)
-register_template_box(is_dtensor_type, _template_box)
+def _read(planner: Any, node: dict[str, Any], tmpl: Any, key: str) -> Any:
+    """A template DTensor receives its own box of the saved global tensor."""
+    return planner.into_tensor(node, tmpl, key, box=_template_box(tmpl) if node["type"] == "sharded" else None)
+
+
+register_array_type(ArrayType(name="torch.distributed.tensor.DTensor", matches=is_dtensor_type, flatten=flatten_dtensor,
+                              reuse=dtensor_reuse, read=_read))

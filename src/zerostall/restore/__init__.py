@@ -22,14 +22,13 @@ from zerostall.restore.plan import (
     Thunk,
     register_node_reader,
     register_stateful_template,
-    register_template_box,
 )
 from zerostall.restore.read import execute_reads, prepare_reads
 from zerostall.restore.verify import Problem, VerifyReport, verify_checkpoint
 
 __all__ = [
     "load_items", "read_manifest", "verify_checkpoint", "VerifyReport", "Problem",
-    "DataFiles", "check_local_file", "ReadPlanner", "ReadRequest", "TemplateBox", "Thunk", "register_template_box",
+    "DataFiles", "check_local_file", "ReadPlanner", "ReadRequest", "TemplateBox", "Thunk",
     "execute_reads", "plan_items", "new_planner", "assemble",
     "prepare_reads",
     "NodeReader", "register_node_reader",

@@ -12,7 +12,7 @@ registered array type is read by that type's ``read`` (torch's and numpy's call
 :meth:`ReadPlanner.into_tensor` and :meth:`ReadPlanner.into_ndarray`; JAX's builds ``jax.Array`` s),
 asked after the node readers (:func:`register_node_reader`) and before the built-in rules for
 containers, scalars and template-less leaves. A ``DTensor`` template is read as a tensor through
-its box (:func:`register_template_box`).
+its box, which its array type's ``read`` gives (:mod:`zerostall.distributed.dtensor`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from zerostall.format.manifest import LeafEntry, Manifest
 from zerostall.restore.files import ArrivedFiles, DataFiles
 from zerostall.tree import TORCH, handler_by_name, is_stateful, key_join
 
-__all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "register_template_box", "NodeReader",
+__all__ = ["Thunk", "ReadRequest", "ReadPlanner", "TemplateBox", "NodeReader",
            "register_node_reader", "Shard", "saved_shards", "plan_box", "numpy_dtype",
            "ML_DTYPE_NAMES", "register_stateful_template", "stateful_template"]
 
@@ -58,23 +58,7 @@ class TemplateBox:
     local: Any
 
 
-_BOXES: list[tuple[Callable[[type], bool], Callable[[Any], TemplateBox]]] = []
-_BOX_LOCK = threading.Lock()
-
-
-def register_template_box(match: Callable[[type], bool], box: Callable[[Any], TemplateBox]) -> None:
-    """Load a ``sharded`` node into templates whose type satisfies ``match`` through ``box(template)``.
-
-    A template so registered (a ``DTensor``; :mod:`zerostall.distributed` registers it) receives
-    only its own box of the global tensor, read from whichever saved shards intersect it.
-    """
-    with _BOX_LOCK:
-        _BOXES.insert(0, (match, box))
-
-
-def _box_of(tmpl: Any) -> TemplateBox | None:
-    t = type(tmpl)
-    return next((b(tmpl) for m, b in _BOXES if m(t)), None)
+_REGISTRY_LOCK = threading.Lock()
 
 
 #: template types :meth:`ReadPlanner.build` reads ``array`` nodes into as torch's array type does,
@@ -114,7 +98,7 @@ def register_node_reader(reader: NodeReader, *, plain: bool = False) -> None:
     then plans those (most leaves of a large state) without asking the readers. Pass
     ``plain=True`` for a reader that takes over such pairs.
     """
-    with _BOX_LOCK:
+    with _REGISTRY_LOCK:
         _READERS.insert(0, reader)
         if plain:
             _READERS_FOR_PLAIN.append(reader)
@@ -134,7 +118,7 @@ def register_stateful_template(fn: StatefulTemplate) -> None:
     like its parameters (:mod:`zerostall.restore.optim` registers one). ``fn`` returns None for
     objects it leaves to the next one or ``state_dict()``.
     """
-    with _BOX_LOCK:
+    with _REGISTRY_LOCK:
         _STATEFUL_TEMPLATES.insert(0, fn)
 
 
@@ -221,8 +205,8 @@ class ReadPlanner:
         """An ``array`` or ``sharded`` node into the torch tensor ``tmpl`` (torch's array type's
         read): in its own memory where it is a contiguous CPU tensor, through the device pass on
         an accelerator, else through a temporary; a ``sharded`` node by box: ``box`` (a sharded
-        template's own part of the global tensor), else the one :func:`register_template_box`
-        gives. None for other nodes."""
+        template's own part of the global tensor, which its array type's ``read`` gives). None for
+        other nodes."""
         t = node["type"]
         if t == "array":
             return self._into_torch(self._leaf(node["leaf"]), tmpl, key, sys.modules["torch"])
@@ -406,8 +390,6 @@ class ReadPlanner:
         gshape = tuple(node["shape"])
         dtype_name = node["dtype"]
         dtype = to_torch_dtype(dtype_name)
-        if box is None and tmpl is not None:
-            box = _box_of(tmpl)
         if tmpl is not None and box is None and not isinstance(tmpl, torch.Tensor):
             raise MismatchError(f"checkpoint has a tensor here but the template has {type(tmpl).__name__}",
                                 path=self.path, key=key)

@@ -43,16 +43,6 @@ class Plan:
     leaves: tuple[LeafEntry, ...]
     nbytes: int  # array bytes (without headers and padding)
 
-    @property
-    def slots(self) -> tuple[LeafEntry, ...]:
-        """:attr:`leaves`, by the name the engine reads each leaf's offset through."""
-        return self.leaves
-
-    @property
-    def leaf_file(self) -> tuple[int, ...]:
-        """The file index of each leaf (its entry's ``file``)."""
-        return tuple(lf.file for lf in self.leaves)
-
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
