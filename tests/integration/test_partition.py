@@ -8,8 +8,9 @@ step 5's all-reduce, before its save. What holds, on both sides of the cut:
 
 * step 5's ``result()`` returns within ``timeout_s`` (its replica cannot reach the other side:
   tiers ``memory``, no ``peer``), and the next zerostall collective (``latest_step()``) raises
-  ``PeerUnreachableError`` within ``timeout_s`` plus the roll call: on ``a`` naming ranks 2 and 3,
-  on ``d`` saying its host is cut off;
+  ``PeerUnreachableError``: on ``a`` naming ranks 2 and 3, on ``d`` saying its host is cut off.
+  That exchange follows each rank's question to its own keeper (bounded by ``timeout_s``), so a
+  rank waits for the others' answers until then and ``timeout_s`` more, plus the roll call;
 * the ranks leave as a failing job does, and the keepers, which still reach storage, commit step 5
   together (nothing torn: every leaf verifies);
 * once the link is back, the restarted job resumes every rank from step 5, bit for bit.
@@ -34,7 +35,7 @@ from zerostall.storage import open_storage
 
 WORKER = str(Path(__file__).parent / "_replica_host_trainer.py")
 PLACEMENT = ["a", "a", "d", "d"]
-TIMEOUT_S = 6.0
+TIMEOUT_S = 4.0
 #: the roll call that names the ranks (2 s), and this VM's scheduling
 MARGIN_S = 4.0
 DEADLINE_S = 120.0
@@ -76,7 +77,7 @@ def test_a_cut_off_host_every_rank_returns_or_raises_within_timeout_s_and_the_jo
         assert tiers == "memory", (r, s)  # in memory; its replica could not cross the cut
         assert float(took) < TIMEOUT_S + MARGIN_S, (r, s)
         secs, _, doc = s["UNREACHABLE"].partition(" ")
-        assert float(secs) < TIMEOUT_S + MARGIN_S, (r, s)
+        assert float(secs) < 2 * TIMEOUT_S + MARGIN_S, (r, s)
         err = json.loads(doc)
         if PLACEMENT[r] == "a":
             assert err["ranks"] == [2, 3] and "rank(s) [2, 3] did not answer" in err["message"], (r, err)

@@ -208,7 +208,7 @@ def test_a_holder_that_hangs_during_the_restore_is_passed_over_for_the_next_with
     hang = {0: {"ZEROSTALL_FAULTS": json.dumps({"keeper_serve_replica": "stop"})}}  # rank 0's keeper only
     said = _lose_host_b(job, d, log, hosts=["a", "b", "c"], lost="c", replicas=2, rank_env=hang)
     keeper0 = int(said[0]["KEEPER"])
-    timeout = 6.0
+    timeout = 4.0
     procs = _start(job, "resume", d, ["a", "b", "d"], log, replicas=2, timeout=timeout,
                    env={"ZS_HOLD_AFTER_LOAD": "1"})
     try:

@@ -44,13 +44,13 @@ def _client(port: int, bound_s: float, prefix: str = "") -> object:
 
 def test_requests_to_a_store_that_stops_answering_end_within_their_bound_and_work_again_after(server) -> None:
     p, port = server
-    store = _client(port, 1.5)
+    store = _client(port, 1.0)
     store.set("a", "1")  # type: ignore[attr-defined]
     assert store.add("n", 2) == 2  # type: ignore[attr-defined]
     os.kill(p.pid, signal.SIGSTOP)
-    for name, call, bound in [("add", lambda: store.add("n", 1), 1.5),  # type: ignore[attr-defined]
-                              ("get", lambda: store.get("a"), 1.5 + SLACK_S),  # type: ignore[attr-defined]
-                              ("wait", lambda: store.wait(["a"], timedelta(seconds=1)), 1 + SLACK_S)]:  # type: ignore[attr-defined]
+    for name, call, bound in [("add", lambda: store.add("n", 1), 1.0),  # type: ignore[attr-defined]
+                              ("get", lambda: store.get("a"), 1.0 + SLACK_S),  # type: ignore[attr-defined]
+                              ("wait", lambda: store.wait(["a"], timedelta(seconds=0.5)), 0.5 + SLACK_S)]:  # type: ignore[attr-defined]
         t0 = time.monotonic()
         with pytest.raises(PeerUnreachableError, match=f"did not answer its {name} request"):
             call()
