@@ -324,8 +324,6 @@ def test_xor_into_is_bytewise_at_any_alignment_and_refuses_mismatches() -> None:
         xor_into(memoryview(bytes(4)), memoryview(bytes(4)))
     with pytest.raises(InvalidArgumentError, match="contiguous"):
         xor_into(memoryview(bytearray(8))[::2], memoryview(bytes(4)))
-    with pytest.raises(InvalidArgumentError, match="threads"):
-        xor_into(memoryview(bytearray(4)), memoryview(bytes(4)), threads=0)
 
 
 def test_bulk_xor_copies_no_source_bytes() -> None:
@@ -343,46 +341,6 @@ def test_bulk_xor_copies_no_source_bytes() -> None:
         tracemalloc.stop()
     assert peak < 1 << 20
     assert dst == src and out == src
-
-
-def test_threads_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parity, "_MIN_SPLIT", PAGE)  # split even these small buffers
-    lay = ParityLayout((90_000, 70_001, 0, 85_000), 4)
-    shares = make_shares(lay.sizes, seed=12)
-    want = {s: ref_parity(shares, 4, s) for s in range(4)}
-    for s in range(4):
-        out = bytearray(lay.chunk)
-        encode(lay, s, {m: memoryview(shares[m]) for m in lay.stripes_of(s)}, memoryview(out), threads=3)
-        assert bytes(out) == want[s]
-        out = bytearray(lay.chunk)
-        acc = Accumulator(lay, s, memoryview(out), threads=3)
-        for m in lay.stripes_of(s):
-            a, b = lay.chunk_range(m, s)
-            acc.add(m, 0, memoryview(shares[m])[a:b])
-        assert bytes(out) == want[s]
-    pars = {s: memoryview(bytearray(want[s])) for s in range(4)}
-    for lost in range(4):
-        out = bytearray(lay.sizes[lost])
-        rebuild(lay, lost, {s: pars[s] for s in lay.stripes_of(lost)},
-                {m: memoryview(shares[m]) for m in lay.stripes_of(lost)}, memoryview(out), threads=3)
-        assert bytes(out) == shares[lost]
-    d = bytearray(shares[0])
-    xor_into(memoryview(d), memoryview(shares[0]), threads=2)
-    assert not any(d)
-
-
-def test_a_failure_in_a_thread_is_raised_on_the_caller_s(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(parity, "_MIN_SPLIT", PAGE)
-    seen = []
-
-    def work(lo: int, hi: int) -> None:
-        seen.append(lo)
-        if lo:
-            raise OSError("a part failed")
-
-    with pytest.raises(OSError, match="a part failed"):
-        parity._run(4 * PAGE, 4, work)
-    assert sorted(seen) == [0, PAGE, 2 * PAGE, 3 * PAGE]
 
 
 def test_pieces_are_views_of_the_files_in_order() -> None:

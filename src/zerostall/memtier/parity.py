@@ -31,8 +31,10 @@ throughout: numpy vectorises ``uint8`` with the same SIMD width as ``uint64`` (e
 cache and in it), while a ``uint64`` view of a buffer that is not 8-aligned is about half as fast
 (``python -m benchmarks.parity`` measures all three). Several sources into one destination go in
 :data:`BLOCK`-sized pieces, each finished (every source XORed in) while it is in the core's cache,
-so the destination crosses the memory bus once instead of once per source. ``threads > 1`` splits
-large buffers at page boundaries across short-lived threads.
+so the destination crosses the memory bus once instead of once per source. One thread: two
+threads over halves of the same buffers gained nothing consistent on a 2-core machine (the
+benchmark measures it), and a keeper shares its host's cores with training; a caller with cores
+to spare runs different stripes on threads of its own, in parallel, since the GIL is released.
 
 No torch, no zerostall stage/engine/tree: this is the codec only; moving chunks between hosts,
 keeping a step's shares while its parities form, and checking a rebuilt share are the caller's.
@@ -42,8 +44,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -66,13 +67,11 @@ __all__ = [
 ]
 
 #: a chunk's size is a multiple of this: chunks of a page-aligned share start on page boundaries
-#: (mapped, sent and received page by page), and threads split on them (no cache line shared)
+#: (mapped, sent and received page by page; a caller's threads split on them sharing no cache line)
 ALIGN = 4096
 #: bytes of destination finished at a time when several sources go into it: well inside a core's
 #: L2 (1 MiB on this machine's cores and most servers') beside the sources' lines streaming through
 BLOCK = 512 << 10
-#: bytes per thread below which starting a thread costs about what it saves
-_MIN_SPLIT = 8 << 20
 
 #: a share: one buffer, or its data files' buffers in manifest order, read as one
 Views: TypeAlias = memoryview | Sequence[memoryview]
@@ -88,13 +87,6 @@ def _int(name: str, v: object) -> int:
     if type(v) is not int:
         raise ArgumentTypeError(f"{name} must be an int, got {type(v).__name__}", argument=name)
     return v
-
-
-def _threads(threads: object) -> int:
-    n = _int("threads", threads)
-    if n < 1:
-        raise InvalidArgumentError(f"threads must be >= 1, got {n}", argument="threads")
-    return n
 
 
 def _array(view: object, name: str, *, writable: bool = False) -> _Bytes:
@@ -161,21 +153,21 @@ class _Concat:
         return self.arrays[i][lo - s:hi - s]
 
 
-def _cuts(dst: _Concat, sources: Sequence[_Concat], lo: int, hi: int) -> list[int]:
-    """Where ``[lo, hi)`` is cut so that each piece lies in one array of every buffer, each source
+def _cuts(dst: _Concat, sources: Sequence[_Concat]) -> list[int]:
+    """Where ``dst`` is cut so that each piece lies in one array of every buffer, each source
     covers it wholly or not at all, and none is longer than :data:`BLOCK`."""
-    cuts = {lo, hi, *range((lo // BLOCK + 1) * BLOCK, hi, BLOCK)}
+    n = dst.size
+    cuts = {0, n, *range(BLOCK, n, BLOCK)}
     for c in (dst, *sources):
-        cuts.update(s for s in c.starts if lo < s < hi)
-    cuts.update(c.size for c in sources if lo < c.size < hi)
+        cuts.update(s for s in c.starts if 0 < s < n)
+    cuts.update(c.size for c in sources if 0 < c.size < n)
     return sorted(cuts)
 
 
-def _combine(dst: _Concat, sources: Sequence[_Concat], lo: int, hi: int, *, assign: bool) -> None:
-    """``dst[lo:hi]`` ``=`` (``assign``) or ``^=`` the XOR of ``sources[lo:hi]``; a source shorter
-    than ``hi`` is zeros past its end. Piece by piece: every source goes into a piece while it is
-    in cache."""
-    cuts = _cuts(dst, sources, lo, hi)
+def _combine(dst: _Concat, sources: Sequence[_Concat], *, assign: bool) -> None:
+    """``dst`` ``=`` (``assign``) or ``^=`` the XOR of ``sources``; a source shorter than ``dst``
+    is zeros past its end. Piece by piece: every source goes into a piece while it is in cache."""
+    cuts = _cuts(dst, sources)
     for x, y in itertools.pairwise(cuts):
         d = dst.piece(x, y)
         fresh = assign  # nothing of the old contents counts yet: the first source is copied
@@ -191,42 +183,7 @@ def _combine(dst: _Concat, sources: Sequence[_Concat], lo: int, hi: int, *, assi
             d.fill(0)
 
 
-def _split(n: int, threads: int) -> list[tuple[int, int]]:
-    """``[0, n)`` in at most ``threads`` parts cut on :data:`ALIGN`, none under :data:`_MIN_SPLIT`."""
-    k = max(1, min(threads, n // _MIN_SPLIT))
-    if k == 1:
-        return [(0, n)]
-    step = _ceil(_ceil(n, k), ALIGN) * ALIGN
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
-def _run(n: int, threads: int, work: Callable[[int, int], None]) -> None:
-    """``work(lo, hi)`` over ``[0, n)``, split across threads; the first part on the caller's."""
-    parts = _split(n, threads)
-    if len(parts) == 1:
-        work(0, n)
-        return
-    errors: list[BaseException] = []
-
-    def part(lo: int, hi: int) -> None:
-        try:
-            work(lo, hi)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread below
-            errors.append(exc)
-
-    ts = [threading.Thread(target=part, args=p, name="zerostall-parity", daemon=True) for p in parts[1:]]
-    for t in ts:
-        t.start()
-    try:
-        work(*parts[0])
-    finally:
-        for t in ts:
-            t.join()
-    if errors:
-        raise errors[0]
-
-
-def xor_into(dst: memoryview, src: memoryview, *, threads: int = 1) -> None:
+def xor_into(dst: memoryview, src: memoryview) -> None:
     """``dst ^= src``, in place, byte for byte; both the same length. ``src`` is not copied.
 
     Example::
@@ -240,11 +197,7 @@ def xor_into(dst: memoryview, src: memoryview, *, threads: int = 1) -> None:
     if len(d) != len(s):
         raise InvalidArgumentError(f"dst has {len(d)} bytes and src {len(s)}: XOR needs equal lengths",
                                    argument="src")
-
-    def work(lo: int, hi: int) -> None:
-        np.bitwise_xor(d[lo:hi], s[lo:hi], out=d[lo:hi])
-
-    _run(len(d), _threads(threads), work)
+    np.bitwise_xor(d, s, out=d)
 
 
 @dataclass(frozen=True)
@@ -371,12 +324,11 @@ class Accumulator:
         (True, b'abcxyz')
     """
 
-    def __init__(self, layout: ParityLayout, stripe: int, out: memoryview, *, threads: int = 1) -> None:
+    def __init__(self, layout: ParityLayout, stripe: int, out: memoryview) -> None:
         if not isinstance(layout, ParityLayout):
             raise ArgumentTypeError(f"layout must be a ParityLayout, got {type(layout).__name__}", argument="layout")
         self.layout = layout
         self.stripe = layout._member("stripe", stripe)
-        self._threads = _threads(threads)
         n = len(_array(out, "out", writable=True))
         if n != layout.chunk:
             raise InvalidArgumentError(f"out has {n} bytes; stripe {self.stripe}'s parity has {layout.chunk}",
@@ -426,16 +378,11 @@ class Accumulator:
         edges = sorted({off, end, *(x for g in fresh for x in g)})
         firsts = {a for a, _ in fresh}
         for a, b in itertools.pairwise(edges):
-            copy = a in firsts
-
-            def work(lo: int, hi: int, a: int = a, copy: bool = copy) -> None:
-                d, s = dst[a + lo:a + hi], src[a - off + lo:a - off + hi]
-                if copy:
-                    np.copyto(d, s)
-                else:
-                    np.bitwise_xor(d, s, out=d)
-
-            _run(b - a, self._threads, work)
+            d, s = dst[a:b], src[a - off:b - off]
+            if a in firsts:  # no earlier piece covers these bytes: out's old contents do not count
+                np.copyto(d, s)
+            else:
+                np.bitwise_xor(d, s, out=d)
         self._got[m].add(off, end)
         self._covered.add(off, end)
         self._finish()
@@ -491,8 +438,7 @@ def _chunk_of(layout: ParityLayout, share: _Concat, m: int, stripe: int, n: int)
     return share.window(a, min(b, a + n))
 
 
-def encode(layout: ParityLayout, stripe: int, shares: Mapping[int, Views], out: memoryview, *,
-           threads: int = 1) -> None:
+def encode(layout: ParityLayout, stripe: int, shares: Mapping[int, Views], out: memoryview) -> None:
     """``out`` (``layout.chunk`` bytes) := stripe ``stripe``'s parity, from every other member's
     whole share at hand: the one-call form of an :class:`Accumulator`, each piece of ``out``
     finished while in cache."""
@@ -505,11 +451,10 @@ def encode(layout: ParityLayout, stripe: int, shares: Mapping[int, Views], out: 
     if dst.size != layout.chunk:
         raise InvalidArgumentError(f"out has {dst.size} bytes; a parity has {layout.chunk}", argument="out")
     srcs = [_chunk_of(layout, _share(layout, m, shares[m], f"shares[{m}]"), m, s, layout.chunk) for m in sorted(want)]
-    _run(dst.size, _threads(threads), lambda lo, hi: _combine(dst, srcs, lo, hi, assign=True))
+    _combine(dst, srcs, assign=True)
 
 
-def partial(layout: ParityLayout, stripe: int, target: int, members: Mapping[int, Views], out: memoryview, *,
-            threads: int = 1) -> None:
+def partial(layout: ParityLayout, stripe: int, target: int, members: Mapping[int, Views], out: memoryview) -> None:
     """``out ^=`` the XOR of the given members' chunks for ``stripe`` (the first ``len(out)`` bytes
     of each; ``len(out) <= layout.chunk``): one hop of rebuilding ``target``'s chunk for ``stripe``
     over a chain.
@@ -532,11 +477,11 @@ def partial(layout: ParityLayout, stripe: int, target: int, members: Mapping[int
     if dst.size > layout.chunk:
         raise InvalidArgumentError(f"out has {dst.size} bytes, more than a chunk's {layout.chunk}", argument="out")
     srcs = [_chunk_of(layout, _share(layout, m, v, f"members[{m}]"), m, s, dst.size) for m, v in sorted(members.items())]
-    _run(dst.size, _threads(threads), lambda lo, hi: _combine(dst, srcs, lo, hi, assign=False))
+    _combine(dst, srcs, assign=False)
 
 
 def rebuild(layout: ParityLayout, lost: int, parities: Mapping[int, memoryview], shares: Mapping[int, Views],
-            out: Views, *, threads: int = 1) -> None:
+            out: Views) -> None:
     """Member ``lost``'s share, its real ``sizes[lost]`` bytes, into ``out`` (one buffer or its
     files' buffers): for every stripe ``s != lost``, its chunk ``j(lost, s)`` is ``P_s`` XOR the
     chunk ``j(m, s)`` of every member ``m`` not in ``{s, lost}``.
@@ -568,15 +513,10 @@ def rebuild(layout: ParityLayout, lost: int, parities: Mapping[int, memoryview],
             raise InvalidArgumentError(f"parities[{s}] has {pars[s].size} bytes; a parity has {layout.chunk}",
                                        argument="parities")
     sh = {m: _share(layout, m, shares[m], f"shares[{m}]") for m in others}
-    n = _threads(threads)
     for s in others:
         a, b = layout.chunk_range(lo_, s)
         if a == b:
             continue
         d = dst.window(a, b)
         srcs = [pars[s].window(0, b - a)] + [_chunk_of(layout, sh[m], m, s, b - a) for m in others if m != s]
-
-        def work(x: int, y: int, d: _Concat = d, srcs: list[_Concat] = srcs) -> None:
-            _combine(d, srcs, x, y, assign=True)
-
-        _run(b - a, n, work)
+        _combine(d, srcs, assign=True)
