@@ -23,7 +23,9 @@ What holds:
 * parity is arithmetic, not a check: a wrong parity byte gives a wrong rebuilt byte, silently, so
   a rebuilt share is checked against its manifest's CRC32Cs before it is loaded, as a replica is;
 * a parity of step N rebuilds only with every survivor's share *of step N*: the holders' parities
-  and the members' shares of one step go together.
+  and the members' shares of one step go together: each member keeps its step-N share and each
+  holder its step-N parity until every holder of the group has completed step N+1's parity;
+  until then N is the step a loss rebuilds.
 
 Bulk XOR is numpy's ``bitwise_xor(..., out=)`` over ``np.frombuffer`` views of the caller's
 buffers (no copy of a source, no per-byte Python), which releases the GIL. Bytes (``uint8``)
@@ -34,7 +36,8 @@ cache and in it), while a ``uint64`` view of a buffer that is not 8-aligned is a
 so the destination crosses the memory bus once instead of once per source. One thread: two
 threads over halves of the same buffers gained nothing consistent on a 2-core machine (the
 benchmark measures it), and a keeper shares its host's cores with training; a caller with cores
-to spare runs different stripes on threads of its own, in parallel, since the GIL is released.
+to spare runs independent stripes (a rebuild's, or several groups') on threads of its own, in
+parallel, since the GIL is released.
 
 No torch, no zerostall stage/engine/tree: this is the codec only; moving chunks between hosts,
 keeping a step's shares while its parities form, and checking a rebuilt share are the caller's.
@@ -310,8 +313,9 @@ class Accumulator:
     bytes no member has (past every member's real bytes) are zeroed when the last piece arrives.
     ``out`` is the parity once :attr:`complete`; before, it is partial sums. :meth:`add` refuses,
     with a :class:`~zerostall.errors.ReplicaError` and ``out`` unchanged, a piece from the holder
-    itself, from outside the group, outside the member's real bytes of its chunk, or overlapping
-    bytes of that member already added: a chunk's bytes count once.
+    itself, outside the member's real bytes of its chunk, or overlapping bytes of that member
+    already added (a chunk's bytes count once); a member number outside the group is an
+    :class:`~zerostall.errors.InvalidArgumentError`.
 
     Example::
 
