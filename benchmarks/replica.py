@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import numpy as np  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from zerostall.buffers import HostBuffer  # noqa: E402
 from zerostall.checksum import checksum  # noqa: E402
 from zerostall.format.manifest import encode_manifest  # noqa: E402
 from zerostall.memtier.replica import OutgoingStep, ReplicaGroup, ReplicaOf  # noqa: E402
-from zerostall.stage.buffers import HostBuffer  # noqa: E402
 
 SECRET = b"benchmark secret, 32 bytes long!"
 

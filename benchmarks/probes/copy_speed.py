@@ -34,7 +34,7 @@ def _child(size: int, copies: int) -> None:
     import numpy as np
 
     from zerostall import memcopy
-    from zerostall.stage.buffers import HostBuffer
+    from zerostall.buffers import HostBuffer
 
     libc = ctypes.CDLL("libc.so.6")
     cpus: Counter[tuple[str, int]] = Counter()

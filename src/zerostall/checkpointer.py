@@ -7,7 +7,6 @@ import dataclasses
 import errno
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,12 +41,9 @@ from zerostall.errors import (
     ZerostallError,
 )
 from zerostall.format.manifest import MANIFEST_NAME
-from zerostall.memtier.instance import ensure_instance, read_instance
 from zerostall.memtier.keeperfail import UnadoptableKeeper
-from zerostall.memtier.premap import Premap
-from zerostall.memtier.spec import KeeperSpec
 from zerostall.memtier.tier import MemorySide
-from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions, WriterKind
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions
 from zerostall.persist.gc import collect_at_start
 from zerostall.preempt import GRACE_S, Preemption, check_grace, check_signals
 from zerostall.response import Response, SaveStats
@@ -189,25 +185,18 @@ class Checkpointer:
         _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
                             save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
         signals = check_signals(preemption_signals, path=directory)
-        grace_s = check_grace(preemption_grace_s, path=os.fspath(directory))
+        grace_s = check_grace(preemption_grace_s, path=directory)
         if signals and read_only:
             raise InvalidArgumentError("preemption_signals needs a Checkpointer that saves (read_only=False)",
                                        argument="preemption_signals", path=directory)
         if not read_only:
             check_writer_reaches(directory, save_options)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every_n_steps=keep_every_n_steps)
-        if save_interval_steps is not None and save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be >= 1 or None, got {save_interval_steps}")
-        self.directory = os.fspath(directory)
-        local = local_path(self.directory)
-        if local is not None:
-            self.directory = local
+        local = local_path(directory)
+        self.directory = local if local is not None else directory
         self.read_only = bool(read_only)
         self.save_interval_steps = save_interval_steps
-        so0 = save_options or SaveOptions()
-        self._cadence = Cadence(save_interval, save_interval_steps, mtbf_s, costs, so0.max_in_flight,
-                                memory_tier=memory_tier is not None,
-                                replicas=memory_tier.replicas if memory_tier is not None else 0)
+        self.memory_tier = memory_tier
         if process_group is not None:
             so, lo = save_options or SaveOptions(), load_options or LoadOptions()
             save_options = dataclasses.replace(so, distributed=dataclasses.replace(
@@ -216,79 +205,63 @@ class Checkpointer:
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         so = save_options or SaveOptions()
-        self.memory_tier = memory_tier
-        keeper: KeeperSpec | None = None
-        if memory_tier is not None:
-            if not isinstance(memory_tier, MemoryTier):
-                raise TypeError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
-            if so.writer is not WriterKind.PROCESS:
-                raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
-                                 "the memory must outlive the trainer", path=self.directory, argument="memory_tier")
-            keeper = KeeperSpec(root=self.directory, rank=_keeper_rank(so.distributed), linger_s=memory_tier.linger_s,
-                                instance=_directory_instance(self.directory, create=not self.read_only))
-        self._last_persist = time.monotonic()
         self._save_dist = so.distributed
-        # The writer starts first: its interpreter boots while the storage is probed below.
-        self._engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed),
-                              keeper=keeper)
-        self._engine.on_error = on_error
-        try:
-            self._storage = open_storage(self.directory)
-            check_reachable(self._storage, write=not self.read_only, path=self.directory)
+        self._cadence = Cadence(save_interval, save_interval_steps, mtbf_s, costs, so.max_in_flight,
+                                memory_tier=memory_tier is not None,
+                                replicas=memory_tier.replicas if memory_tier is not None else 0)
+        self._last_persist = time.monotonic()
+        self._committed: deque[Response] = deque(maxlen=100)
+        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
+        self.last_loaded_step: int | None = None
+        # The parts, built in order, each undone by one unwind if a later one fails; held once all are.
+        with contextlib.ExitStack() as unwind:
+            keeper = None
+            if memory_tier is not None:
+                writer, keeper = MemorySide.writer_for(self.directory, memory_tier, so, read_only=self.read_only)
+            else:
+                writer = None
+            # The writer starts first: its interpreter boots while the storage is probed below.
+            engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed), writer=writer)
+            unwind.callback(engine.close)
+            engine.on_error = on_error
+            storage = open_storage(self.directory)
+            check_reachable(storage, write=not self.read_only, path=self.directory)
             if self.read_only and local is not None and not os.path.isdir(local):
                 raise CheckpointNotFoundError("no such directory (read_only=True does not create it)",
                                               path=self.directory)
-            _refuse_a_checkpoint_as_run(self._storage, self.directory)
+            _refuse_a_checkpoint_as_run(storage, self.directory)
             # Partial saves whose writers are provably gone, on any host (docs/guarantees.md#no-orphans).
-            self.gc_report = collect_at_start(self._storage) if not self.read_only else None
-        except BaseException:
-            self._engine.close()
-            raise
-        self._committed: deque[Response] = deque(maxlen=100)
-        # Wait for the writer's hello so that no save waits for the writer to boot (the first
-        # save's slot is released only once the writer has written it).
-        try:
-            ready = self._engine.writer_ready(_WRITER_READY_TIMEOUT_S)
-        except BaseException:  # our keeper found the memory tier held (KeeperBusy): leave nothing behind
-            self._engine.close()
-            raise
-        #: the memory tier's side in this trainer (None: no memory tier)
-        self._memory: MemorySide | None = None
-        if keeper is not None:
-            self._memory = MemorySide(self._engine, self._storage, self.directory, self.load_options,
-                                      self._dist_options(), markers_due=not self.read_only)
-            if memory_tier is not None and memory_tier.replicas > 0 and not self.read_only:
-                try:  # collective: every rank constructs its Checkpointer
-                    self._memory.setup_replicas(memory_tier.replicas, keeper.instance,
-                                                (so.distributed or DistributedOptions()).timeout_s)
-                except BaseException:
-                    self._engine.close()
-                    raise
-        try:
-            if ready and self._memory is not None:
-                self._memory.take_markers()
-            if self._memory is not None:
-                self._memory.warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
-        except BaseException:
-            self._engine.close()
-            raise
-        #: the step the last successful ``load_*`` read (with ``fallback=True``, the one it fell back to)
-        self.last_loaded_step: int | None = None
-        if self._memory is not None:
-            self._memory.start_premap()
-        self._preemption: Preemption | None = None
-        if signals:
-            try:
-                writer = self._engine.writer
-                self._preemption = Preemption(
+            self.gc_report = collect_at_start(storage) if not self.read_only else None
+            # Wait for the writer's hello so that no save waits for the writer to boot (the first
+            # save's slot is released only once the writer has written it). Raises when our keeper
+            # found the memory tier held by another trainer's (KeeperBusy).
+            ready = engine.writer_ready(_WRITER_READY_TIMEOUT_S)
+            memory = None
+            if keeper is not None:
+                assert memory_tier is not None
+                memory = MemorySide(engine, keeper, storage, self.directory, self.load_options,
+                                    self._dist_options(), markers_due=not self.read_only)
+                if memory_tier.replicas > 0 and not self.read_only:  # collective: every rank constructs its Checkpointer
+                    memory.setup_replicas(memory_tier.replicas, keeper.keeper.instance,
+                                          (so.distributed or DistributedOptions()).timeout_s)
+                if ready:
+                    memory.take_markers()
+                memory.warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too
+            preemption = None
+            if signals:
+                preemption = Preemption(
                     signals, path=self.directory, dist=so.distributed, grace_s=grace_s,
-                    idle=self._engine.idle if keeper is not None else None,
-                    held=(lambda: writer.memory_only_step) if keeper is not None else None,
-                    persist=(lambda bound_s, sent: writer.persist_held(bound_s, sent=sent, bound_s=bound_s))
+                    idle=engine.idle if keeper is not None else None,
+                    held=(lambda: keeper.memory_only_step) if keeper is not None else None,
+                    persist=(lambda bound_s, sent: keeper.persist_held(bound_s, sent=sent, bound_s=bound_s))
                     if keeper is not None else None)
-            except BaseException:
-                self._engine.close()
-                raise
+            unwind.pop_all()
+        self._engine, self._storage = engine, storage
+        #: the memory tier's side in this trainer (None: no memory tier)
+        self._memory: MemorySide | None = memory
+        self._preemption: Preemption | None = preemption
+        if memory is not None:
+            memory.start_premap()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -441,7 +414,7 @@ class Checkpointer:
             for err in ckpt.keeper_failures:
                 print(err.step, err.path, type(err.cause).__name__, err.errno)
         """
-        return list(self._engine.writer.keeper_failures)
+        return list(self._memory.keeper.keeper_failures) if self._memory is not None else []
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -480,10 +453,6 @@ class Checkpointer:
         Waits for the saves already handed to the writer to finish first.
         """
         return self._memory.memory_step() if self._memory is not None else None
-
-    @property
-    def _premap(self) -> Premap | None:
-        return self._memory.premap if self._memory is not None else None
 
     def _resolve(self, step: int | None) -> int:
         if step is not None:
@@ -633,8 +602,8 @@ class Checkpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._engine.wait(timeout)
         self._engine.raise_failures()
-        if self.memory_tier is not None and not self.read_only and not self._engine.closed and self._engine.idle():
-            self._engine.writer.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._memory is not None and not self.read_only and not self._engine.closed and self._engine.idle():
+            self._memory.keeper.persist_held(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Wait for in-flight saves, then stop the writer and free the buffers.
@@ -647,13 +616,13 @@ class Checkpointer:
         """
         if self._preemption is not None:
             self._preemption.close()
-        told = len(self._engine.writer.close_failures)
-        memory: MemorySide | None = getattr(self, "_memory", None)
+        memory = self._memory
+        told = len(memory.keeper.close_failures) if memory is not None else 0
         if memory is not None:
             memory.drop_premap()
         self._engine.close()
         self._engine.raise_failures()
-        lost = self._engine.writer.close_failures[told:]
+        lost = memory.keeper.close_failures[told:] if memory is not None else []
         if lost:  # the persist this close asked for failed: the keeper exits, the step with it
             raise lost[-1]
 
@@ -893,35 +862,6 @@ def _check_cadence_args(*, memory_tier: object, save_interval: object, save_inte
     if mtbf_s is not None:
         check_number("mtbf_s", mtbf_s, positive=True)
     check_instance("costs", costs, MeasuredCosts)
-
-
-def _directory_instance(directory: str, *, create: bool) -> str:
-    """The directory's instance id (:mod:`zerostall.memtier.instance`), its marker written first if
-    ``create`` and it has none; empty when it has none (read-only).
-
-    Raises:
-        StorageError: storage cannot be read (or written) now: a keeper it might adopt cannot be
-            told apart from one of a deleted directory at this path.
-    """
-    storage = open_storage(directory)
-    try:
-        return ensure_instance(storage) if create else (read_instance(storage) or "")
-    except OSError as exc:
-        check_reachable(storage, write=create, path=directory)  # the storage's own error, if it has one
-        raise StorageError(f"cannot read the directory's instance marker: {exc}", path=directory,
-                           errno=exc.errno) from exc
-
-
-def _keeper_rank(dopts: DistributedOptions | None) -> int:
-    """This process's rank for the keeper's name: torch.distributed's if initialized, else
-    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
-    torch = sys.modules.get("torch")
-    if active(dopts) and torch is not None:
-        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 # -- common mistakes, refused with what to do -------------------------------------------------

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 from zerostall.commit import exists_error
 from zerostall.errors import BackgroundSaveError, StorageError, WriterError, ZerostallError
 from zerostall.gcpause import paused_gc
-from zerostall.memtier.spec import KeeperSpec
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions, WriterStats
 from zerostall.options import RetentionPolicy, SaveOptions, Staging
 from zerostall.persist.client import OnDone, WriterClient
@@ -85,15 +84,18 @@ class Engine:
     """Owns the staging buffers, the plan cache and one writer; not shared across processes."""
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
-                 coordinator: Coordinator | None = None, keeper: KeeperSpec | None = None,
+                 coordinator: Coordinator | None = None, writer: WriterClient | None = None,
                  buffer_cache_bytes: int = 0) -> None:
         self.options = options or SaveOptions()
-        self.writer = WriterClient(self.options.writer, nice=self.options.writer_nice,
-                                   sched=self.options.writer_sched, keeper=keeper)
-        # The memory tier's keeper holds the newest in-memory step's slot until a newer one is in
-        # memory: one more slot than in flight, so a save never waits for the held one.
+        #: the writer this engine hands its saves to: given (the memory tier's, whose keeper is
+        #: its side), or a plain one of ``options``
+        self.writer = writer if writer is not None else WriterClient(
+            self.options.writer, nice=self.options.writer_nice, sched=self.options.writer_sched)
+        # A writer may keep slots after their saves are done (the memory tier's keeper holds the
+        # newest in-memory step's until a newer one is in memory): that many more slots than in
+        # flight, so a save never waits for a held one.
         # buffer_cache_bytes > 0 keeps buffers per layout (the free functions' shared engines).
-        slots = self.options.max_in_flight + (1 if keeper is not None else 0)
+        slots = self.options.max_in_flight + self.writer.held_slots
         self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
@@ -171,11 +173,11 @@ class Engine:
             reused.layout.release(flat)  # only the layout is needed below (headers and views)
         total = 0
         slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
-        if self.writer.keeper is not None:  # the memory tier's extra slot, unless the keeper holds it
+        for _ in range(self.writer.held_slots):  # the slots the writer may keep, unless it keeps them now
             try:
                 slots.append(self.pool.acquire(timeout=0))
             except TimeoutError:
-                pass
+                break
         try:
             for slot in slots:
                 fit_slot(self.pool, slot, plan, None)
@@ -202,7 +204,7 @@ class Engine:
     ) -> Response:
         """Stage ``items`` and hand the save of ``root_url/name`` to the writer; see :class:`Response`.
 
-        ``memory``: commit to the memory tier (the engine's writer must be a keeper); ``persist``:
+        ``memory``: commit to the memory tier (the engine's writer's side must be a keeper); ``persist``:
         also write to storage. ``timeout_s``: a collective save waits this long at most for the
         other ranks (None: ``DistributedOptions.timeout_s``; a preemption's final save has less).
         """

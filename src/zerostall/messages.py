@@ -1,8 +1,9 @@
 """What the trainer and its writer say to each other: frozen dataclasses, one codec, one version.
 
 Everything that crosses the trainer-to-writer boundary (a socket pair to a writer process or
-thread; later the memory tier's keeper) is one of the message classes below, encoded as one
-JSON object ``{"v": PROTOCOL, "op": "<kind>", ...fields}``. Buffer descriptors travel beside
+thread) is one of the message classes below, or one that the memory tier's keeper adds to the
+same codec (:mod:`zerostall.memtier.messages`, :func:`register_message`), encoded as one JSON
+object ``{"v": PROTOCOL, "op": "<kind>", ...fields}``. Buffer descriptors travel beside
 :class:`MapBuffer` as ``SCM_RIGHTS``; nothing else is passed out of band.
 
 Decoding is strict: an unknown ``op``, a missing field or a field of the wrong type is a
@@ -46,9 +47,8 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob", "LeafLayout",
     "ForgetLayout", "resolve_layout", "node_index", "node_delta", "NodeIndex",
-    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Closed", "Released", "Done", "Failed", "Message",
-    "encode", "decode", "Adopt", "ImageQuery", "ImageFile", "Image", "KeeperFailed", "KeeperBusy", "PersistHeld",
-    "Persisted", "WireError", "to_wire", "from_wire", "HeldReplica", "ReplicaSetup",
+    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
+    "register_message", "encode", "decode", "WireError", "to_wire", "from_wire",
 ]
 
 #: bumped whenever a message or one of its fields changes meaning
@@ -66,6 +66,14 @@ PROTOCOL = 11
 
 class ProtocolMismatchError(WriterError):
     """The other side speaks another version of the trainer-to-writer protocol."""
+
+
+class Message:
+    """A message of the trainer-to-writer wire: every kind derives from it, the core's below and
+    those a writer that is more than a writer adds (the memory tier's keeper registers its own,
+    :mod:`zerostall.memtier.messages`, with :func:`register_message`)."""
+
+    __slots__ = ()
 
 
 # -- errors as data -------------------------------------------------------------------------
@@ -179,7 +187,7 @@ class Collective:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SaveJob:
+class SaveJob(Message):
     """One save, as the writer runs it (:func:`zerostall.persist.job.run_save`)."""
 
     id: int
@@ -221,7 +229,7 @@ class SaveJob:
 
 
 @dataclass(frozen=True, kw_only=True)
-class LeafLayout:
+class LeafLayout(Message):
     """What every save of one layout repeats: its leaf rows (~170 bytes of JSON a leaf) and its
     item nodes as first sent. Sent once per writer connection, ahead of the first job that names
     ``id``; the writer keeps it until :class:`ForgetLayout` or the end of the connection, so a
@@ -235,7 +243,7 @@ class LeafLayout:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ForgetLayout:
+class ForgetLayout(Message):
     """The trainer will name layout ``id`` in no later job: the writer may drop it."""
 
     id: int
@@ -350,7 +358,7 @@ class WriterStats:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Hello:
+class Hello(Message):
     """The writer's first message: its protocol and library version, and its pid."""
 
     protocol: int
@@ -364,7 +372,7 @@ class Hello:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MapBuffer:
+class MapBuffer(Message):
     """Map the shared buffer whose descriptor follows this message (``SCM_RIGHTS``)."""
 
     buffer: int
@@ -372,60 +380,26 @@ class MapBuffer:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnmapBuffer:
+class UnmapBuffer(Message):
     """The trainer is about to free ``buffer``: drop the mapping."""
 
     buffer: int
 
 
 @dataclass(frozen=True, kw_only=True)
-class Close:
+class Close(Message):
     """Finish the jobs already received, then exit."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Closed:
-    """A keeper's last message at a trainer's :class:`Close`: the step it held is on storage now
-    (persisted at this close, or before). ``step`` None: it held none, or that persist failed (a
-    :class:`KeeperFailed` with ``closing`` came first). A trainer that saved a memory-only step and
-    hears no ``Closed`` naming it knows the keeper ended without storing it."""
-
-    step: int | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PersistHeld:
-    """The trainer's ``wait()``: persist the step the keeper holds now if only memory has it, then
-    answer :class:`Persisted`; the keeper goes on serving. Under torch.distributed a collective
-    step is persisted collectively, so every rank's trainer asks."""
-
-    #: the trainer's number for this request, repeated in the answer (an answer to a request the
-    #: trainer stopped waiting for is then not taken for a later one's)
-    request: int
-    #: bounds a collective step's persist below the job's ``timeout_s`` (None: that timeout);
-    #: after a preemption notice, the time the notice leaves
-    timeout_s: float | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Persisted:
-    """The keeper's answer to :class:`PersistHeld`: the step it holds is on storage now (persisted
-    for this request, or before). ``step`` None: it holds none, or that persist failed (a
-    :class:`KeeperFailed` with ``closing`` came first)."""
-
-    request: int
-    step: int | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Released:
+class Released(Message):
     """The writer no longer reads job ``job``'s buffers: they may be staged into again."""
 
     job: int
 
 
 @dataclass(frozen=True, kw_only=True)
-class Done:
+class Done(Message):
     """Job ``job`` is committed."""
 
     job: int
@@ -433,142 +407,33 @@ class Done:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Failed:
+class Failed(Message):
     """Job ``job`` failed; nothing of it was committed."""
 
     job: int
     error: WireError
 
 
-@dataclass(frozen=True, kw_only=True)
-class Adopt:
-    """A new trainer's first message to a lingering keeper: the directory and rank it checkpoints."""
-
-    root: str
-    rank: int
-    #: the directory's instance id (:mod:`zerostall.memtier.instance`): a keeper of another
-    #: instance (its directory was deleted since) gives up its name and exits instead of answering
-    instance: str = ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageQuery:
-    """Which step does the memory tier hold? Answered by :class:`Image` once earlier jobs are done."""
-
-    #: ask instead for the replica this keeper holds of rank ``origin``'s step (another host's
-    #: rank; :class:`ReplicaSetup`): the :class:`Image` then describes that replica
-    origin: int | None = None
-    #: the asker's number for this query, repeated in the :class:`Image` that answers it
-    request: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class HeldReplica:
-    """A replica a keeper holds: rank ``origin``'s step ``step``, every leaf verified on arrival."""
-
-    origin: int
-    step: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaSetup:
-    """The trainer tells its keeper how to replicate: the job's keeper group (``job``, its
-    ``secret`` in hex, its store at ``store`` = ``"host:port"``), this rank in the world's
-    layout, and how many replicas each step gets. Sent after each Hello (a keeper adopted by a
-    new run learns that run's job and secret). No answer."""
-
-    store: str
-    job: str
-    secret: str
-    world: int
-    rank: int
-    ranks_per_host: int
-    replicas: int
-    timeout_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class ImageFile:
-    """One data file of the memory tier's step: ``length`` bytes of a shared buffer of ``size``."""
-
-    name: str
-    length: int
-    size: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Image:
-    """The memory tier's newest complete step (``step`` None: none); one descriptor per file
-    follows (``SCM_RIGHTS``), to be mapped read-only."""
-
-    step: int | None
-    name: str
-    manifest: str
-    files: tuple[ImageFile, ...]
-    #: the keeper checked every leaf's CRC32C against the manifest after the trainer that staged
-    #: the buffers died, and all matched; nothing writes to them since (docs/guarantees.md,
-    #: "Where the memory tier's bytes are verified"), so the load may skip its checksum pass.
-    #: A default, so an older keeper's Image (without it) still decodes: as not verified, the
-    #: meaning it had there; so no protocol bump.
-    verified: bool = False
-    #: the pid of the live trainer the keeper serves (None: none, it lingers), so that a keeper that
-    #: lost the race for the name can tell its own trainer who holds it (:class:`KeeperBusy`).
-    #: A default for the same reason as ``verified``.
-    trainer_pid: int | None = None
-    #: the step also reached storage (its save persisted it, or the keeper did after a crash):
-    #: ``zerostall list`` then does not call a step that retention has since removed from storage
-    #: "in memory only". A default for the same reason as ``verified``.
-    persisted: bool = False
-    #: the instance id of the directory the step was saved into (:mod:`zerostall.memtier.instance`):
-    #: ``zerostall list`` shows a held step only if the directory still carries it
-    instance: str = ""
-    #: the replicas of other ranks' steps this keeper holds (:class:`ReplicaSetup`)
-    replicas: tuple[HeldReplica, ...] = ()
-    #: the :class:`ImageQuery` this answers (its ``request``)
-    request: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class KeeperFailed:
-    """The keeper's persist of a memory-only step after its trainer died failed (the step, its
-    path, the error). Sent on the keeper's job loop to the trainer it serves: right after the
-    Hello of an adopting trainer, after each job or image query, and before a clean close ends."""
-
-    step: int | None
-    path: str
-    error: WireError
-    #: the rank of the keeper (its directory and rank name it)
-    rank: int = 0
-    #: the persist the live trainer asked for (its clean close, or its ``wait()``) failed
-    closing: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class KeeperBusy:
-    """The keeper's answer to :class:`Adopt` while the trainer it serves is alive: that trainer's
-    pid. The asking Checkpointer then refuses to start (two memory tiers of one directory and rank
-    on one host would hold steps that no restart could find). Also sent, instead of its Hello, by a
-    new keeper whose name another keeper of the same user took first (two trainers started at once)
-    to its own trainer, which refuses the same way, and then it exits."""
-
-    pid: int
-    #: ``pid`` is the holding keeper's own, not its trainer's: sent by a keeper that lost the race
-    #: for the name to its own trainer when the winner named no live trainer (it lingers, or is of
-    #: an older version). A default: no protocol bump.
-    pid_is_keeper: bool = False
-
-
-Message = (Hello | MapBuffer | UnmapBuffer | SaveJob | LeafLayout | ForgetLayout | Close | Closed | Released | Done
-           | Failed | Adopt | ImageQuery | Image | KeeperFailed | KeeperBusy | PersistHeld | Persisted | ReplicaSetup)
-
-_OPS: dict[str, type[Any]] = {
+_OPS: dict[str, type[Message]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "layout": LeafLayout,
-    "forget-layout": ForgetLayout, "close": Close, "closed": Closed,
-    "released": Released, "done": Done, "failed": Failed, "adopt": Adopt, "image?": ImageQuery, "image": Image,
-    "keeper-failed": KeeperFailed, "keeper-busy": KeeperBusy, "persist": PersistHeld, "persisted": Persisted,
-    "replica-setup": ReplicaSetup,
+    "forget-layout": ForgetLayout, "close": Close, "released": Released, "done": Done, "failed": Failed,
 }
-_OP_OF = {cls: op for op, cls in _OPS.items()}
+_OP_OF: dict[type[Message], str] = {cls: op for op, cls in _OPS.items()}
+
+
+def register_message(op: str, cls: type[Message]) -> None:
+    """Add the message kind ``cls`` under ``op`` to the one codec (a frozen dataclass deriving
+    from :class:`Message`: its fields are checked against its annotations as the core's are).
+    For a writer that is more than a writer: the memory tier's keeper registers its own kinds
+    (:mod:`zerostall.memtier.messages`), so a plain writer neither knows nor imports them.
+
+    Raises:
+        ValueError: ``op`` names another kind already.
+    """
+    if _OPS.get(op, cls) is not cls:
+        raise ValueError(f"message op {op!r} is {_OPS[op].__name__}'s")
+    _OPS[op] = cls
+    _OP_OF[cls] = op
 
 
 def encode(msg: Message) -> bytes:

@@ -66,7 +66,7 @@ def _say(line: str) -> None:
 
 
 def _corrupt_held(ckpt: Checkpointer) -> None:
-    got = ckpt._engine.writer.query_image()
+    got = ckpt._memory.keeper.query_image()
     assert got is not None
     img, fds = got
     m = parse_manifest(img.manifest.encode(), path="memory")

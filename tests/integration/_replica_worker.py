@@ -23,11 +23,11 @@ from datetime import timedelta
 import numpy as np
 import torch.distributed as dist
 
+from zerostall.buffers import HostBuffer
 from zerostall.checksum import checksum
 from zerostall.errors import ReplicaError
 from zerostall.format.manifest import encode_manifest
 from zerostall.memtier.replica import OutgoingStep, ReplicaGroup, ReplicaOf
-from zerostall.stage.buffers import HostBuffer
 
 SECRET = b"the job's secret, 32 bytes long!"
 JOB = "job-1"

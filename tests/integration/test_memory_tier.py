@@ -34,12 +34,12 @@ from memtier_procs import (
     wait_for,
 )
 
-from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallWarning
+from zerostall import Checkpointer, LoadOptions, MemoryTier, SaveOptions, WriterKind
 from zerostall.commit import step_name
-from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError
+from zerostall.errors import ChecksumMismatchError, MismatchError, MissingKeyError, ZerostallWarning
 from zerostall.memtier.instance import INSTANCE_KEY
+from zerostall.memtier.messages import Image
 from zerostall.memtier.spec import ADDRESS_PREFIX, keeper_address, query_held
-from zerostall.messages import Image
 from zerostall.persist.faults import ENV as FAULTS_ENV
 from zerostall.persist.faults import MARK_ENV
 
@@ -134,7 +134,8 @@ def test_another_user_cannot_connect(tmp_path: Path) -> None:
             import socket
             from multiprocessing.connection import Connection
 
-            from zerostall.messages import Adopt, ImageQuery, encode
+            from zerostall.memtier.messages import Adopt, ImageQuery
+            from zerostall.messages import encode
             os.setgid(65534)
             os.setuid(65534)
             for first in (Adopt(root=str(d), rank=0), ImageQuery()):
@@ -325,7 +326,7 @@ def test_leaving_with_on_an_error_leaves_the_memory_to_a_restart(tmp_path: Path)
 
 def _image(ck: Checkpointer) -> Image:
     """What the keeper answers this trainer's query (the Image a load from memory gets)."""
-    got = ck._engine.writer.query_image()
+    got = ck._memory.keeper.query_image()
     assert got is not None
     img, fds = got
     for fd in fds:

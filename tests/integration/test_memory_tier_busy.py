@@ -20,10 +20,12 @@ import torch
 from memtier_procs import DEADLINE_S as TRAINER_DEADLINE_S
 from memtier_procs import TRAINER, keeper_processes, keeper_sockets, running, wait_for
 
-from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
+from zerostall import Checkpointer, MemoryTier
 from zerostall.commit import step_name
+from zerostall.errors import InvalidArgumentError
+from zerostall.memtier.messages import KeeperBusy
 from zerostall.memtier.spec import KeeperSpec, busy_error, keeper_address
-from zerostall.messages import KeeperBusy, decode
+from zerostall.messages import decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -76,7 +78,8 @@ def test_a_live_trainer_in_another_process_holds_the_directory(tmp_path):
 _RACER = textwrap.dedent("""
     import json, os, sys
     import numpy as np
-    from zerostall import Checkpointer, InvalidArgumentError, MemoryTier
+    from zerostall import Checkpointer, MemoryTier
+    from zerostall.errors import InvalidArgumentError
     tier = MemoryTier(persist_interval_steps=1000, linger_s=5)
     ck = None
     print("PID", os.getpid(), flush=True)

@@ -34,10 +34,10 @@ from memtier_procs import (
     wait_for,
 )
 
-from zerostall import Checkpointer, InvalidArgumentError, MemoryTier, UnadoptableKeeper, ZerostallWarning
+from zerostall import Checkpointer, MemoryTier
 from zerostall.commit import step_name
-from zerostall.errors import KeeperPersistError, StorageError
-from zerostall.memtier.keeperfail import KeeperFailure, marker_key, write_marker
+from zerostall.errors import InvalidArgumentError, KeeperPersistError, StorageError, ZerostallWarning
+from zerostall.memtier.keeperfail import KeeperFailure, UnadoptableKeeper, marker_key, write_marker
 from zerostall.memtier.spec import keeper_address
 from zerostall.messages import to_wire
 from zerostall.persist.faults import ENV as FAULTS_ENV

@@ -44,20 +44,20 @@ def test_first_load_after_adoption_reuses_the_premapped_step(tmp_path: Path) -> 
     d = tmp_path / "run"
     keeper = killed_trainer(d)
     ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
-    assert ck._engine.writer.pid == keeper and ck._premap is not None
+    assert ck._engine.writer.pid == keeper and ck._memory.premap is not None
     tmpl = state(0)
     w = tmpl["w"]
     out = ck.load_pytree(3, template=tmpl)  # the restart's first load, right after the adoption
     assert_state(out, state(3))
     assert out["w"] is w
-    assert ck._premap.reused == 1  # it copied out of the mapping made at adoption
+    assert ck._memory.premap.reused == 1  # it copied out of the mapping made at adoption
     inodes = held_inodes(ck)
-    assert ck._premap.join(DEADLINE_S) and ck._premap.populated > 0
+    assert ck._memory.premap.join(DEADLINE_S) and ck._memory.premap.populated > 0
     held = mappings_of(inodes)
     assert len(held) == len(inodes) >= 1  # each memfd mapped once, and kept for the next load
     assert all(kib > 0 for kib in held.values())  # pre-faulted
     assert_state(ck.load_pytree(), state(3))
-    assert ck._premap.reused == 2
+    assert ck._memory.premap.reused == 2
     assert mappings_of(inodes).keys() == held.keys()  # the same mappings: none made, none left behind
     # Nothing of the step stays mapped or open here once the Checkpointer is closed.
     ck.close()
@@ -69,14 +69,14 @@ def test_a_save_releases_the_premapped_step(tmp_path: Path) -> None:
     d = tmp_path / "run"
     killed_trainer(d)
     with Checkpointer(d, memory_tier=memory_tier(every=1000)) as ck:
-        premap = ck._premap
+        premap = ck._memory.premap
         assert premap is not None
         assert_state(ck.load_pytree(3), state(3))
         inodes = held_inodes(ck)
         assert len(mappings_of(inodes)) == len(inodes)
         # The keeper lets go of step 3 once step 4 is in memory: a mapping here would keep it.
         ck.save_pytree(4, state(4))
-        assert ck._premap is None and mappings_of(inodes) == {}
+        assert ck._memory.premap is None and mappings_of(inodes) == {}
         assert ck.latest_step() == 4
         assert_state(ck.load_pytree(4), state(4))
         assert premap.reused == 1  # step 4 was mapped by its own load
@@ -96,7 +96,7 @@ def test_a_load_while_the_premap_is_not_done(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"premap_populate": f"wait:{go_fault}"}))
     monkeypatch.setenv(MARK_ENV, str(marks))
     with Checkpointer(d, memory_tier=memory_tier(every=1000)) as ck:
-        premap = ck._premap
+        premap = ck._memory.premap
         assert premap is not None
         got: list[dict] = []
         loader = threading.Thread(target=lambda: got.append(ck.load_pytree(3, template=state(0))))
@@ -128,7 +128,7 @@ def test_close_while_the_premap_waits_leaves_nothing(tmp_path: Path, monkeypatch
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"premap_populate": f"wait:{go}"}))
     monkeypatch.setenv(MARK_ENV, str(marks))
     ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
-    premap = ck._premap
+    premap = ck._memory.premap
     assert premap is not None
     inodes = held_inodes(ck)
     wait_for(lambda: (marks / f"premap_populate-{os.getpid()}").exists(), "the step to be mapped")
@@ -147,13 +147,13 @@ def test_a_corrupted_step_is_still_caught(tmp_path: Path) -> None:
     rc, keeper, saved = run_trainer(d, 1, 2, 5, 60, "corrupt")  # flips a byte of leaf "w" after the save
     assert rc == -signal.SIGKILL and saved == {1: "memory", 2: "memory"}
     with Checkpointer(d, memory_tier=memory_tier(every=5), load_options=LoadOptions(atomic=True)) as ck:
-        assert ck._engine.writer.pid == keeper and ck._premap is not None
+        assert ck._engine.writer.pid == keeper and ck._memory.premap is not None
         tmpl = state(0)
         with pytest.raises(ChecksumMismatchError) as err:
             ck.load_pytree(2, template=tmpl)
         assert err.value.key is not None and err.value.key.split("/")[-1] == "w"
         assert "zsimage" not in str(err.value)
-        assert ck._premap.reused == 1  # the pre-mapped bytes, verified by the load as before
+        assert ck._memory.premap.reused == 1  # the pre-mapped bytes, verified by the load as before
         assert tmpl["w"].tobytes() == state(0)["w"].tobytes()  # all or nothing
 
 
@@ -171,8 +171,8 @@ def test_a_forked_child_does_not_inherit_the_premapped_step(tmp_path: Path) -> N
         if pid == 0:  # the child: report its mappings of the step, then close what it inherited
             try:
                 n = len(mappings_of(inodes))
-                assert ck._premap is not None
-                ck._premap.close()
+                assert ck._memory.premap is not None
+                ck._memory.premap.close()
                 os.write(w, f"{n}".encode())
             finally:
                 os._exit(0)
@@ -182,4 +182,4 @@ def test_a_forked_child_does_not_inherit_the_premapped_step(tmp_path: Path) -> N
         assert os.waitpid(pid, 0)[1] == 0
         assert got == "0"
         assert_state(ck.load_pytree(3), state(3))  # the parent's mapping is untouched
-        assert ck._premap is not None and ck._premap.reused == 2
+        assert ck._memory.premap is not None and ck._memory.premap.reused == 2

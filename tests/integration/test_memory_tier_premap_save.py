@@ -79,7 +79,7 @@ def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Pat
     d = tmp_path / "run"
     keeper = killed_trainer(d)
     ck = Checkpointer(d, memory_tier=memory_tier(every=1000))
-    premap = ck._premap
+    premap = ck._memory.premap
     assert ck._engine.writer.pid == keeper and premap is not None
     inodes = held_inodes(ck)
     copying, go = _gate_copies(monkeypatch)
@@ -89,7 +89,7 @@ def test_a_save_while_another_thread_loads_from_the_premapped_step(tmp_path: Pat
         assert copying.wait(DEADLINE_S), "the load never copied from the memory tier"
         assert premap.reused == 1  # it copies out of the mapping made at adoption
         ck.save_pytree(4, state(4))  # releases that mapping while the load still uses it
-        assert ck._premap is None
+        assert ck._memory.premap is None
     finally:
         go.set()
         loader.join(DEADLINE_S)
@@ -133,7 +133,7 @@ def test_a_save_while_another_thread_loads_this_trainers_own_step_from_memory(
         saver.start()
         # Either that slot came back and the save of 3 is done (staged into the bytes being loaded),
         # or it is kept for the load, and the save of 3 waits for it.
-        wait_for(lambda: not saver.is_alive() or getattr(ck._engine.writer, "_deferred", []),
+        wait_for(lambda: not saver.is_alive() or getattr(ck._memory.keeper, "_deferred", []),
               "the save of 3 to stage or to wait")
     finally:
         go.set()

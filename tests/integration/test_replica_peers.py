@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from zerostall.format.manifest import parse_manifest
+from zerostall.memtier.messages import HeldReplica, ReplicaSetup
 from zerostall.memtier.tier import plan_steps
-from zerostall.messages import HeldReplica, ReplicaSetup
 
 torch = pytest.importorskip("torch")
 

@@ -173,7 +173,7 @@ def squatter(address: str) -> Iterator[int]:
 
 def held_inodes(ck: Checkpointer) -> set[tuple[int, int]]:
     """The (device, inode) of each memfd of the step the keeper holds."""
-    got = ck._engine.writer.query_image()
+    got = ck._memory.keeper.query_image()
     assert got is not None
     img, fds = got
     try:

@@ -15,29 +15,31 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import SaveOptions, WriterError, WriterKind
-from zerostall.errors import StorageError
+from zerostall import SaveOptions, WriterKind
+from zerostall.errors import StorageError, WriterError
+from zerostall.memtier.messages import (
+    Adopt,
+    Closed,
+    Image,
+    ImageFile,
+    ImageQuery,
+    KeeperBusy,
+    KeeperFailed,
+    Persisted,
+    PersistHeld,
+)
 from zerostall.messages import (
     PROTOCOL,
-    Adopt,
     Close,
-    Closed,
     Collective,
     Done,
     Failed,
     FileRow,
     ForgetLayout,
     Hello,
-    Image,
-    ImageFile,
-    ImageQuery,
-    KeeperBusy,
-    KeeperFailed,
     LeafLayout,
     LeafRow,
     MapBuffer,
-    Persisted,
-    PersistHeld,
     ProtocolMismatchError,
     Released,
     SaveJob,

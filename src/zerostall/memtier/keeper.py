@@ -53,6 +53,18 @@ from zerostall.format.manifest import parse_manifest
 from zerostall.lease import Lease
 from zerostall.memtier.imagecheck import cpus, first_bad_leaf
 from zerostall.memtier.keeperfail import KeeperFailure, write_marker
+from zerostall.memtier.messages import (
+    Adopt,
+    Closed,
+    Image,
+    ImageFile,
+    ImageQuery,
+    KeeperBusy,
+    KeeperFailed,
+    Persisted,
+    PersistHeld,
+    ReplicaSetup,
+)
 from zerostall.memtier.peers import Peers
 from zerostall.memtier.replica import ReceivedStep
 from zerostall.memtier.spec import (
@@ -69,17 +81,10 @@ from zerostall.memtier.spec import (
 )
 from zerostall.memtier.standin import alive_target, stand_in
 from zerostall.messages import (
-    Adopt,
     Collective,
-    Image,
-    ImageFile,
-    ImageQuery,
-    KeeperBusy,
-    KeeperFailed,
     LeafRow,
     Message,
     Released,
-    ReplicaSetup,
     SaveJob,
     WireError,
     WriterStats,
@@ -198,6 +203,15 @@ def _manifest_crcs(held: _Held) -> list[int] | None:
         return None
     out = [crcs.get(lf.key) for lf in held.job.leaves]
     return None if len(crcs) != len(out) or any(c is None for c in out) else [c for c in out if c is not None]
+
+
+def _answering(send: Callable[[Message], None], request: int) -> Callable[[Message], None]:
+    """``send``, an :class:`Image` marked as the answer to query ``request``."""
+
+    def answer(m: Message) -> None:
+        send(dataclasses.replace(m, request=request) if isinstance(m, Image) else m)
+
+    return answer
 
 
 def _empty_image() -> Image:
@@ -417,6 +431,29 @@ class Keeper:
         if self.peers.active and self._hold_alive(job) and self._replicate(held):
             tiers = ("memory", "peer", "storage") if job.persist else ("memory", "peer")
         return dataclasses.replace(stats, tiers=tiers)
+
+    def handle(self, msg: Message, conn: Connection, send: Callable[[Message], None]) -> bool:
+        """A message of the memory tier's own kinds (:mod:`zerostall.memtier.messages`), on the
+        writer's loop (so after every job the trainer sent before it); False for any other."""
+        if isinstance(msg, ImageQuery):
+            answer = _answering(send, msg.request)
+            self.send_image(conn, answer, msg.origin)
+            self.report_failed(conn)
+        elif isinstance(msg, ReplicaSetup):
+            self.setup_replicas(msg)
+        elif isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
+            self.persist_held(closing=True, timeout_s=msg.timeout_s)
+            self.report_failed(conn)
+            send(Persisted(request=msg.request, step=self.durable_step()))
+        else:
+            return False
+        return True
+
+    def closing(self, conn: Connection, send: Callable[[Message], None]) -> None:
+        """The trainer's clean close: persist the step only memory holds, and say where it is."""
+        self.persist_held(closing=True)
+        self.report_failed(conn)
+        send(Closed(step=self.durable_step()))
 
     def setup_replicas(self, setup: ReplicaSetup) -> None:
         """The trainer's replication settings (sent after each Hello): see :mod:`zerostall.memtier.peers`."""

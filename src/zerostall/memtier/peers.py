@@ -36,13 +36,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from zerostall.buffers import HostBuffer
 from zerostall.errors import ZerostallError
 from zerostall.jobstore import bounded
 from zerostall.lease import host_id
+from zerostall.memtier.messages import HeldReplica, ReplicaSetup
 from zerostall.memtier.placement import replica_holders, replica_origins
 from zerostall.memtier.replica import OutgoingStep, ReceivedStep, ReplicaGroup, ReplicaOf
-from zerostall.messages import HeldReplica, ReplicaSetup
-from zerostall.stage.buffers import HostBuffer
 
 __all__ = ["Peers", "open_store", "pair_group", "SENDER", "RECEIVER"]
 

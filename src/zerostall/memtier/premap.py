@@ -25,10 +25,10 @@ import logging
 import os
 import threading
 
+from zerostall.memtier.client import KeeperSide
 from zerostall.memtier.image import ImageStorage, open_image
-from zerostall.messages import Image
+from zerostall.memtier.messages import Image
 from zerostall.persist import faults
-from zerostall.persist.client import WriterClient
 
 __all__ = ["Premap"]
 
@@ -45,7 +45,7 @@ class Premap:
         premap.close()                   # a save, or the Checkpointer's close
     """
 
-    def __init__(self, writer: WriterClient) -> None:
+    def __init__(self, writer: KeeperSide) -> None:
         self._writer = writer
         self._lock = threading.Lock()
         self._closed = False

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from zerostall.buffers import HostBuffer
 from zerostall.checksum import Span, checksum, join_crcs
 from zerostall.errors import ReplicaError, ZerostallError
 from zerostall.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
@@ -46,7 +47,6 @@ from zerostall.lease import host_id
 from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
 from zerostall.memtier.link import OK as _OK
 from zerostall.memtier.link import Link, prove
-from zerostall.stage.buffers import HostBuffer
 
 __all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup", "Scatter"]
 

@@ -24,15 +24,8 @@ from zerostall.errors import (
 )
 from zerostall.lease import HOST_ENV
 from zerostall.memtier.instance import read_instance
-from zerostall.messages import (
-    Adopt,
-    Hello,
-    Image,
-    ImageQuery,
-    KeeperBusy,
-    decode,
-    encode,
-)
+from zerostall.memtier.messages import Adopt, Image, ImageQuery, KeeperBusy
+from zerostall.messages import Hello, decode, encode
 from zerostall.storage import local_path, open_storage
 
 __all__ = ["KeeperSpec", "keeper_address", "adopt", "peer_credentials", "query_held", "held_steps",

@@ -15,12 +15,13 @@ import logging
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 import warnings
 from typing import Any
 
-from zerostall.commit import committed_steps, step_name
+from zerostall.commit import check_reachable, committed_steps, step_name
 from zerostall.distributed import active, load
 from zerostall.distributed.context import group_rank_world
 from zerostall.distributed.load import agree_step, gather_objects, raise_first, raise_together, wire_error
@@ -38,18 +39,22 @@ from zerostall.errors import (
 )
 from zerostall.format.manifest import Manifest, parse_manifest
 from zerostall.lease import host_id
+from zerostall.memtier.client import KeeperSide
 from zerostall.memtier.image import ImageStorage, open_image
+from zerostall.memtier.instance import ensure_instance, read_instance
 from zerostall.memtier.keeperfail import take_markers
+from zerostall.memtier.messages import ReplicaSetup
 from zerostall.memtier.peers import RECEIVER, SENDER, open_store, pair_group
 from zerostall.memtier.premap import Premap
 from zerostall.memtier.replica import OutgoingStep, ReplicaOf, Scatter
-from zerostall.messages import ReplicaSetup
-from zerostall.options import DistributedOptions, LoadOptions
+from zerostall.memtier.spec import KeeperSpec
+from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, SaveOptions, WriterKind
+from zerostall.persist.client import WriterClient
 from zerostall.restore import load_items
 from zerostall.restore.files import ArrivedFiles
 from zerostall.restore.load import assemble, plan_items
 from zerostall.restore.plan import ReadPlanner, ReadRequest, Thunk
-from zerostall.storage import Storage
+from zerostall.storage import Storage, open_storage
 from zerostall.storage.release import unmap_later
 
 __all__ = ["MemorySide", "plan_steps"]
@@ -60,9 +65,30 @@ log = logging.getLogger("zerostall")
 class MemorySide:
     """The memory tier as the trainer sees it, through ``engine``'s writer (the keeper)."""
 
-    def __init__(self, engine: Engine, storage: Storage, directory: str, load_options: LoadOptions | None,
-                 dist: DistributedOptions | None, *, markers_due: bool) -> None:
+    @staticmethod
+    def writer_for(directory: str, tier: MemoryTier, options: SaveOptions, *, read_only: bool
+                   ) -> tuple[WriterClient, KeeperSide]:
+        """The writer of a Checkpointer of ``directory`` with ``tier``: a keeper of this directory and
+        rank, adopted or started (the directory's instance marker is written first unless
+        ``read_only``), and its side, which the Checkpointer's :class:`MemorySide` then holds.
+
+        Raises:
+            InvalidArgumentError: ``options`` asks for a thread writer (the memory must outlive the trainer).
+            StorageError: storage cannot be read (or written) now (see :func:`directory_instance`).
+        """
+        if options.writer is not WriterKind.PROCESS:
+            raise InvalidArgumentError("the memory tier needs the process writer (SaveOptions(writer=WriterKind.PROCESS)): "
+                                       "the memory must outlive the trainer", path=directory, argument="memory_tier")
+        spec = KeeperSpec(root=directory, rank=keeper_rank(options.distributed), linger_s=tier.linger_s,
+                          instance=directory_instance(directory, create=not read_only))
+        side = KeeperSide(spec)
+        return WriterClient(options.writer, nice=options.writer_nice, sched=options.writer_sched, side=side), side
+
+    def __init__(self, engine: Engine, keeper: KeeperSide, storage: Storage, directory: str,
+                 load_options: LoadOptions | None, dist: DistributedOptions | None, *, markers_due: bool) -> None:
         self._engine, self._storage, self.directory = engine, storage, directory
+        #: this trainer's keeper, as its writer client's side
+        self.keeper = keeper
         self.load_options, self.dist = load_options, dist
         #: the keeper-failure markers of this directory and rank are still to be taken (see take_markers)
         self.markers_due = markers_due
@@ -115,7 +141,7 @@ class MemorySide:
         self.replicas = ReplicaSetup(store=f"{addr}:{port}", job=str(job), secret=str(secret), world=world, rank=rank,
                                      ranks_per_host=per_host, replicas=replicas, timeout_s=timeout_s)
         self.instance = instance
-        self._engine.writer.set_replica_setup(self.replicas)
+        self.keeper.set_replica_setup(self.replicas)
         # The keeper takes the setup in order, before this query: once answered, its receivers
         # are up (torch imported: about a second of CPU for a new keeper). Waited for here, with
         # the job's start-up, rather than left to compete with the restore or first save that follows.
@@ -263,7 +289,7 @@ class MemorySide:
         rank's keeper answering by ``deadline``)."""
         maps: list[mmap.mmap] = []
         try:
-            got = self._engine.writer.query_image(max(0.0, deadline - time.monotonic()), origin=origin)
+            got = self.keeper.query_image(max(0.0, deadline - time.monotonic()), origin=origin)
             if got is None or got[0].step != step:
                 if got is not None:
                     for fd in got[1]:
@@ -296,7 +322,7 @@ class MemorySide:
                         else "storage holds no step to fall back to")
         err = KeeperPersistError(f"step {step} could not be restored from memory ({why}); {then}",
                                  path=self.step_path(step), step=step, cause=ReplicaError(why))
-        self._engine.writer.keeper_failures.append(err)
+        self.keeper.keeper_failures.append(err)
         log.warning("zerostall: %s", err)
 
     def _fall_back(self, step: int, items: dict[str, Any] | None) -> dict[str, Any]:
@@ -309,7 +335,7 @@ class MemorySide:
         return load(self.directory, step_name(older), items, self.load_options)
 
     def start_premap(self) -> None:
-        self.premap = Premap(self._engine.writer) if self._engine.writer.adopted else None
+        self.premap = Premap(self.keeper) if self._engine.writer.adopted else None
 
     def _timeout_s(self) -> float:
         """How long the trainer waits for its keeper's answer (a keeper that hung, SIGSTOP or
@@ -331,7 +357,7 @@ class MemorySide:
     def held_image(self, timeout_s: float = 600.0) -> Any:
         """The keeper's description of the step it holds (its data descriptors closed), or None
         (also when the keeper does not answer within ``timeout_s``)."""
-        got = self._engine.writer.query_image(timeout_s)
+        got = self.keeper.query_image(timeout_s)
         if got is None:
             return None
         img, fds = got
@@ -382,7 +408,7 @@ class MemorySide:
         """
         # The held step may be this trainer's own staging slot: a save on another thread must not
         # get it back to stage into while this load copies from it (persist.client.pin_held).
-        writer = self._engine.writer
+        writer = self.keeper
         writer.pin_held()
         try:
             return self._read_memory_step(step, items, collective=collective, timeout_s=timeout_s)
@@ -395,7 +421,7 @@ class MemorySide:
         if not collective and active(self.dist):
             return None
         bound = self._timeout_s() if timeout_s is None else timeout_s
-        got = self._engine.writer.query_image(bound) if not self._engine.closed else None
+        got = self.keeper.query_image(bound) if not self._engine.closed else None
         if got is None:
             return None
         img, fds = got
@@ -435,7 +461,7 @@ class MemorySide:
     def warn_unadoptable(self, stacklevel: int) -> None:
         """Warn, on the training thread and once each, of a keeper that serves but cannot be adopted
         after a crash (its Hello said why; it is also in ``keeper_failures``)."""
-        for err in self._engine.writer.take_unadoptable():
+        for err in self.keeper.take_unadoptable():
             warnings.warn(str(err), ZerostallWarning, stacklevel=stacklevel + 1)
 
     def take_markers(self) -> None:
@@ -446,9 +472,9 @@ class MemorySide:
         if not self.markers_due:
             return
         self.markers_due = False
-        rank = self._engine.writer.keeper.rank if self._engine.writer.keeper is not None else 0
+        rank = self.keeper.keeper.rank
         for failure in take_markers(self._storage, self.directory, rank):
-            self._engine.writer.note_keeper_failure(failure)
+            self.keeper.note_keeper_failure(failure)
 
     def drop_premap(self) -> None:
         premap, self.premap = self.premap, None
@@ -461,6 +487,35 @@ def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -
     if exc.path is not None and exc.path.startswith(image_url):
         exc.path = step_path
         exc.message = f"{exc.message} [read from this host's memory tier]"
+
+
+def directory_instance(directory: str, *, create: bool) -> str:
+    """The directory's instance id (:mod:`zerostall.memtier.instance`), its marker written first if
+    ``create`` and it has none; empty when it has none (read-only).
+
+    Raises:
+        StorageError: storage cannot be read (or written) now: a keeper it might adopt cannot be
+            told apart from one of a deleted directory at this path.
+    """
+    storage = open_storage(directory)
+    try:
+        return ensure_instance(storage) if create else (read_instance(storage) or "")
+    except OSError as exc:
+        check_reachable(storage, write=create, path=directory)  # the storage's own error, if it has one
+        raise StorageError(f"cannot read the directory's instance marker: {exc}", path=directory,
+                           errno=exc.errno) from exc
+
+
+def keeper_rank(dopts: DistributedOptions | None) -> int:
+    """This process's rank for the keeper's name: torch.distributed's if initialized, else
+    torchrun's ``RANK``, else 0 (the same on a restart, so the restarted rank finds its keeper)."""
+    torch = sys.modules.get("torch")
+    if active(dopts) and torch is not None:
+        return int(torch.distributed.get_rank(dopts.process_group if dopts is not None else None))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _source_failed(exc: BaseException) -> bool:

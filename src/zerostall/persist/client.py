@@ -4,6 +4,12 @@ Answers arrive on a listener thread: ``released`` (the job's buffers may be stag
 again), then ``done`` or ``error``. If the writer dies, every job it had not finished fails
 with :class:`~zerostall.errors.WriterError`, its buffers are released, and the next submit
 starts a fresh writer.
+
+A writer that is more than a writer (the memory tier's keeper) plugs in through one seam,
+:class:`WriterSide` (:mod:`zerostall.memtier.client` implements it): how to start or adopt it, its
+messages of its own kinds, the slots it holds after a job is done, and what its end means. It is
+the mirror of the writer's own seam, :class:`zerostall.persist.server.HeldSteps`. This module
+knows nothing more of it.
 """
 
 from __future__ import annotations
@@ -16,48 +22,32 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any
+from multiprocessing.reduction import send_handle
+from typing import Any, Protocol
 
+from zerostall.buffers import HostBuffer
 from zerostall.commit import is_committed
 from zerostall.envvars import settled_switches
-from zerostall.errors import (
-    InvalidArgumentError,
-    KeeperLostError,
-    KeeperPersistError,
-    WriterError,
-    ZerostallError,
-)
-from zerostall.memtier.keeperfail import KeeperFailure, UnadoptableKeeper, as_error
-from zerostall.memtier.spec import KeeperSpec, adopt, busy_error
+from zerostall.errors import WriterError, ZerostallError
 from zerostall.messages import (
     PROTOCOL,
     Close,
-    Closed,
     Done,
     Failed,
     ForgetLayout,
     Hello,
-    Image,
-    ImageQuery,
-    KeeperBusy,
-    KeeperFailed,
     LeafLayout,
     LeafRow,
     MapBuffer,
     Message,
     NodeIndex,
-    Persisted,
-    PersistHeld,
     ProtocolMismatchError,
     Released,
-    ReplicaSetup,
     SaveJob,
     UnmapBuffer,
     WriterStats,
@@ -68,10 +58,9 @@ from zerostall.messages import (
     node_index,
 )
 from zerostall.options import WriterKind
-from zerostall.stage.buffers import HostBuffer
 from zerostall.storage import open_storage
 
-__all__ = ["WriterClient", "OnDone"]
+__all__ = ["WriterClient", "WriterSide", "OnDone"]
 
 #: called once per job: the writer's statistics, or the error
 OnDone = Callable[[WriterStats | None, BaseException | None], None]
@@ -96,6 +85,67 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class WriterSide(Protocol):
+    """What a writer that is more than a writer adds to its trainer's client (the memory tier's
+    keeper: :class:`zerostall.memtier.client.KeeperSide`). Every hook but :meth:`attach`,
+    :meth:`adopt` and :meth:`connected` runs on the client's listener thread."""
+
+    #: the staging slots the writer keeps after their job is done (the keeper holds the newest
+    #: step's): the engine's pool has this many more than ``max_in_flight``
+    held_slots: int
+
+    def attach(self, client: WriterClient) -> None:
+        """The client this side belongs to (called once, by the client's constructor)."""
+
+    def command(self) -> list[str]:
+        """The writer's entry point and arguments after ``FD NICE SCHED`` (``-m <module> ...``)."""
+
+    def adopt(self) -> tuple[Connection, Hello] | None:
+        """A writer of this side that already runs and takes this trainer (a keeper that
+        outlived the trainer before): its connection and Hello, or None to start one."""
+
+    def connected(self) -> None:
+        """A writer, started or adopted, now serves: tell it what it must know first."""
+
+    def on_hello(self, hello: Hello) -> None:
+        """The writer's Hello (before :meth:`WriterClient.wait_ready` returns)."""
+
+    def on_message(self, msg: Message, conn: Connection) -> bool:
+        """A message of the side's own kinds (descriptors that follow it are read from ``conn``
+        here): True once handled."""
+
+    def done(self, job: SaveJob, release: Callable[[], None] | None) -> bool:
+        """Job ``job`` is done (``release``: its slot's, if not released yet). True when the
+        writer keeps that slot: the side then calls ``release`` once the writer lets go of it
+        (a later :class:`Released`, :meth:`on_released`), not the client now."""
+
+    def on_released(self, job_id: int) -> None:
+        """The writer let go of the slot of a job that is no longer pending."""
+
+    def refusal(self) -> ZerostallError | None:
+        """Why the writer that started will never serve (the keeper found its place taken), once;
+        raised by :meth:`WriterClient.start` and :meth:`WriterClient.wait_ready`."""
+
+    def failing(self) -> ZerostallError | None:
+        """Why the jobs still pending when the writer ended failed, if the side knows better
+        than "the writer died" (the same refusal); None otherwise."""
+
+    def ended(self, closing: bool) -> None:
+        """The writer's connection ended (``closing``: this trainer asked for it)."""
+
+    def closing(self) -> None:
+        """This trainer is about to say :class:`Close`."""
+
+    def closed(self) -> None:
+        """The writer has answered this trainer's :class:`Close` and its connection ended."""
+
+    def abandoned(self) -> None:
+        """This trainer leaves the writer as a crash would (no :class:`Close`)."""
+
+    def forked(self) -> None:
+        """In a child forked from the trainer: forget everything of the parent's writer."""
+
+
 @dataclass
 class _Pending:
     job: SaveJob
@@ -115,22 +165,19 @@ def _committed_anyway(p: _Pending) -> bool:
 
 
 class WriterClient:
-    """One background writer (process or thread) and the jobs in flight on it."""
+    """One background writer (process or thread) and the jobs in flight on it. ``side``: what the
+    writer is beyond a writer (the memory tier's keeper), or None."""
 
     def __init__(self, kind: WriterKind = WriterKind.PROCESS, *, nice: int = 10, sched: str = "batch",
-                 keeper: KeeperSpec | None = None) -> None:
+                 side: WriterSide | None = None) -> None:
         self.kind = kind
         self.nice = nice
         self.sched = sched
-        #: the memory tier: the writer is a keeper, adopted from a dead trainer when one lingers
-        self.keeper = keeper
+        self.side = side
         self._adopted_pid: int | None = None
-        #: memory-tier jobs done but whose buffers the keeper still holds: job id -> release
-        self._held: dict[int, Callable[[], None]] = {}
-        self._image_waiter: tuple[int, list[tuple[Image, list[int]] | None]] | None = None
-        self._image_event = threading.Event()
-        self._query_lock = threading.Lock()
         self._ids = itertools.count(1)
+        #: numbers for requests that expect an answer (a side's queries)
+        self.requests = itertools.count(1)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -144,34 +191,6 @@ class WriterClient:
         self._incompatible: ProtocolMismatchError | None = None
         #: set when the running writer has said hello (or its listener ended): see wait_ready()
         self._ready = threading.Event()
-        #: the keeper's failed persists of memory-only steps it reported (oldest first); see
-        #: :attr:`zerostall.Checkpointer.keeper_failures`
-        self.keeper_failures: list[KeeperPersistError | UnadoptableKeeper] = []
-        #: those of them that a persist this trainer asked for itself (its clean close, or
-        #: :meth:`persist_held`) reported; each is raised once, by whichever asked
-        self.close_failures: list[KeeperPersistError] = []
-        #: the keeper's answers to :meth:`persist_held`: request number -> the step it said is stored
-        self._persisted: dict[int, int | None] = {}
-        self._persisted_event = threading.Condition()
-        self._requests = itertools.count(1)
-        #: the newest memory-tier save done, if only memory holds it (None once a newer one persisted):
-        #: the step a clean close must see stored (:meth:`close`)
-        self._memory_only: SaveJob | None = None
-        #: the step the keeper said is on storage at this close (:class:`Closed`)
-        self._durable: int | None = None
-        #: the keeper ended while it held ``_memory_only``: that step, and the error naming it
-        self._lost: tuple[int | None, KeeperLostError] | None = None
-        #: our keeper found the memory tier held by another trainer's keeper (:class:`KeeperBusy`
-        #: instead of its Hello) and exited: raised by the next wait_ready(), start() or the jobs it had
-        self._busy: InvalidArgumentError | None = None
-        #: our keeper said in its Hello that it cannot be adopted: to be warned of on the training thread
-        self._unadoptable: list[UnadoptableKeeper] = []
-        #: loads from memory in progress (:meth:`pin_held`), and the slots the keeper let go of
-        #: meanwhile, handed back for staging only when the last of those loads has ended
-        self._pins = 0
-        self._deferred: list[Callable[[], None]] = []
-        #: replication settings the keeper is told after each Hello (a new or adopted keeper)
-        self.replica_setup: ReplicaSetup | None = None
         #: the leaf layouts of this trainer's saves (:class:`LeafLayout`), by the identity of their
         #: rows tuple (the engine hands a plan's own): id(rows) -> (rows, layout id); ids are never
         #: reused, so a writer that holds an id holds that layout
@@ -180,6 +199,8 @@ class WriterClient:
         #: the layouts the running writer holds (for its connection only: a restarted writer or an
         #: adopted keeper holds none), with the item nodes each was sent with and their index
         self._sent_layouts: dict[int, tuple[dict[str, Any], NodeIndex]] = {}
+        if side is not None:
+            side.attach(self)
         _CLIENTS.add(self)
 
     def _detach_after_fork(self) -> None:
@@ -195,17 +216,11 @@ class WriterClient:
         self._pending = {}
         self._mapped = set()
         self._sent_layouts = {}
-        self._held = {}
         self._adopted_pid = None
-        self._busy = None
-        self._unadoptable = []
-        self._pins = 0
-        self._deferred = []
-        self._image_waiter = None
-        self._image_event = threading.Event()
-        self._query_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
+        if self.side is not None:
+            self.side.forked()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -215,8 +230,19 @@ class WriterClient:
 
     @property
     def adopted(self) -> bool:
-        """Whether this writer is a keeper adopted from an earlier trainer (not our child)."""
+        """Whether this writer was running before this trainer (a keeper adopted from an earlier
+        trainer: not our child)."""
         return self._adopted_pid is not None
+
+    @property
+    def held_slots(self) -> int:
+        """Staging slots the writer keeps after their jobs are done (see :attr:`WriterSide.held_slots`)."""
+        return self.side.held_slots if self.side is not None else 0
+
+    @property
+    def closing_now(self) -> bool:
+        """Whether this trainer is closing (or abandoning) the writer right now."""
+        return self._closing
 
     def alive(self) -> bool:
         if self._conn is None:
@@ -227,45 +253,49 @@ class WriterClient:
             return self._listener is not None and self._listener.is_alive()
         return self._thread is not None and self._thread.is_alive()
 
+    def listening(self) -> bool:
+        """Whether the listener still reads the writer's answers (it has not ended)."""
+        return self._listener is not None and self._listener.is_alive()
+
     def start(self) -> None:
         """Start the writer if it is not running (called ahead of the first save to pre-warm).
 
         Raises:
             ProtocolMismatchError: an earlier writer spoke another protocol version.
-            InvalidArgumentError: the memory tier of this directory and rank is held on this host
-                by another live trainer (refused by the keeper we tried to adopt, or reported by
-                the keeper we started, which lost the name to that trainer's; raised once).
+            ZerostallError: the side's refusal (:meth:`WriterSide.refusal`; the memory tier of
+                this directory and rank is held by another live trainer), once.
         """
         if self._incompatible is not None:
             raise self._incompatible
         if self.alive():
             return
         self._reap()
-        self._raise_busy()
-        if self.kind is WriterKind.PROCESS and self.keeper is not None:
-            claimed = adopt(self.keeper)
+        self._raise_refusal()
+        side = self.side
+        if self.kind is WriterKind.PROCESS and side is not None:
+            claimed = side.adopt()
             if claimed is not None:
                 self._conn, hello = claimed
                 self._adopted_pid = hello.pid
                 self._ready = threading.Event()
                 self._ready.set()  # adopt() read its Hello already
                 self._mapped = set()
-                self._sent_layouts = {}  # a keeper holds layouts per trainer connection
+                self._sent_layouts = {}  # a writer holds layouts per trainer connection
                 self._listener = threading.Thread(target=self._listen, args=(self._conn,),
                                                   name="zerostall-listener", daemon=True)
                 self._listener.start()
-                self._tell_replica_setup()
+                side.connected()
                 return
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if self.kind is WriterKind.PROCESS:
             env = settled_switches(dict(os.environ))  # a bad switch is warned about here, not again there
             env["PYTHONPATH"] = _PKG_PARENT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+            entry = side.command() if side is not None else ["-m", "zerostall.persist.server"]
             # A fresh interpreter, not a fork: safe with CUDA and threads, and no re-import of the
             # user's __main__. Its own session: a Ctrl-C to the trainer's terminal does not cut a
             # commit short; it exits by itself once the trainer's end of the socket closes.
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "zerostall.persist.server" if self.keeper is None else "zerostall.memtier.keeper",
-                 str(child.fileno()), str(self.nice), self.sched, *(self.keeper.argv() if self.keeper is not None else [])],
+                [sys.executable, entry[0], entry[1], str(child.fileno()), str(self.nice), self.sched, *entry[2:]],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True, env=env,
                 close_fds=True)
             child.close()
@@ -282,20 +312,8 @@ class WriterClient:
         self._listener = threading.Thread(target=self._listen, args=(self._conn,), name="zerostall-listener",
                                           daemon=True)
         self._listener.start()
-        self._tell_replica_setup()
-
-    def _tell_replica_setup(self) -> None:
-        if self.replica_setup is not None and self.keeper is not None:
-            try:
-                self._send(self.replica_setup)
-            except OSError:
-                pass  # the keeper is gone: the next start tells the next one
-
-    def set_replica_setup(self, setup: ReplicaSetup) -> None:
-        """Tell the keeper (now, and every keeper started or adopted later) how to replicate."""
-        self.replica_setup = setup
-        if self.alive():
-            self._tell_replica_setup()
+        if side is not None:
+            side.connected()
 
     def _reap(self) -> None:
         """Forget a dead writer once its listener has failed its pending jobs."""
@@ -312,22 +330,24 @@ class WriterClient:
     def close(self) -> None:
         """Stop the writer after the jobs already submitted (call after waiting for them).
 
-        With a memory tier, the keeper first persists the newest step only its memory holds; this
-        waits for that persist for as long as the keeper runs it (each of its waits is bounded by
-        the storage's timeouts and, for a collective step, by ``DistributedOptions.timeout_s``).
-        If the keeper ends without saying that step is stored, and without reporting the failure,
-        :attr:`close_failures` gets a :class:`KeeperLostError` naming it.
+        With a side (the memory tier), the writer may have more to do before it lets this
+        trainer go (the keeper first persists the newest step only its memory holds): this waits
+        for it for as long as the writer runs it (each of the keeper's waits is bounded by the
+        storage's timeouts and, for a collective step, by ``DistributedOptions.timeout_s``).
         """
+        side = self.side
         self._closing = True
-        self._durable = None
+        if side is not None:
+            side.closing()
         if self._conn is not None:
             try:
-                self._send(Close())
+                self.send(Close())
             except OSError:
                 pass
         if self._listener is not None:
-            self._listener.join(timeout=None if self.keeper is not None else 60)
-        self._check_stored_at_close()
+            self._listener.join(timeout=None if side is not None else 60)
+        if side is not None:
+            side.closed()
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=60)
@@ -338,7 +358,6 @@ class WriterClient:
             self._thread.join(timeout=60)
         if self._conn is not None:
             self._conn.close()
-        self._release_held()
         self._proc = None
         self._adopted_pid = None
         self._thread = None
@@ -349,17 +368,17 @@ class WriterClient:
         """Leave the writer as a crash would (no :class:`Close`): a keeper then lingers for a
         restarted trainer instead of exiting. Call after waiting for the jobs submitted."""
         conn, self._conn = self._conn, None
-        self._memory_only = None  # left to the keeper for a restart: no close() will ask for it
+        if self.side is not None:
+            self.side.abandoned()
         if conn is not None:
             self._closing = True
-            try:  # wakes our listener (EOF) and tells the keeper its trainer is gone
+            try:  # wakes our listener (EOF) and tells the writer its trainer is gone
                 socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             if self._listener is not None and self._listener is not threading.current_thread():
                 self._listener.join(timeout=60)
             conn.close()
-        self._release_held()
         self._proc = None  # not waited for: it lingers (Popen reaps it if it exits before us)
         self._adopted_pid = None
         self._listener = None
@@ -367,16 +386,23 @@ class WriterClient:
 
     # -- jobs ------------------------------------------------------------------------------
 
-    def _send(self, msg: Message, fd: int | None = None) -> None:
-        assert self._conn is not None
+    def send(self, msg: Message, fd: int | None = None) -> None:
+        """Send one message (and a descriptor after it) to the running writer.
+
+        Raises:
+            OSError: no writer runs, or its connection broke.
+        """
+        conn = self._conn
+        if conn is None:
+            raise OSError("no writer runs")
         with self._send_lock:
-            self._conn.send_bytes(encode(msg))
+            conn.send_bytes(encode(msg))
             if fd is not None:
-                send_handle(self._conn, fd, self._proc.pid if self._proc is not None else os.getpid())
+                send_handle(conn, fd, self._proc.pid if self._proc is not None else os.getpid())
 
     def _send_job(self, job: SaveJob) -> None:
         """Send ``job`` naming its leaf layout: the rows and the item nodes the writer already
-        holds are not sent again (~170 bytes of JSON a leaf, decoded again by the writer). The
+        holds are not sent again (~185 bytes of JSON a leaf, decoded again by the writer). The
         layout goes first if the running writer does not hold it."""
         assert self._conn is not None
         rows = job.leaves
@@ -406,7 +432,7 @@ class WriterClient:
         """The trainer is about to free ``buf``: the writer drops its mapping."""
         if buf.id in self._mapped and self.alive():
             try:
-                self._send(UnmapBuffer(buffer=buf.id))
+                self.send(UnmapBuffer(buffer=buf.id))
             except OSError:
                 pass
         self._mapped.discard(buf.id)
@@ -426,7 +452,7 @@ class WriterClient:
             try:
                 for b in buffers:
                     if b.id not in self._mapped:
-                        self._send(MapBuffer(buffer=b.id, size=b.size), fd=b.fd)
+                        self.send(MapBuffer(buffer=b.id, size=b.size), fd=b.fd)
                         self._mapped.add(b.id)
                 self._send_job(job)
                 return
@@ -441,6 +467,7 @@ class WriterClient:
                     raise WriterError("could not hand the save to a writer process") from None
 
     def _listen(self, conn: Connection) -> None:
+        side = self.side
         while True:
             try:
                 msg = decode(conn.recv_bytes())
@@ -454,51 +481,24 @@ class WriterClient:
             if isinstance(msg, Hello):
                 if msg.protocol != PROTOCOL:  # pragma: no cover - decode() already refuses it
                     break
-                if msg.unadoptable is not None and self.keeper is not None:  # before _ready: the constructor warns
-                    self._note_unadoptable(msg)
-                self._ready.set()
-            elif isinstance(msg, KeeperBusy):  # our keeper lost the name to another trainer's; it exits
-                if self.keeper is not None:
-                    self._busy = busy_error(self.keeper, msg)
+                if side is not None:  # before _ready: the constructor warns of what it says
+                    side.on_hello(msg)
                 self._ready.set()
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
-                    hold = self._held.pop(msg.job, None)
-                    if hold is not None and self._pins:  # a load may be reading that slot: not yet
-                        self._deferred.append(hold)
-                        hold = None
                 if p is not None and not p.released:
                     p.released = True
                     p.on_released()
-                if hold is not None:
-                    hold()
-            elif isinstance(msg, KeeperFailed):
-                err = self.note_keeper_failure(KeeperFailure(step=msg.step, path=msg.path, error=msg.error,
-                                                             rank=msg.rank, time=0.0))
-                if msg.closing:
-                    self.close_failures.append(err)
-            elif isinstance(msg, Closed):
-                self._durable = msg.step
-            elif isinstance(msg, Persisted):
-                with self._persisted_event:
-                    self._persisted[msg.request] = msg.step
-                    self._persisted_event.notify_all()
-            elif isinstance(msg, Image):
-                fds = [recv_handle(conn) for _ in msg.files]
-                self._image_reply((msg, fds))
+                elif p is None and side is not None:
+                    side.on_released(msg.job)
             elif isinstance(msg, (Done, Failed)):
                 with self._lock:
                     p = self._pending.pop(msg.job, None)
                 if p is None:
                     continue
-                if isinstance(msg, Done) and p.job.memory:
-                    self._memory_only = None if p.job.persist else p.job
-                if not p.released and isinstance(msg, Done) and p.job.memory:
-                    # the keeper holds this step's buffers until a newer step is in memory
-                    p.released = True
-                    with self._lock:
-                        self._held[p.job.id] = p.on_released
+                if isinstance(msg, Done) and side is not None and side.done(p.job, None if p.released else p.on_released):
+                    p.released = True  # the writer holds this step's buffers until it lets go of them
                 if not p.released:
                     p.released = True
                     p.on_released()
@@ -506,222 +506,18 @@ class WriterClient:
                     p.on_done(msg.stats, None)
                 else:
                     p.on_done(None, from_wire(msg.error))
+            elif side is None or not side.on_message(msg, conn):
+                break  # a kind this client does not take: this writer cannot be trusted
         if self._incompatible is not None:
             conn.close()  # the writer exits once it sees its trainer's end close
-        if not self._closing:
-            self._note_lost()  # the keeper died under a live trainer: told now, raised by close()
+        if side is not None:
+            side.ended(self._closing)
         self._ready.set()  # nobody waits for a writer that is gone
-        with self._persisted_event:
-            self._persisted_event.notify_all()
-        self._image_reply(None)
-        self._release_held()
         self._fail_pending()
 
-    # -- the memory tier -------------------------------------------------------------------
-
-    def _release_held(self) -> None:
-        """The keeper is gone (or closing): the slots it held may be staged into again."""
-        with self._lock:
-            held, self._held = self._held, {}
-            if self._pins:  # a load may be reading one of them: handed back when it ends
-                self._deferred += held.values()
-                held = {}
-        for release in held.values():
-            release()
-
-    def pin_held(self) -> None:
-        """Until the matching :meth:`unpin_held`, keep every slot the keeper lets go of from being
-        staged into again. A load from memory maps the step the keeper holds, which may be this
-        trainer's own staging slot: a save on another thread meanwhile would make the keeper let go
-        of it, and a later save would stage into the very bytes that load copies from."""
-        with self._lock:
-            self._pins += 1
-
-    def unpin_held(self) -> None:
-        """End a :meth:`pin_held`; the last one hands the slots let go of meanwhile back for staging."""
-        with self._lock:
-            self._pins -= 1
-            release, self._deferred = (self._deferred, []) if not self._pins else ([], self._deferred)
-        for r in release:
-            r()
-
-    def _note_lost(self) -> KeeperLostError | None:
-        """The keeper has ended: if it held the newest step this trainer saved and only memory had
-        it, that step is lost. Logged and listed once (:attr:`keeper_failures`); returned for
-        :meth:`close` to raise (None: nothing was lost)."""
-        job = self._memory_only
-        if job is None or self.keeper is None:
-            return None
-        if self._lost is not None and self._lost[0] == job.step:
-            return self._lost[1]
-        pid = self.pid
-        err = KeeperLostError(
-            f"the memory tier's keeper ({f'pid {pid}, ' if pid is not None else ''}rank {self.keeper.rank}) ended "
-            f"before step {job.step}, which only its memory held, reached storage: step {job.step} is lost, and "
-            "storage's newest step is an older one", path=job.path, rank=self.keeper.rank, step=job.step)
-        self._lost = (job.step, err)
-        self.keeper_failures.append(err)
-        log.warning("zerostall: %s", err)
-        return err
-
-    def _check_stored_at_close(self) -> None:
-        """After a clean close: the newest memory-only step must be on storage (the keeper said so
-        with :class:`Closed`), or its failed persist was reported; else the keeper ended without
-        storing it, and close() raises :class:`KeeperLostError` naming it."""
-        job = self._memory_only
-        if job is None or self.keeper is None or self._durable == job.step:
-            return
-        if any(e.step == job.step for e in self.close_failures):
-            return
-        err = self._note_lost()
-        if err is not None:
-            self.close_failures.append(err)
-
-    @property
-    def memory_only_step(self) -> int | None:
-        """The newest step this trainer saved if only the keeper's memory holds it (None: none)."""
-        job = self._memory_only
-        return job.step if job is not None else None
-
-    def persist_held(self, timeout: float | None = None, *, sent: Callable[[], None] | None = None,
-                     bound_s: float | None = None) -> None:
-        """Have the keeper persist the newest step this trainer saved that only memory holds (none:
-        return at once), and return once it is on storage; the keeper goes on serving. Call after
-        the jobs submitted have finished. Under torch.distributed the persist of a collective step
-        is collective: every rank's trainer must call this (it is the persist of :meth:`close`).
-
-        ``timeout``: return after about this many seconds even if the keeper has not answered
-        (the persist goes on; a later call, or close(), waits for it again). ``bound_s`` bounds
-        a collective step's persist in the keepers below the job's ``timeout_s``. ``sent()`` is
-        called once the request is on its way (or there is nothing to ask): a save handed over
-        after it is persisted after this step, never instead of it.
-
-        Raises:
-            KeeperPersistError: the persist failed (its ``cause`` says why; the step is still in
-                this host's memory, and :meth:`close` tries again unless the step is collective).
-            KeeperLostError: the keeper ended without storing the step: it is lost.
-        """
-        job = self._memory_only
-        if job is None or self.keeper is None or self.kind is not WriterKind.PROCESS:
-            if sent is not None:
-                sent()
-            return
-        told = len(self.close_failures)
-        request = next(self._requests)
-        try:
-            if self._conn is None:
-                raise OSError("no keeper")
-            self._send(PersistHeld(request=request, timeout_s=bound_s))
-        except OSError:  # no keeper to ask: its listener saw it end
-            request = 0
-        finally:
-            if sent is not None:
-                sent()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._persisted_event:
-            while request and request not in self._persisted and self._listener is not None \
-                    and self._listener.is_alive():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                self._persisted_event.wait(left)
-            stored = self._persisted.pop(request, None) if request else None
-        if stored is not None and stored == job.step:
-            if self._memory_only is job:
-                self._memory_only = None
-            return
-        failed = [e for e in self.close_failures[told:] if e.step == job.step]
-        if failed:
-            raise failed[-1]
-        if request and (self._listener is not None and self._listener.is_alive()):
-            err: KeeperPersistError = KeeperPersistError(
-                f"the memory tier's keeper (rank {self.keeper.rank}) did not persist step {job.step}, which only "
-                "its memory holds (a collective step's persist is tried once)", path=job.path,
-                rank=self.keeper.rank, step=job.step)
-            self.close_failures.append(err)
-            raise err
-        lost = self._note_lost()
-        if lost is not None:
-            if all(e is not lost for e in self.close_failures):
-                self.close_failures.append(lost)
-            raise lost
-
-    def note_keeper_failure(self, failure: KeeperFailure) -> KeeperPersistError:
-        """Record a failed persist of the keeper (from its message or a marker) and log it."""
-        err = as_error(failure)
-        self.keeper_failures.append(err)
-        log.warning("zerostall: %s", err)
-        return err
-
-    def _note_unadoptable(self, hello: Hello) -> None:
-        """Our keeper serves but cannot be adopted: list it with the keeper failures, and keep it
-        for the training thread to warn of (:meth:`take_unadoptable`)."""
-        assert self.keeper is not None and hello.unadoptable is not None
-        record = UnadoptableKeeper.from_hello(self.keeper.root, self.keeper.rank, hello.pid, hello.unadoptable)
-        self.keeper_failures.append(record)
-        with self._lock:
-            self._unadoptable.append(record)
-
-    def take_unadoptable(self) -> list[UnadoptableKeeper]:
-        """The unadoptable keepers reported since the last call (each warned of once)."""
-        if not self._unadoptable:
-            return []
-        with self._lock:
-            out, self._unadoptable = self._unadoptable, []
-        return out
-
-    def _image_reply(self, reply: tuple[Image, list[int]] | None) -> None:
-        """An :class:`Image` arrived (None: the keeper ended). One that answers a query nobody
-        waits for any more (it timed out: the keeper hung meanwhile) is dropped, descriptors
-        closed: it may describe another rank's replica than the query now waiting asked for."""
-        waiter = self._image_waiter
-        if waiter is None or (reply is not None and reply[0].request != waiter[0]):
-            if reply is not None:
-                for fd in reply[1]:
-                    os.close(fd)
-            return
-        self._image_waiter = None
-        waiter[1].append(reply)
-        self._image_event.set()
-
-    def query_image(self, timeout: float | None = 600.0, *, start: bool = True,
-                    origin: int | None = None) -> tuple[Image, list[int]] | None:
-        """The keeper's newest in-memory step and one descriptor per data file (the caller
-        closes them); None when this writer is no keeper or is not running.
-
-        ``origin``: the replica this keeper holds of rank ``origin``'s step instead.
-        Answered after every job submitted before the call has finished. ``start=False``: None
-        rather than starting a writer that is not running (a background query must not start
-        a keeper after the Checkpointer closed).
-        """
-        if self.keeper is None or self.kind is not WriterKind.PROCESS:
-            return None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # another thread's query may be waiting for a keeper that hung: never past our own timeout
-        if not self._query_lock.acquire(timeout=-1 if timeout is None else timeout):
-            return None
-        try:
-            if not start and (not self.alive() or self._closing):
-                return None
-            try:
-                self.start()
-            except ZerostallError:
-                return None
-            box: list[tuple[Image, list[int]] | None] = []
-            request = next(self._requests)
-            self._image_event.clear()
-            self._image_waiter = (request, box)
-            try:
-                self._send(ImageQuery(origin=origin, request=request))
-            except OSError:
-                self._image_waiter = None
-                return None
-            if not self._image_event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-                self._image_waiter = None
-                return None
-            return box[0] if box else None
-        finally:
-            self._query_lock.release()
+    def mark_ready(self) -> None:
+        """The running writer will never say Hello (its side refused to serve): wake waiters."""
+        self._ready.set()
 
     def _fail_pending(self) -> None:
         with self._lock:
@@ -732,6 +528,7 @@ class WriterClient:
         if self._proc is not None:
             rc = self._proc.wait()
             how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        known = self.side.failing() if self.side is not None else None
         for p in pending.values():
             if not p.released:
                 p.released = True
@@ -739,8 +536,8 @@ class WriterClient:
             if self._incompatible is not None:
                 p.on_done(None, self._incompatible)
                 continue
-            if self._busy is not None:  # the keeper never served: nothing was saved
-                p.on_done(None, self._busy)
+            if known is not None:  # the writer never served: nothing was saved
+                p.on_done(None, known)
                 continue
             if _committed_anyway(p):
                 # It died after the rename (during retention, say): the checkpoint is complete.
@@ -757,20 +554,21 @@ class WriterClient:
         queue in the socket. Waiting here keeps the writer's start-up out of later saves' stalls.
 
         Raises:
-            InvalidArgumentError: the memory tier's keeper found its directory and rank held by
-                another live trainer's keeper on this host (it started at the same moment).
+            ZerostallError: the side's refusal (:meth:`WriterSide.refusal`: the memory tier's
+                keeper found its directory and rank held by another live trainer's keeper on
+                this host: it started at the same moment).
         """
         if self._conn is None:
             return False
-        # Not alive() first: a keeper that said KeeperBusy exits at once, and its listener (which
-        # sets _ready when it ends) may still be reading that message.
+        # Not alive() first: a writer that refused to serve exits at once, and its listener (which
+        # sets _ready when it ends) may still be reading that refusal.
         ready = self._ready.wait(timeout)
-        self._raise_busy()
+        self._raise_refusal()
         return ready and self.alive()
 
-    def _raise_busy(self) -> None:
-        """Raise our keeper's refusal once; a later start() tries again (adopt, or a new keeper)."""
-        busy, self._busy = self._busy, None
-        if busy is not None:
+    def _raise_refusal(self) -> None:
+        """Raise the side's refusal once; a later start() tries again (adopt, or a new writer)."""
+        refusal = self.side.refusal() if self.side is not None else None
+        if refusal is not None:
             self._reap()
-            raise busy
+            raise refusal

@@ -8,7 +8,6 @@ the trainer is killed), after finishing every job it had already received, so a 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import mmap
 import os
@@ -24,21 +23,15 @@ from zerostall.errors import WriterError
 from zerostall.messages import (
     PROTOCOL,
     Close,
-    Closed,
     Done,
     Failed,
     ForgetLayout,
     Hello,
-    Image,
-    ImageQuery,
     LeafLayout,
     MapBuffer,
     Message,
-    Persisted,
-    PersistHeld,
     ProtocolMismatchError,
     Released,
-    ReplicaSetup,
     SaveJob,
     UnmapBuffer,
     WireError,
@@ -55,27 +48,32 @@ __all__ = ["serve", "main", "lower_priority", "HeldSteps"]
 
 
 class HeldSteps(Protocol):
-    """What the loop hands the memory tier's keeper (:class:`zerostall.memtier.keeper.Keeper`):
-    its memory jobs, image queries and persists; the writer itself knows nothing more of it."""
+    """What the loop hands a writer that is more than a writer (the memory tier's keeper,
+    :class:`zerostall.memtier.keeper.Keeper`): its memory jobs, the buffers it maps, and the
+    messages of its own kinds (:mod:`zerostall.memtier.messages`); the writer itself knows
+    nothing more of it. The trainer's side has the mirror seam
+    (:class:`zerostall.persist.client.WriterSide`)."""
 
     @property
     def unadoptable(self) -> WireError | None: ...
 
-    def report_failed(self, conn: Connection) -> None: ...
+    def report_failed(self, conn: Connection) -> None:
+        """Tell the trainer on ``conn`` of what failed in the background and it has not heard of."""
 
     def on_map(self, buffer: int, fd: int, size: int) -> None: ...
 
     def on_unmap(self, buffer: int) -> None: ...
 
-    def run(self, job: SaveJob, views: dict[int, memoryview], send: Callable[[Message], None]) -> WriterStats: ...
+    def run(self, job: SaveJob, views: dict[int, memoryview], send: Callable[[Message], None]) -> WriterStats:
+        """Run a memory job (``job.memory``)."""
 
-    def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None) -> None: ...
+    def handle(self, msg: Message, conn: Connection, send: Callable[[Message], None]) -> bool:
+        """A message of its own kinds (an image query, a persist request, its replication's
+        setup): True once handled, False for a kind it does not know either."""
 
-    def setup_replicas(self, setup: ReplicaSetup) -> None: ...
-
-    def persist_held(self, closing: bool = False, timeout_s: float | None = None) -> None: ...
-
-    def durable_step(self) -> int | None: ...
+    def closing(self, conn: Connection, send: Callable[[Message], None]) -> None:
+        """The trainer said :class:`Close`: what must happen before the writer's loop ends (the
+        keeper persists what only its memory holds, and says so)."""
 
 
 def _send(conn: Connection, msg: Message) -> None:
@@ -156,22 +154,11 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
                 _run(conn, msg, views, keeper, layouts, own_process)
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
-            elif keeper is not None and isinstance(msg, ImageQuery):
-                keeper.send_image(conn, _answering(conn, msg.request), msg.origin)
-                keeper.report_failed(conn)
-            elif keeper is not None and isinstance(msg, ReplicaSetup):
-                keeper.setup_replicas(msg)
-            elif keeper is not None and isinstance(msg, PersistHeld):  # the trainer's wait(); it goes on
-                keeper.persist_held(closing=True, timeout_s=msg.timeout_s)
-                keeper.report_failed(conn)
-                _send(conn, Persisted(request=msg.request, step=keeper.durable_step()))
             elif isinstance(msg, Close):
                 if keeper is not None:  # the trainer's close() returns once nothing lives in memory only
-                    keeper.persist_held(closing=True)
-                    keeper.report_failed(conn)
-                    _send(conn, Closed(step=keeper.durable_step()))
+                    keeper.closing(conn, lambda m: _send(conn, m))
                 return True
-            else:
+            elif keeper is None or not keeper.handle(msg, conn, lambda m: _send(conn, m)):
                 raise WriterError(f"the writer does not take {type(msg).__name__} messages")
     finally:
         intake.stop()
@@ -180,15 +167,6 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
         for m in maps.values():
             _close(m)
         conn.close()
-
-
-def _answering(conn: Connection, request: int) -> Callable[[Message], None]:
-    """Send on ``conn``, an :class:`Image` marked as the answer to query ``request``."""
-
-    def send(m: Message) -> None:
-        _send(conn, dataclasses.replace(m, request=request) if isinstance(m, Image) else m)
-
-    return send
 
 
 def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None,
