@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from zerostall.errors import AdviceError
 
 __all__ = [
-    "AdviceError",
+    # AdviceError, raised here, is in zerostall.errors with every error class
     "SaveCost",
     "MeasuredCosts",
     "ReplicaCost",

@@ -1,5 +1,13 @@
 """The zerostall error tree.
 
+This module is the public home of every error class (``from zerostall.errors import
+StorageError``); ``__all__`` lists each one defined here. The base, :class:`ZerostallError`, and the two
+a training loop catches, :class:`CorruptCheckpointError` and :class:`BackgroundSaveError`, are
+also at the top level (``zerostall.BackgroundSaveError``). Two classes of the tree are defined
+with the protocol they belong to, ``ProtocolMismatchError`` (:mod:`zerostall.messages`) and
+``RankTaken`` (:mod:`zerostall.persist.collective`); both are ``WriterError`` subclasses, which
+is how a caller catches them.
+
 Every error raised by zerostall derives from :class:`ZerostallError` and also from the builtin
 exception a caller would naturally catch, so ``except FileNotFoundError`` keeps working::
 
@@ -47,20 +55,25 @@ from __future__ import annotations
 import errno as _errno
 
 __all__ = [
+    # in the order of the tree above
     "ZerostallError",
-    "CheckpointNotFoundError",
+    "CheckpointNotFoundError", "DirectoryReplacedError",
     "CheckpointExistsError",
-    "CorruptCheckpointError",
-    "ChecksumMismatchError",
+    "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError",
     "UnsupportedFormatError",
     "MismatchError",
     "MissingKeyError",
     "UnsupportedLeafError",
-    "StorageError",
-    "WriterError",
-    "TornSnapshotError",
-    "DonatedArrayError",
-    "wire_class",
+    "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
+    "AdviceError",
+    "MissingDependencyError",
+    "StorageError", "ReadOnlyError",
+    "WriterError", "BackgroundSaveError", "UnknownLayoutError", "KeeperPersistError", "KeeperLostError",
+    "TornSnapshotError", "DonatedArrayError",
+    "ReplicaError",
+    "PeerUnreachableError",
+    "PreemptionError",
+    "ZerostallWarning",
 ]
 
 
@@ -254,7 +267,6 @@ class UnknownLayoutError(WriterError):
 _BY_NAME["BackgroundSaveError"] = BackgroundSaveError
 _BY_NAME["ReadOnlyError"] = ReadOnlyError
 _BY_NAME["UnknownLayoutError"] = UnknownLayoutError
-__all__ += ["BackgroundSaveError", "ReadOnlyError", "UnknownLayoutError"]
 
 
 class NoValidCheckpointError(CorruptCheckpointError):
@@ -265,7 +277,6 @@ class NoValidCheckpointError(CorruptCheckpointError):
 
 
 _BY_NAME[NoValidCheckpointError.__name__] = NoValidCheckpointError
-__all__ += ["NoValidCheckpointError"]
 
 
 class InvalidArgumentError(ZerostallError, ValueError):
@@ -304,7 +315,6 @@ class MetadataTypeError(MetadataError, TypeError):
 
 for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
     _BY_NAME[_cls.__name__] = _cls
-__all__ += ["InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError"]
 
 
 class AdviceError(ZerostallError, ValueError):
@@ -314,7 +324,6 @@ class AdviceError(ZerostallError, ValueError):
 
 
 _BY_NAME["AdviceError"] = AdviceError
-__all__ += ["AdviceError"]
 
 
 class MissingDependencyError(ZerostallError, ImportError):
@@ -333,7 +342,6 @@ class MissingDependencyError(ZerostallError, ImportError):
 
 
 _BY_NAME["MissingDependencyError"] = MissingDependencyError
-__all__ += ["MissingDependencyError"]
 
 
 class KeeperPersistError(WriterError):
@@ -366,7 +374,6 @@ class KeeperPersistError(WriterError):
 
 
 _BY_NAME["KeeperPersistError"] = KeeperPersistError
-__all__ += ["KeeperPersistError"]
 
 
 class DirectoryReplacedError(CheckpointNotFoundError):
@@ -376,7 +383,6 @@ class DirectoryReplacedError(CheckpointNotFoundError):
 
 
 _BY_NAME["DirectoryReplacedError"] = DirectoryReplacedError
-__all__ += ["DirectoryReplacedError"]
 
 
 class KeeperLostError(KeeperPersistError):
@@ -387,15 +393,11 @@ class KeeperLostError(KeeperPersistError):
 
 
 _BY_NAME["KeeperLostError"] = KeeperLostError
-__all__ += ["KeeperLostError"]
 
 
 class ZerostallWarning(UserWarning):
     """Base of zerostall's warnings: what was asked for still works, but a guarantee is weaker
     than documented (``warnings.filterwarnings("error", category=ZerostallWarning)`` makes them fatal)."""
-
-
-__all__ += ["ZerostallWarning"]
 
 
 class ReplicaError(ZerostallError, RuntimeError):
@@ -411,7 +413,6 @@ class ReplicaError(ZerostallError, RuntimeError):
 
 
 _BY_NAME["ReplicaError"] = ReplicaError
-__all__ += ["ReplicaError"]
 
 
 class PreemptionError(ZerostallError, RuntimeError):
@@ -424,7 +425,6 @@ class PreemptionError(ZerostallError, RuntimeError):
 
 
 _BY_NAME["PreemptionError"] = PreemptionError
-__all__ += ["PreemptionError"]
 
 
 class PeerUnreachableError(ZerostallError, TimeoutError):
@@ -445,4 +445,3 @@ class PeerUnreachableError(ZerostallError, TimeoutError):
 
 
 _BY_NAME["PeerUnreachableError"] = PeerUnreachableError
-__all__ += ["PeerUnreachableError"]

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from zerostall.advice import (
     DEFAULT_FAILURE_MIX,
     DEFAULT_MEMORY_FRACTION,
-    AdviceError,
     AutoInterval,
     CadenceEstimator,
     FailureMix,
@@ -31,7 +30,7 @@ from zerostall.advice import (
     two_level_overhead,
     young_interval,
 )
-from zerostall.errors import ZerostallError
+from zerostall.errors import AdviceError, ZerostallError
 
 HOUR = 3600.0
 PERSISTED = SaveCost(blocked_s=0.1, background_s=2.0, durable_s=60.0, restore_s=600.0)
