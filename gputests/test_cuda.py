@@ -296,7 +296,7 @@ def test_load_into_cuda_templates_is_all_or_nothing(tmp_path: Path, where: str, 
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 0x20]))
     tmpl = fresh()
-    with pytest.raises(zerostall.ChecksumMismatchError):
+    with pytest.raises(zerostall.errors.ChecksumMismatchError):
         zerostall.load_pytree(path, tmpl, options=opts)
     if where != "straight":
         assert bool((tmpl["w"] == 7).all()) and bool((tmpl["i"] == 7).all())

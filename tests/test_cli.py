@@ -231,7 +231,7 @@ def test_verify_in_process_reports_all_problems(copy_of: Path) -> None:
     report = verify_checkpoint(str(copy_of))
     assert not report.ok
     assert report.bad_keys == ["pytree/h", "pytree/opt/m/0"]
-    with pytest.raises(zerostall.ChecksumMismatchError):
+    with pytest.raises(zerostall.errors.ChecksumMismatchError):
         zerostall.load_pytree(copy_of)
 
 

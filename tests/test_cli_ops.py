@@ -85,11 +85,11 @@ def test_checkpointer_delete(run: Path) -> None:
     with Checkpointer(run, save_options=THREAD) as c:
         c.delete(2)
         assert c.steps() == [1, 3]
-        with pytest.raises(zerostall.CheckpointNotFoundError):
+        with pytest.raises(zerostall.errors.CheckpointNotFoundError):
             c.delete(2)
-        with pytest.raises(zerostall.InvalidArgumentError):
+        with pytest.raises(zerostall.errors.InvalidArgumentError):
             c.delete(-1)
-    with pytest.raises(zerostall.ReadOnlyError):
+    with pytest.raises(zerostall.errors.ReadOnlyError):
         Checkpointer(run, read_only=True).delete(1)
 
 

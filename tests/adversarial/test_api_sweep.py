@@ -19,19 +19,13 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import (
+from zerostall import Checkpointer, DistributedOptions, LoadOptions, MemoryTier, SaveOptions, WriterKind, ZerostallError
+from zerostall.errors import (
     ArgumentTypeError,
-    Checkpointer,
     CheckpointNotFoundError,
-    DistributedOptions,
     InvalidArgumentError,
-    LoadOptions,
-    MemoryTier,
     MetadataError,
     MetadataTypeError,
-    SaveOptions,
-    WriterKind,
-    ZerostallError,
 )
 from zerostall.interop import export_checkpoint, import_checkpoint
 
@@ -169,9 +163,9 @@ def _free_function_cases(tmp: Path) -> list[Case]:
         ("save_checkpointables(items name 'a/b')", lambda: zerostall.save_checkpointables(tmp / "o", {"a/b": tree}),
          InvalidArgumentError, ValueError, "item names"),
         ("save_pytree(unsupported leaf)", lambda: zerostall.save_pytree(tmp / "o", {"x": object()}, options=THREAD),
-         zerostall.UnsupportedLeafError, TypeError, "pytree/x"),
+         zerostall.errors.UnsupportedLeafError, TypeError, "pytree/x"),
         ("save_pytree(existing)", lambda: zerostall.save_pytree(ok, tree, options=THREAD),
-         zerostall.CheckpointExistsError, FileExistsError, str(ok)),
+         zerostall.errors.CheckpointExistsError, FileExistsError, str(ok)),
         ("load_pytree(missing)", lambda: zerostall.load_pytree(tmp / "missing"), CheckpointNotFoundError,
          FileNotFoundError, "missing"),
         ("load_pytree(path=None)", lambda: zerostall.load_pytree(None), ArgumentTypeError, TypeError, "path"),  # type: ignore[arg-type]
@@ -180,8 +174,8 @@ def _free_function_cases(tmp: Path) -> list[Case]:
         ("load_checkpointables(items=list)", lambda: zerostall.load_checkpointables(ok, ["pytree"]),  # type: ignore[arg-type]
          ArgumentTypeError, TypeError, "items"),
         ("load_checkpointables(unknown item)", lambda: zerostall.load_checkpointables(ok, {"nope": None}),
-         zerostall.MissingKeyError, KeyError, "nope"),
-        ("load_pytree(bad shape)", lambda: zerostall.load_pytree(ok, {"w": torch.ones(3)}), zerostall.MismatchError,
+         zerostall.errors.MissingKeyError, KeyError, "nope"),
+        ("load_pytree(bad shape)", lambda: zerostall.load_pytree(ok, {"w": torch.ones(3)}), zerostall.errors.MismatchError,
          ValueError, "w"),
         ("load_metadata(missing)", lambda: zerostall.load_metadata(tmp / "missing"), CheckpointNotFoundError,
          FileNotFoundError, "missing"),
@@ -199,12 +193,12 @@ def _free_function_cases(tmp: Path) -> list[Case]:
         ("export_checkpoint(chunk_bytes=1)", lambda: export_checkpoint(ok, tmp / "x.safetensors", chunk_bytes=1),
          InvalidArgumentError, ValueError, "chunk_bytes"),
         ("export_checkpoint(out exists)", lambda: export_checkpoint(ok, ok / "manifest.json", format="torch"),
-         zerostall.CheckpointExistsError, FileExistsError, "manifest.json"),
+         zerostall.errors.CheckpointExistsError, FileExistsError, "manifest.json"),
         ("import_checkpoint(missing)", lambda: import_checkpoint(tmp / "missing.pt", tmp / "imp"),
          CheckpointNotFoundError, FileNotFoundError, "missing"),
         ("import_checkpoint(format='zip')", lambda: import_checkpoint(ok / "manifest.json", tmp / "imp",
                                                                       format="zip"),  # type: ignore[arg-type]
-         zerostall.UnsupportedFormatError, ValueError, "format"),
+         zerostall.errors.UnsupportedFormatError, ValueError, "format"),
     ]
 
 
@@ -251,7 +245,7 @@ def _checkpointer_cases(d: Path, ck: Checkpointer) -> list[Case]:
         ("save_pytree(step=None)", lambda: ck.save_pytree(None, tree), ArgumentTypeError, TypeError, "step"),  # type: ignore[arg-type]
         ("save_pytree(metadata step)", lambda: ck.save_pytree(4, tree, metadata={"step": 4}), MetadataError,
          ValueError, "reserved"),
-        ("save_pytree(existing step)", lambda: ck.save_pytree(1, tree), zerostall.CheckpointExistsError,
+        ("save_pytree(existing step)", lambda: ck.save_pytree(1, tree), zerostall.errors.CheckpointExistsError,
          FileExistsError, "step_00000001"),
         ("save_checkpointables(items=None)", lambda: ck.save_checkpointables(5, None), ArgumentTypeError, TypeError,  # type: ignore[arg-type]
          "items"),
@@ -327,12 +321,12 @@ def test_cli_errors_are_typed(tmp_path: Path) -> None:
         assert p.returncode == 1, (args, p.stdout, p.stderr)
         doc = json.loads(p.stdout)
         assert doc["error"]["class"] == cls, (args, doc)
-        assert issubclass(getattr(zerostall, cls), ZerostallError)
+        assert issubclass(getattr(zerostall.errors, cls), ZerostallError)
         assert doc["error"]["path"], (args, doc)
 
 
 def test_every_public_error_class_subclasses_a_builtin() -> None:
-    for name in zerostall.__all__:
-        obj: Any = getattr(zerostall, name)
+    for name in zerostall.errors.__all__:
+        obj: Any = getattr(zerostall.errors, name)
         if isinstance(obj, type) and issubclass(obj, ZerostallError) and obj is not ZerostallError:
             assert any(b.__module__ == "builtins" and b is not Exception for b in obj.__mro__), name

@@ -21,13 +21,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import (
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    LoadOptions,
-    UnsupportedFormatError,
-    ZerostallError,
-)
+from zerostall import CorruptCheckpointError, LoadOptions, ZerostallError
+from zerostall.errors import ChecksumMismatchError, UnsupportedFormatError
 from zerostall.format.manifest import parse_manifest
 
 from .conftest import Ckpt
@@ -428,13 +423,13 @@ def test_fifo_is_refused_without_blocking(ckpt: Ckpt, which: str) -> None:
 
 
 def test_no_checkpoint_at_all(tmp_path: Path) -> None:
-    with pytest.raises(zerostall.CheckpointNotFoundError):
+    with pytest.raises(zerostall.errors.CheckpointNotFoundError):
         zerostall.load_pytree(tmp_path / "nothing")
 
 
 def test_unfinished_temporary_directory_is_not_a_checkpoint(ckpt: Ckpt) -> None:
     ckpt.manifest_path.unlink()
-    with pytest.raises(zerostall.CheckpointNotFoundError):
+    with pytest.raises(zerostall.errors.CheckpointNotFoundError):
         ckpt.load()
 
 

@@ -376,7 +376,7 @@ def scenario_faults(rank: int, world: int, d: str) -> dict:
         try:
             ck.save_pytree(0, state)
             exists = None
-        except zerostall.CheckpointExistsError as exc:
+        except zerostall.errors.CheckpointExistsError as exc:
             exists = type(exc).__name__
         ck.save_pytree(9, state)
         steps = ck.steps()

@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 import torch
 
-from zerostall import Checkpointer, DistributedOptions, MemoryTier, PreemptionError, SaveOptions
+from zerostall import Checkpointer, DistributedOptions, MemoryTier, SaveOptions
+from zerostall.errors import PreemptionError
 
 STEPS = 100_000  # far more than any test waits for: the loop ends only when preempted
 #: with a lag: the step rank 1 is late for (a persisted save: every LAG_PERSIST_EVERY-th is)

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import ChecksumMismatchError, LoadOptions, SaveOptions, StorageError, WriterKind
+from zerostall import LoadOptions, SaveOptions, WriterKind
+from zerostall.errors import ChecksumMismatchError, StorageError
 from zerostall.restore import read as restore_read
 
 MiB = 1 << 20

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import Checkpointer, Response, SaveOptions, StorageError
-from zerostall.errors import BackgroundSaveError, WriterError, ZerostallError
+from zerostall import Checkpointer, Response, SaveOptions
+from zerostall.errors import BackgroundSaveError, StorageError, WriterError, ZerostallError
 from zerostall.persist.faults import ENV as FAULTS_ENV
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -216,7 +216,7 @@ r = zerostall.save_pytree_async(blocker + "/ckpt", {"w": torch.zeros(8)})
 if sys.argv[2] == "receive":
     try:
         r.result()
-    except zerostall.StorageError:
+    except zerostall.errors.StorageError:
         pass
 print("exiting")
 """

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import zerostall
-from zerostall import Checkpointer, CheckpointNotFoundError, SaveOptions, WriterKind
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import CheckpointNotFoundError
 from zerostall.persist.faults import ENV
 
 STATE_SRC = '''
@@ -40,7 +41,8 @@ state = _ns["state"]
 
 SAVER = STATE_SRC + textwrap.dedent('''
 import os, sys, time
-from zerostall import Checkpointer, CheckpointExistsError
+from zerostall import Checkpointer
+from zerostall.errors import CheckpointExistsError
 
 directory, tag, start = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 steps = [int(s) for s in sys.argv[4].split(",")]
@@ -204,7 +206,7 @@ def test_close_twice_and_save_after_close(tmp_path: Path) -> None:
     c.save_pytree(1, state(1))
     c.close()
     c.close()
-    with pytest.raises(zerostall.WriterError):
+    with pytest.raises(zerostall.errors.WriterError):
         c.save_pytree_async(2, state(2))
     assert c.steps() == [1]
 
@@ -214,11 +216,11 @@ def test_same_step_twice_in_one_checkpointer(tmp_path: Path) -> None:
         first = c.save_pytree_async(3, state(3, 1))
         try:
             second = c.save_pytree_async(3, state(3, 2))
-        except zerostall.CheckpointExistsError:
+        except zerostall.errors.CheckpointExistsError:
             second = None
         first.result()
         if second is not None:
-            with pytest.raises(zerostall.CheckpointExistsError):
+            with pytest.raises(zerostall.errors.CheckpointExistsError):
                 second.result()
         same(c.load_pytree(3), state(3, 1))
         assert c.steps() == [3]

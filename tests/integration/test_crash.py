@@ -52,7 +52,8 @@ state = _ns["state"]
 
 TRAINER = STATE_SRC + textwrap.dedent('''
 import json, os, sys
-from zerostall import Checkpointer, WriterError, ZerostallError
+from zerostall import Checkpointer, ZerostallError
+from zerostall.errors import WriterError
 from zerostall.persist.faults import ENV
 
 directory, first, last, big = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"

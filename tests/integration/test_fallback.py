@@ -16,18 +16,15 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import (
-    Checkpointer,
+from zerostall import Checkpointer, CorruptCheckpointError, SaveOptions, WriterKind
+from zerostall.commit import step_name
+from zerostall.errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
-    CorruptCheckpointError,
     MismatchError,
     NoValidCheckpointError,
-    SaveOptions,
-    WriterKind,
+    UnsupportedFormatError,
 )
-from zerostall.commit import step_name
-from zerostall.errors import UnsupportedFormatError
 
 
 def state(step: int) -> dict[str, Any]:

@@ -19,17 +19,9 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import (
-    Checkpointer,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    LoadOptions,
-    SaveOptions,
-    StorageError,
-    WriterError,
-    WriterKind,
-)
+from zerostall import Checkpointer, CorruptCheckpointError, LoadOptions, SaveOptions, WriterKind
 from zerostall.commit import step_name
+from zerostall.errors import ChecksumMismatchError, StorageError, WriterError
 from zerostall.persist.faults import ENV, PHASES
 
 #: action -> what result() does: ("error", class, errno) or ("ok",)
@@ -325,7 +317,7 @@ def test_fault_matrix_manifest_last(no_rename_url: str, monkeypatch: pytest.Monk
             # Without rename the step's directory may exist, but it has no manifest and no data.
             assert not (directory / step_name(3) / "manifest.json").exists()
             assert not any((directory / step_name(3)).glob("data-*"))
-            with pytest.raises(zerostall.CheckpointNotFoundError):
+            with pytest.raises(zerostall.errors.CheckpointNotFoundError):
                 ckpt.load_pytree(3)
         assert_bit_exact(ckpt.load_pytree(2), state(2))
         monkeypatch.delenv(ENV)

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import zerostall.integrations.jax as zjax
-from zerostall import BackgroundSaveError, Checkpointer, SaveOptions, TornSnapshotError
-from zerostall.errors import DonatedArrayError
+from zerostall import BackgroundSaveError, Checkpointer, SaveOptions
+from zerostall.errors import DonatedArrayError, TornSnapshotError
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -28,15 +28,13 @@ import torch
 from lightning.fabric.utilities import AttributeDict
 
 import zerostall
-from zerostall import (
+from zerostall import SaveOptions, WriterKind, ZerostallError
+from zerostall.errors import (
     ArgumentTypeError,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    SaveOptions,
     StorageError,
     UnsupportedLeafError,
-    WriterKind,
-    ZerostallError,
 )
 from zerostall.lightning import ZerostallCheckpointIO
 

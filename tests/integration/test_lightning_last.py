@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerostall import CheckpointNotFoundError, ZerostallWarning
+from zerostall.errors import CheckpointNotFoundError, ZerostallWarning
 from zerostall.lightning import ZerostallCheckpointIO
 
 HERE = os.path.dirname(__file__)

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from memtier_procs import DEADLINE_S, TRAINER, keeper_sockets, running, storage_steps, wait_for
 
-from zerostall import Checkpointer, DirectoryReplacedError, KeeperPersistError, MemoryTier
+from zerostall import Checkpointer, MemoryTier
+from zerostall.errors import DirectoryReplacedError, KeeperPersistError
 from zerostall.memtier.instance import INSTANCE_KEY
 from zerostall.memtier.spec import keeper_address, query_held
 from zerostall.persist.faults import ENV as FAULTS_ENV

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import Checkpointer, MissingDependencyError, SaveOptions, WriterKind
-from zerostall.errors import InvalidArgumentError, StorageError
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import InvalidArgumentError, MissingDependencyError, StorageError
 from zerostall.storage import _REFERENCES, _REGISTERED, Capabilities, open_storage, register_scheme
 
 PLUGIN = '''

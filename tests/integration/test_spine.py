@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 import zerostall
-from zerostall import Checkpointer, SaveOptions, WriterError, WriterKind
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import WriterError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _helpers import assert_equal_state, make_state
@@ -119,7 +120,7 @@ def test_flipped_byte_fails_naming_key_and_safetensors_reads_data(ckdir):
         b = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(zerostall.ChecksumMismatchError) as ei:
+    with pytest.raises(zerostall.errors.ChecksumMismatchError) as ei:
         zerostall.load_pytree(ckdir / "c")
     assert ei.value.key == "pytree/model/layer2.weight"
     assert "layer2.weight" in str(ei.value) and str(ckdir / "c") in str(ei.value)

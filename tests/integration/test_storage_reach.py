@@ -20,8 +20,8 @@ import torch
 from _permissions import as_user_without_dac
 
 import zerostall
-from zerostall import Checkpointer, CheckpointNotFoundError, StorageError, api
-from zerostall.errors import InvalidArgumentError, ReadOnlyError, ZerostallError
+from zerostall import Checkpointer, api
+from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, ReadOnlyError, StorageError, ZerostallError
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def test_a_step_whose_manifest_cannot_be_checked_is_an_error_not_an_older_latest
     code = ("import zerostall\n"
             f"c = zerostall.Checkpointer({str(run_with_unreadable_newest)!r}, read_only=True)\n"
             "try:\n    print('LATEST', c.latest_step())\n"
-            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+            "except zerostall.errors.StorageError as e:\n    print('ERR', e.errno, e)\n")
     out = as_user_without_dac(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ERR 13 "), out.stdout
@@ -195,7 +195,7 @@ def test_a_save_into_a_directory_it_may_not_write_names_that_directory_not_the_l
         out = as_user_without_dac(
             "import torch, zerostall\n"
             f"try:\n    zerostall.save_pytree({str(locked / 'a')!r}, {{'w': torch.ones(2)}})\n"
-            "except zerostall.StorageError as e:\n    print('ERR', e.errno, e)\n")
+            "except zerostall.errors.StorageError as e:\n    print('ERR', e.errno, e)\n")
     finally:
         locked.chmod(0o755)
     assert out.returncode == 0, out.stderr

@@ -330,7 +330,7 @@ def test_an_installed_transformers_too_old_for_the_integration_names_its_version
 def test_wrapping_a_trainer_that_is_already_training_is_refused(tmp_path):
     trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
     trainer.is_in_train = True  # what Trainer.train() sets for its whole run
-    with pytest.raises(zerostall.InvalidArgumentError, match=r"before trainer\.train\(\)"):
+    with pytest.raises(zerostall.errors.InvalidArgumentError, match=r"before trainer\.train\(\)"):
         ZerostallCheckpointing(trainer)
 
 
@@ -338,6 +338,6 @@ def test_resuming_from_a_zerostall_step_of_another_directory_says_how(tmp_path):
     trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
     ZerostallCheckpointing(trainer)
     other = tmp_path / "elsewhere" / "zerostall" / "step_00000005"
-    with pytest.raises(zerostall.InvalidArgumentError, match="directory=") as e:
+    with pytest.raises(zerostall.errors.InvalidArgumentError, match="directory=") as e:
         trainer.train(resume_from_checkpoint=str(other))
     assert e.value.path == str(other)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import ChecksumMismatchError, LoadOptions, SaveOptions, WriterKind
+from zerostall import LoadOptions, SaveOptions, WriterKind
+from zerostall.errors import ChecksumMismatchError
 from zerostall.memtier.image import open_image
 from zerostall.restore import read as restore_read
 from zerostall.restore.load import load_items

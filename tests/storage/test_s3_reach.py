@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import Checkpointer, CheckpointNotFoundError, StorageError
-from zerostall.errors import ReadOnlyError
+from zerostall import Checkpointer
+from zerostall.errors import CheckpointNotFoundError, ReadOnlyError, StorageError
 from zerostall.storage import open_storage
 
 

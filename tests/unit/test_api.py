@@ -7,15 +7,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import (
-    Checkpointer,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    MismatchError,
-    MissingKeyError,
-    SaveOptions,
-    WriterKind,
-)
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import CheckpointExistsError, CheckpointNotFoundError, MismatchError, MissingKeyError
 from zerostall.messages import WriterStats
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
@@ -114,7 +107,7 @@ def test_partial_restore_reads_only_requested_keys(ckdir):
     data.write_bytes(bytes(raw))
     out = zerostall.load_pytree(ckdir / "c", {"a": torch.zeros(3)})
     assert list(out) == ["a"] and torch.equal(out["a"], torch.ones(3))
-    with pytest.raises(zerostall.ChecksumMismatchError):
+    with pytest.raises(zerostall.errors.ChecksumMismatchError):
         zerostall.load_pytree(ckdir / "c", {"b": torch.zeros(1000)})
 
 
@@ -283,7 +276,7 @@ def test_rng_states_round_trip(ckdir):
 
 
 def test_unsupported_leaf_error_at_save(ckdir):
-    with pytest.raises(zerostall.UnsupportedLeafError) as ei:
+    with pytest.raises(zerostall.errors.UnsupportedLeafError) as ei:
         zerostall.save_pytree(ckdir / "c", {"ok": 1, "bad": object()})
     assert ei.value.key == "pytree/bad"
     assert not os.path.exists(ckdir / "c")
@@ -303,7 +296,7 @@ def test_handlers_round_trip(ckdir):
         assert out == {"d": datetime.date(2024, 5, 6), "c": 1.5 - 2j}
     finally:
         zerostall.unregister_handler(datetime.date)
-    with pytest.raises(zerostall.UnsupportedFormatError, match="register"):
+    with pytest.raises(zerostall.errors.UnsupportedFormatError, match="register"):
         zerostall.load_pytree(ckdir / "c")
     zerostall.unregister_handler(complex)
 
@@ -414,7 +407,7 @@ def test_background_error_keeps_its_type(ckdir, monkeypatch):
 
     monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"write": "raise:ENOSPC"}))
     r = zerostall.save_pytree_async(ckdir / "c", {"w": torch.ones(4)}, options=THREAD)
-    with pytest.raises(zerostall.StorageError) as ei:
+    with pytest.raises(zerostall.errors.StorageError) as ei:
         r.result()
     assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC
     assert str(ckdir / "c") in str(ei.value)
@@ -453,7 +446,7 @@ def test_runs_of_small_leaves_load_in_every_mode_and_corruption_is_named(ckdir):
     raw[leaf["offset"] + 5] ^= 1
     data.write_bytes(bytes(raw))
     for atomic in (False, True):
-        with pytest.raises(zerostall.ChecksumMismatchError) as ei:
+        with pytest.raises(zerostall.errors.ChecksumMismatchError) as ei:
             zerostall.load_pytree(ckdir / "c", {k: torch.zeros(37) for k in state},
                                   options=zerostall.LoadOptions(atomic=atomic))
         assert ei.value.key == "pytree/t41"

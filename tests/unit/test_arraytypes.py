@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import Checkpointer, SaveOptions, Staging, UnsupportedLeafError, WriterKind
+from zerostall import Checkpointer, SaveOptions, Staging, WriterKind
 from zerostall.arraytypes import (
     ArrayLeaf,
     ArrayType,
@@ -23,6 +23,7 @@ from zerostall.arraytypes import (
     register_array_type,
     unregister_array_type,
 )
+from zerostall.errors import UnsupportedLeafError
 from zerostall.tree import NUMPY, TORCH
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)

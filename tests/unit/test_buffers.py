@@ -17,7 +17,7 @@ import resource, sys, torch, zerostall
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # what `ulimit -f 1024` does
 try:
     zerostall.save_pytree(sys.argv[1], {"w": torch.zeros(1 << 21)})  # 8 MiB
-except zerostall.StorageError as exc:
+except zerostall.errors.StorageError as exc:
     print("ZS", exc.errno, exc.path, str(exc))
 except OSError as exc:
     print("RAW", exc.errno, str(exc))

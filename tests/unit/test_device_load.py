@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import zerostall
-from zerostall import ChecksumMismatchError, CorruptCheckpointError, LoadOptions
+from zerostall import CorruptCheckpointError, LoadOptions
+from zerostall.errors import ChecksumMismatchError
 from zerostall.restore import device, plan
 from zerostall.restore import read as restore_read
 

@@ -26,17 +26,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import zerostall
-from zerostall import (
+from zerostall import CorruptCheckpointError, SaveOptions, WriterKind
+from zerostall.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
-    CorruptCheckpointError,
     MissingKeyError,
-    SaveOptions,
     StorageError,
     UnsupportedFormatError,
     UnsupportedLeafError,
-    WriterKind,
 )
 from zerostall.interop import ExportReport, ImportReport, export_checkpoint, import_checkpoint
 from zerostall.restore import read_manifest

@@ -19,7 +19,8 @@ import torch
 from flax import struct
 
 import zerostall
-from zerostall import Checkpointer, MismatchError, MissingKeyError, SaveOptions, UnsupportedLeafError, WriterKind
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import MismatchError, MissingKeyError, UnsupportedLeafError
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)
 

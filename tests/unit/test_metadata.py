@@ -63,7 +63,7 @@ def test_checkpointer_reserves_step_and_reads_metadata(tmp_path: Path) -> None:
         ck.save_pytree(6, {"w": torch.ones(2)})
         assert ck.metadata(5) == {"loss": 0.25, "step": 5}
         assert ck.metadata() == {"step": 6}
-        with pytest.raises(zerostall.CheckpointNotFoundError):
+        with pytest.raises(zerostall.errors.CheckpointNotFoundError):
             ck.metadata(7)
     assert zerostall.load_metadata(tmp_path / "step_00000005") == {"loss": 0.25, "step": 5}
 
@@ -87,7 +87,7 @@ def test_metadata_of_a_memory_only_step(tmp_path: Path) -> None:
         assert ck.metadata(3) == {"loss": 1 / 3, "step": 3}
         assert ck.metadata() == {"loss": 1 / 3, "step": 3}
         assert ck.metadata(2) == {"loss": 0.5, "step": 2}
-        with pytest.raises(zerostall.InvalidArgumentError, match="memory tier"):
+        with pytest.raises(zerostall.errors.InvalidArgumentError, match="memory tier"):
             ck.delete(3)  # it would stay listed (and loadable) from memory
         ck.delete(2)
         assert ck.steps() == [3]  # step 1 was never persisted (every 2nd is), step 2 is gone

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from zerostall import ArgumentTypeError, Checkpointer, InvalidArgumentError, SaveOptions, WriterKind
+from zerostall import Checkpointer, SaveOptions, WriterKind
+from zerostall.errors import ArgumentTypeError, InvalidArgumentError
 
 
 @pytest.mark.parametrize("bad", ["SIGTERM", signal.SIGTERM, (1.5,), (True,), {signal.SIGTERM}, ("SIGTERM",)])

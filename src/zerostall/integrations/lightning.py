@@ -59,24 +59,19 @@ import numpy as np
 import torch
 
 import zerostall
-from zerostall import (
+from zerostall import CorruptCheckpointError, DistributedOptions, LoadOptions, Response, SaveOptions, ZerostallError
+from zerostall.errors import (
     ArgumentTypeError,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DistributedOptions,
     InvalidArgumentError,
-    LoadOptions,
+    MissingDependencyError,
     MissingKeyError,
-    Response,
-    SaveOptions,
     StorageError,
     UnsupportedFormatError,
     UnsupportedLeafError,
-    ZerostallError,
     ZerostallWarning,
 )
-from zerostall.errors import MissingDependencyError
 from zerostall.format.layout import (
     LIGHTNING_REMOVED_MARK,
     MANIFEST_NAME,
