@@ -4,6 +4,28 @@ Saving copies every array into reused host buffers (the only part the training t
 for); a background writer process writes, checksums and commits. Loading reads straight into
 existing tensors and verifies checksums. Data files are safetensors; nothing runs pickle.
 
+The public face has three namespaces, each with a pinned ``__all__``:
+
+* ``zerostall``: what a save-and-load loop needs (the free functions, :class:`Checkpointer`,
+  :class:`Response`, the options, custom leaves) and the errors such a loop catches;
+* :mod:`zerostall.errors`: every error class and :class:`~zerostall.errors.ZerostallWarning`;
+* :mod:`zerostall.advice`: the checkpoint-interval advisor (:class:`~zerostall.advice.Advice`,
+  :class:`~zerostall.advice.MeasuredCosts`, ...).
+
+The top level keeps three errors besides :class:`ZerostallError`: those a training loop branches
+on whose builtin is too broad to catch alone. :class:`CorruptCheckpointError` (a ``ValueError``)
+is what a resume falls back to an older step on (its subclasses: a checksum that differs, no step
+that verifies); :class:`BackgroundSaveError` (a ``RuntimeError``) is a save that failed after its
+``save_*_async`` returned, raised by the next save, ``wait()`` or ``close()``. Every other error
+either is caught as its builtin (``CheckpointNotFoundError`` is a ``FileNotFoundError``,
+``StorageError`` an ``OSError`` with its errno), or is a mistake to fix rather than catch
+(``MismatchError``, ``InvalidArgumentError``, ...), or belongs to one feature (the memory tier's,
+preemption's): it lives in :mod:`zerostall.errors` only.
+
+A name that moved from the top level to its namespace still resolves from ``zerostall``, with a
+``DeprecationWarning`` at each access naming its home, and is left out of ``__all__`` and
+``dir()``.
+
 The public names are imported on first use (PEP 562): ``import zerostall`` loads only the
 version and the errors, so the writer and keeper processes, which import ``zerostall.persist``
 or ``zerostall.memtier``, start without the save and load API (about half their start-up).
@@ -11,41 +33,16 @@ or ``zerostall.memtier``, start without the save and load API (about half their 
 
 import importlib as _importlib
 import importlib.util as _importlib_util
+import sys as _sys
 import typing as _typing
+import warnings as _warnings
 
+from zerostall import errors
 from zerostall._version import __version__
-from zerostall.errors import (
-    AdviceError,
-    ArgumentTypeError,
-    BackgroundSaveError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    DirectoryReplacedError,
-    DonatedArrayError,
-    InvalidArgumentError,
-    KeeperLostError,
-    KeeperPersistError,
-    MetadataError,
-    MetadataTypeError,
-    MismatchError,
-    MissingDependencyError,
-    MissingKeyError,
-    NoValidCheckpointError,
-    PreemptionError,
-    ReadOnlyError,
-    StorageError,
-    TornSnapshotError,
-    UnsupportedFormatError,
-    UnsupportedLeafError,
-    WriterError,
-    ZerostallError,
-    ZerostallWarning,
-)
+from zerostall.errors import BackgroundSaveError, CorruptCheckpointError, ZerostallError
 
 if _typing.TYPE_CHECKING:
-    from zerostall.advice import Advice, FailureMix, MeasuredCosts, ReplicaCost, TierAdvice
+    from zerostall import advice
     from zerostall.api import (
         load_checkpointables,
         load_metadata,
@@ -58,7 +55,6 @@ if _typing.TYPE_CHECKING:
         save_pytree_async,
     )
     from zerostall.checkpointer import Checkpointer
-    from zerostall.memtier.keeperfail import UnadoptableKeeper
     from zerostall.options import (
         DistributedOptions,
         LoadOptions,
@@ -73,11 +69,6 @@ if _typing.TYPE_CHECKING:
 
 #: public name -> the module that defines it, imported at the first access
 _LAZY: dict[str, str] = {
-    "Advice": "zerostall.advice",
-    "FailureMix": "zerostall.advice",
-    "MeasuredCosts": "zerostall.advice",
-    "ReplicaCost": "zerostall.advice",
-    "TierAdvice": "zerostall.advice",
     "load_checkpointables": "zerostall.api",
     "load_metadata": "zerostall.api",
     "load_pytree": "zerostall.api",
@@ -88,7 +79,6 @@ _LAZY: dict[str, str] = {
     "save_pytree": "zerostall.api",
     "save_pytree_async": "zerostall.api",
     "Checkpointer": "zerostall.checkpointer",
-    "UnadoptableKeeper": "zerostall.memtier.keeperfail",
     "DistributedOptions": "zerostall.options",
     "LoadOptions": "zerostall.options",
     "MemoryTier": "zerostall.options",
@@ -104,12 +94,39 @@ _LAZY: dict[str, str] = {
     "unregister_handler": "zerostall.tree",
 }
 
+#: a name that was public at the top level -> its public home now. Resolved at every access with
+#: a DeprecationWarning and never cached here, so each place that still uses it is told (the
+#: warnings filter then shows each place once) and the name stays out of dir().
+_MOVED: dict[str, str] = {
+    **dict.fromkeys((
+        "InvalidArgumentError", "ArgumentTypeError", "AdviceError", "MissingDependencyError",
+        "CheckpointNotFoundError", "CheckpointExistsError", "ReadOnlyError",
+        "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
+        "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
+        "StorageError", "WriterError", "TornSnapshotError", "DonatedArrayError",
+        "KeeperPersistError", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
+        "PreemptionError",
+    ), "zerostall.errors"),
+    **dict.fromkeys(("Advice", "MeasuredCosts", "FailureMix", "ReplicaCost", "TierAdvice"), "zerostall.advice"),
+    # a record in Checkpointer.keeper_failures, not an error (nothing raises it): it stays with
+    # the memory tier's other keeper-failure records
+    "UnadoptableKeeper": "zerostall.memtier.keeperfail",
+}
+
 
 def __getattr__(name: str) -> _typing.Any:
+    home = _MOVED.get(name)
+    if home is not None:
+        # `from zerostall import X` asks twice: the import system's hasattr (to tell a name from a
+        # submodule), then the statement itself; only the statement's ask warns
+        if _sys._getframe(1).f_globals.get("__name__") != "importlib._bootstrap":
+            _warnings.warn(f"zerostall.{name} is {home}.{name}: import it from there", DeprecationWarning,
+                           stacklevel=2)
+        return getattr(_importlib.import_module(home), name)
     module = _LAZY.get(name)
     if module is None:
-        # a submodule (zerostall.api, ...) is an attribute after `import zerostall`, as when every
-        # public name was imported eagerly
+        # a submodule (zerostall.advice, zerostall.api, ...) is an attribute after
+        # `import zerostall`, as when every public name was imported eagerly
         if not name.startswith("_") and _importlib_util.find_spec(f"zerostall.{name}") is not None:
             return _importlib.import_module(f"zerostall.{name}")
         raise AttributeError(f"module 'zerostall' has no attribute {name!r}")
@@ -119,11 +136,13 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(__all__))
 
 
 __all__ = [
     "__version__",
+    # the two namespaces that hold the rest of the public names
+    "errors", "advice",
     # saving and loading
     "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
     "load_pytree", "load_checkpointables", "load_metadata",
@@ -132,17 +151,6 @@ __all__ = [
     # configuration and extension
     "SaveOptions", "LoadOptions", "WriterKind", "Staging", "DistributedOptions", "Replicated", "MemoryTier",
     "Stateful", "LeafHandler", "register_handler", "unregister_handler",
-    # how often to save (Checkpointer.advice, save_interval="auto")
-    "Advice", "MeasuredCosts", "FailureMix", "ReplicaCost", "TierAdvice",
-    # errors (docs/guarantees.md lists which builtin each also is)
-    "ZerostallError", "InvalidArgumentError", "ArgumentTypeError", "AdviceError", "MissingDependencyError",
-    "CheckpointNotFoundError", "CheckpointExistsError", "ReadOnlyError",
-    "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
-    "MismatchError", "MissingKeyError", "UnsupportedLeafError", "MetadataError", "MetadataTypeError",
-    "StorageError", "WriterError", "BackgroundSaveError", "TornSnapshotError", "DonatedArrayError",
-    "KeeperPersistError",
-    "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
-    # a keeper a restart cannot adopt (listed in Checkpointer.keeper_failures, not raised)
-    "UnadoptableKeeper",
-    "PreemptionError",
+    # the errors a training loop catches (every error class: zerostall.errors)
+    "ZerostallError", "CorruptCheckpointError", "BackgroundSaveError",
 ]

@@ -364,24 +364,6 @@ class TestCheckpointer:
             ck.save_pytree(-1, {})
 
 
-def test_public_api_is_frozen():
-    assert sorted(zerostall.__all__) == sorted([
-        "__version__", "save_pytree", "save_pytree_async", "save_checkpointables", "save_checkpointables_async",
-        "load_pytree", "load_checkpointables", "prepare", "release_buffers",
-        "Checkpointer", "Response", "SaveStats", "SaveOptions",
-        "LoadOptions", "WriterKind", "DistributedOptions", "Replicated", "Stateful", "LeafHandler", "register_handler", "unregister_handler",
-        "MemoryTier",
-        "ZerostallError", "CheckpointNotFoundError", "CheckpointExistsError", "CorruptCheckpointError",
-        "ChecksumMismatchError", "UnsupportedFormatError", "MismatchError", "MissingKeyError",
-        "UnsupportedLeafError", "StorageError", "WriterError",
-        "BackgroundSaveError", "ReadOnlyError", "NoValidCheckpointError",
-        "load_metadata", "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
-        "Staging", "TornSnapshotError", "DonatedArrayError", "MissingDependencyError", "KeeperPersistError",
-        "UnadoptableKeeper", "KeeperLostError", "DirectoryReplacedError", "ZerostallWarning",
-        "PreemptionError",
-        "Advice", "MeasuredCosts", "AdviceError", "FailureMix", "ReplicaCost", "TierAdvice"])
-
-
 def test_response_telemetry_and_info_log(ckdir, caplog):
     import logging
 
