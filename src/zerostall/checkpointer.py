@@ -48,6 +48,7 @@ from zerostall.persist.gc import collect_at_start
 from zerostall.preempt import GRACE_S, Preemption, check_grace, check_signals
 from zerostall.response import Response, SaveStats
 from zerostall.restore import read_manifest, verify_checkpoint
+from zerostall.restore.sources import Loaded, load_first
 from zerostall.storage import Storage, local_path, open_storage
 from zerostall.validate import (
     check_bool,
@@ -481,22 +482,16 @@ class Checkpointer:
             self.last_loaded_step = parse_step(name)
             return out
         resolved = self._resolve(step)
-        if self._memory is not None and self._memory.replicas is not None and active(self._dist_options()):
-            self._memory.fell_back_to = None
-            out = self._memory.load_replicated(resolved, items)
-            resolved = self._memory.fell_back_to if self._memory.fell_back_to is not None else resolved
-        elif self._memory is not None and active(self._dist_options()):
-            out = self._memory.load_collective(resolved, items)
-        else:
-            got = self._memory.load_from_memory(resolved, items) if self._memory is not None else None
-            try:
-                out = got if got is not None else load(self.directory, step_name(resolved), items, self.load_options)
-            except CheckpointNotFoundError as exc:
-                if step is None:
-                    raise
-                raise hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
-        self.last_loaded_step = resolved
-        return out
+        # The sources in order: the memory tier's (this host's memory, then the peers'), then storage.
+        sources = [*(self._memory.sources() if self._memory is not None else ()), _Storage(self)]
+        try:
+            got = load_first(sources, resolved, items, path=self._step_path(resolved))
+        except CheckpointNotFoundError as exc:
+            if step is None or active(self._dist_options()):
+                raise
+            raise hint_held_in_memory(_hint_steps(exc, self.steps()), self.directory, resolved) from exc
+        self.last_loaded_step = got.step
+        return got.tree
 
     def load_pytree(self, step: int | None = None, template: Any = None, *, fallback: bool = False) -> Any:
         """Load ``step`` (default: latest committed) into ``template`` in place, if given.
@@ -830,6 +825,20 @@ class Checkpointer:
             kind = SaveKind(got) if got is not None else None
         self._cadence.decided = (step, kind)
         return kind is not None
+
+
+class _Storage:
+    """The last source of a Checkpointer's load: its directory on storage (collectively under
+    torch.distributed)."""
+
+    name = "storage"
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self._ckpt = ckpt
+
+    def load(self, step: int, items: dict[str, Any] | None) -> Loaded:
+        ck = self._ckpt
+        return Loaded(step, load(ck.directory, step_name(step), items, ck.load_options))
 
 
 #: metadata keys a Checkpointer writes itself; ``metadata=`` may not set them

@@ -19,10 +19,11 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from zerostall.commit import check_reachable, committed_steps, step_name
-from zerostall.distributed import active, load
+from zerostall.distributed import active
 from zerostall.distributed.context import group_rank_world
 from zerostall.distributed.load import agree_step, gather_objects, raise_first, raise_together, wire_error
 from zerostall.engine import Engine
@@ -54,6 +55,7 @@ from zerostall.restore import load_items
 from zerostall.restore.files import ArrivedFiles
 from zerostall.restore.load import assemble, plan_items
 from zerostall.restore.plan import ReadPlanner, ReadRequest, Thunk
+from zerostall.restore.sources import Loaded, Source
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.release import unmap_later
 
@@ -102,8 +104,6 @@ class MemorySide:
         self._sources: dict[int, list[list[int]]] | None = None
         self._stored: list[int] = []
         self._transfers = 0
-        #: the step the last replicated load fell back to (storage's), if it did
-        self.fell_back_to: int | None = None
 
     # -- replicas ------------------------------------------------------------------------------
 
@@ -171,7 +171,7 @@ class MemorySide:
         self._sources, self._stored = sources, stored
         return sorted(set(stored) | set(sources))
 
-    def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
+    def load_replicated(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any] | int | None:
         """A collective load of ``agreed`` with replicas: each rank from the first of its sources
         that delivers (its own keeper's memory, then each keeper holding a replica of its share,
         in placement order), received over the job's authenticated group and verified against
@@ -189,7 +189,7 @@ class MemorySide:
             sources = self._sources
             assert sources is not None
         if agreed not in sources:
-            return load(self.directory, step_name(agreed), items, self.load_options)
+            return None  # not a memory step: storage's
         plan = sources[agreed]
         _, rank, world = group_rank_world(self.dist)
         if all(p[0] == r for r, p in enumerate(plan)):
@@ -217,7 +217,7 @@ class MemorySide:
                 tries[r] += 1
             pending = set(failed)
             if any(tries[r] >= len(plan[r]) for r in pending):
-                return self._fall_back(agreed, items)
+                return self._fall_back(agreed)
         assert out is not None
         return out
 
@@ -325,14 +325,28 @@ class MemorySide:
         self.keeper.keeper_failures.append(err)
         log.warning("zerostall: %s", err)
 
-    def _fall_back(self, step: int, items: dict[str, Any] | None) -> dict[str, Any]:
-        """A share of ``step`` is in no memory that could send it: every rank loads storage's newest step."""
+    def _fall_back(self, step: int) -> int:
+        """A share of ``step`` is in no memory that could send it: storage's newest common step is
+        the one to load instead (every rank the same).
+
+        Raises:
+            CheckpointNotFoundError: storage holds none.
+        """
         older = self._stored[-1] if self._stored else None
         if older is None:
             raise CheckpointNotFoundError(f"no committed step to load: step {step} could not be restored from "
                                           "memory and storage holds none", path=self.directory)
-        self.fell_back_to = older
-        return load(self.directory, step_name(older), items, self.load_options)
+        return older
+
+    def sources(self) -> list[Source]:
+        """Where a load finds a step in memory, in order, before storage (``restore.sources``):
+        this host's keeper alone; or, under torch.distributed, every rank's own keeper (when every
+        rank holds the step), or, with replicas, every rank's own keeper or a holder's replica."""
+        if not active(self.dist):
+            return [_Memory("this host's memory", lambda step, items: self.load_from_memory(step, items))]
+        if self.replicas is not None:
+            return [_Memory("the memory of this job's hosts", self.load_replicated)]
+        return [_Memory("every rank's own memory", self.load_collective)]
 
     def start_premap(self) -> None:
         self.premap = Premap(self.keeper) if self._engine.writer.adopted else None
@@ -380,11 +394,11 @@ class MemorySide:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load_collective(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any]:
+    def load_collective(self, agreed: int, items: dict[str, Any] | None) -> dict[str, Any] | None:
         """A collective load: every rank from its own memory if every rank holds the step, else
-        all from storage."""
+        None on every rank (the next source: storage)."""
         if not self.held_everywhere(agreed):
-            return load(self.directory, step_name(agreed), items, self.load_options)
+            return None
         out: dict[str, Any] | None = None
         err: BaseException | None = None
         try:
@@ -487,6 +501,18 @@ def _name_the_memory_step(exc: ZerostallError, image_url: str, step_path: str) -
     if exc.path is not None and exc.path.startswith(image_url):
         exc.path = step_path
         exc.message = f"{exc.message} [read from this host's memory tier]"
+
+
+class _Memory:
+    """A source of ``restore.sources`` over one of :class:`MemorySide`'s loads (a tree, None:
+    not held, or the older step to load instead)."""
+
+    def __init__(self, name: str, load: Callable[[int, dict[str, Any] | None], dict[str, Any] | int | None]) -> None:
+        self.name, self._load = name, load
+
+    def load(self, step: int, items: dict[str, Any] | None) -> Loaded | int | None:
+        got = self._load(step, items)
+        return Loaded(step, got) if isinstance(got, dict) else got
 
 
 def directory_instance(directory: str, *, create: bool) -> str:
