@@ -9,6 +9,7 @@ scheduler state, bit for bit, as an uninterrupted stock run (one that never chec
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from transformers import TrainerCallback
 
 import zerostall
 import zerostall.integrations.transformers as zt
-from zerostall.errors import MissingDependencyError, MissingKeyError
+from zerostall.errors import BackgroundSaveError, MissingDependencyError, MissingKeyError
 from zerostall.integrations.transformers import ZerostallCheckpointing
 from zerostall.interop import export_checkpoint
 
@@ -341,3 +342,16 @@ def test_resuming_from_a_zerostall_step_of_another_directory_says_how(tmp_path):
     with pytest.raises(zerostall.errors.InvalidArgumentError, match="directory=") as e:
         trainer.train(resume_from_checkpoint=str(other))
     assert e.value.path == str(other)
+
+
+def test_a_save_that_fails_in_the_background_fails_train(tmp_path, monkeypatch):
+    """The writer fails the commit (a full disk): train() raises that failure when it ends, as
+    the Checkpointer's close() does; nothing of the step is committed."""
+    monkeypatch.setenv("ZEROSTALL_FAULTS", json.dumps({"commit": "raise:ENOSPC"}))  # the writer starts in train()
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    zs = ZerostallCheckpointing(trainer)
+    with pytest.raises(BackgroundSaveError, match="ENOSPC") as e:
+        trainer.train()
+    assert getattr(e.value.__cause__, "errno", None) == errno.ENOSPC or "ENOSPC" in str(e.value)
+    assert committed(zs.directory) == []
+    assert zs.checkpointer is None  # closed

@@ -171,10 +171,9 @@ class ZerostallCheckpointing:
         #: the response of the newest save (``wait_staged()``, ``result()``), None before the first
         self.last_save: zerostall.Response | None = None
         self._resume: _Resume | None = None
-        # For the best-keeping retention: steps committed (found at open, or seen to commit), and
-        # steps saved (committed or in flight) that count among the newest.
-        self._committed: list[int] = []
-        self._saved: set[int] = set()
+        # Steps that exist or are being saved (with the best-keeping retention, those found at open
+        # too), minus the ones deleted: the candidates for retention and for the best step's path.
+        self._known: set[int] = set()
         self._prepare = prepare
         self._prepared = False
         self._originals: dict[str, Callable[..., Any]] = {}
@@ -200,8 +199,7 @@ class ZerostallCheckpointing:
                 self.directory, keep_last=None if self._keep_best() else limit, save_options=self.save_options,
                 load_options=self.load_options, memory_tier=self.memory_tier)
             self.directory = self.checkpointer.directory
-            self._committed = self.checkpointer.steps() if self._keep_best() else []
-            self._saved = set(self._committed)
+            self._known = set(self.checkpointer.steps()) if self._keep_best() else set()
             self._prepared = False
         return self.checkpointer
 
@@ -223,24 +221,23 @@ class ZerostallCheckpointing:
     def _hf_train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         train = self._originals["train"]
         ck = self.open()
-        failed = True
         try:
             step = self._resolve(resume_from_checkpoint)
             if step is None:
                 out = train(resume_from_checkpoint, *args, **kwargs)
             else:
                 out = self._train_from(ck, step, train, *args, **kwargs)
-            failed = False
-            return out
+        except BaseException:  # keep the exception being raised; a background failure is logged by the Checkpointer
+            self.checkpointer = None
+            ck.__exit__(RuntimeError, None)
+            raise
+        try:
+            if self._keep_best() and self.trainer.args.process_index == 0:
+                ck.wait()  # the last saves' commits: then the steps they made surplus go
+                self._rotate()
         finally:
-            if failed:  # keep the exception being raised; a background failure is logged by the Checkpointer
-                ck.__exit__(RuntimeError, None)
-                self.checkpointer = None
-            else:
-                if self._keep_best() and self.trainer.args.process_index == 0:
-                    ck.wait()  # the last saves' commits: then the steps they made surplus go
-                    self._rotate()
-                self.close()
+            self.close()  # raises the failure of a save that failed in the background
+        return out
 
     def _resolve(self, resume: str | bool | None) -> int | None:
         """The zerostall step ``resume`` names, or None for HF's own handling."""
@@ -291,7 +288,7 @@ class ZerostallCheckpointing:
         t.store_flos()
         best = state.best_global_step
         if (args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best
-                and (best == step or best in self._committed)):
+                and (best == step or best in self._known)):
             state.best_model_checkpoint = self.step_path(best)
         for cb in [*t.callback_handler.callbacks, t.control]:  # as HF: the callbacks' state goes into TrainerState
             if isinstance(cb, ExportableState):
@@ -305,17 +302,10 @@ class ZerostallCheckpointing:
         meta = {"transformers": {"global_step": step, "epoch": state.epoch, "items": sorted(items),
                                  "transformers_version": transformers.__version__,
                                  "trainer": type(t).__name__}}
-        r = self.last_save = ck.save_checkpointables_async(step, items, metadata=meta)
-        self._saved.add(step)
-        r.add_done_callback(lambda resp: self._settled(step, resp))
+        self.last_save = ck.save_checkpointables_async(step, items, metadata=meta)
+        self._known.add(step)
         if self._keep_best() and args.process_index == 0:
             self._rotate()
-
-    def _settled(self, step: int, resp: zerostall.Response) -> None:
-        if resp.exception() is None:
-            self._committed.append(step)
-        else:
-            self._saved.discard(step)
 
     def _items(self, *, full: bool) -> dict[str, Any]:
         t = self.trainer
@@ -335,18 +325,18 @@ class ZerostallCheckpointing:
 
     def _rotate(self) -> None:
         """``save_total_limit`` newest steps (in flight ones count), and the best one
-        (``load_best_model_at_end``), survive; only committed steps are deleted."""
+        (``load_best_model_at_end``), survive; only committed steps are deleted (a step still in
+        flight is deleted by a later call, at the latest the one after the end of ``train()``)."""
         assert self.checkpointer is not None
         limit = int(self.trainer.args.save_total_limit)
         best = self.trainer.state.best_global_step
-        keep = set(sorted(self._saved | set(self._committed))[-limit:]) | ({best} if best else set())
-        for s in sorted(set(self._committed) - keep):
+        keep = set(sorted(self._known)[-limit:]) | ({best} if best else set())
+        for s in sorted(self._known - keep):
             try:
                 self.checkpointer.delete(s)
             except CheckpointNotFoundError:
-                pass  # deleted already (another process of this run)
-            self._committed.remove(s)
-            self._saved.discard(s)
+                continue  # not committed (yet): in flight, failed, or deleted by another process of this run
+            self._known.discard(s)
 
     def _prepare_now(self) -> None:
         if self._prepared or self.checkpointer is None or self.trainer.args.save_strategy == SaveStrategy.NO:
