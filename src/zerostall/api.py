@@ -35,7 +35,6 @@ from zerostall.errors import (
     MissingKeyError,
     NoValidCheckpointError,
 )
-from zerostall.memtier.spec import held_steps
 from zerostall.options import LoadOptions, SaveOptions, WriterKind
 from zerostall.response import Response
 from zerostall.restore import ReadPlanner, Thunk, read_manifest, register_node_reader
@@ -274,6 +273,8 @@ def _few(steps: list[int]) -> str:
 def hint_held_in_memory(exc: CheckpointNotFoundError, directory: str, step: int) -> CheckpointNotFoundError:
     """``zerostall list`` shows a step "in memory only" that a keeper on this host holds for a
     trainer still running (or a crashed one's, not adopted yet): say why it does not load."""
+    from zerostall.memtier.spec import held_steps  # a rare error's hint: a plain load imports no memory tier
+
     try:
         ranks = [rank for rank, img in held_steps(directory) if img.step == step]
     except Exception:  # noqa: BLE001 - only a hint: the original error is what the user gets

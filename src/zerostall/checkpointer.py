@@ -10,7 +10,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from zerostall.advice import (
     Advice,
@@ -41,8 +41,6 @@ from zerostall.errors import (
     ZerostallError,
 )
 from zerostall.format.manifest import MANIFEST_NAME
-from zerostall.memtier.keeperfail import UnadoptableKeeper
-from zerostall.memtier.tier import MemorySide
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, RetentionPolicy, SaveOptions
 from zerostall.persist.gc import collect_at_start
 from zerostall.preempt import GRACE_S, Preemption, check_grace, check_signals
@@ -62,6 +60,10 @@ from zerostall.validate import (
     check_step,
     clean_metadata,
 )
+
+if TYPE_CHECKING:  # the memory tier is imported only by a Checkpointer that has one
+    from zerostall.memtier.keeperfail import UnadoptableKeeper
+    from zerostall.memtier.tier import MemorySide
 
 __all__ = ["Checkpointer"]
 
@@ -218,6 +220,8 @@ class Checkpointer:
         with contextlib.ExitStack() as unwind:
             keeper = None
             if memory_tier is not None:
+                from zerostall.memtier.tier import MemorySide
+
                 writer, keeper = MemorySide.writer_for(self.directory, memory_tier, so, read_only=self.read_only)
             else:
                 writer = None
@@ -405,7 +409,7 @@ class Checkpointer:
 
         A keeper that serves this trainer but cannot be adopted after a crash (it could not bind
         its name, or another user's process holds it) is listed here too, as a record,
-        :class:`~zerostall.UnadoptableKeeper` (``step`` None), and warned of with a
+        :class:`~zerostall.memtier.keeperfail.UnadoptableKeeper` (``step`` None), and warned of with a
         :class:`~zerostall.errors.ZerostallWarning` instead of the log line (docs/guarantees.md,
         "A keeper that cannot be adopted").
 

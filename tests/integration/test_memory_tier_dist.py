@@ -257,15 +257,9 @@ def test_a_restart_beside_keepers_holding_different_steps_resumes_from_storage(t
 @pytest.mark.parametrize("rename", [True, False], ids=["posix", "object-store"])
 def test_a_dead_ranks_keeper_aborts_only_the_other_live_attempts_of_its_run(tmp_path: Path, rename: bool) -> None:
     """What a keeper aborts, found through the writers' leases on both kinds of storage, and what it sweeps."""
+    from zerostall.commit.agreement import AttemptNames, attempt_names, decide, read_decision
     from zerostall.lease import Lease
-    from zerostall.persist.collective import (
-        AttemptNames,
-        abort_attempts_except,
-        attempt_names,
-        decide,
-        read_decision,
-        sweep_aborted_decisions,
-    )
+    from zerostall.persist.collective import abort_attempts_except, sweep_aborted_decisions
     from zerostall.storage.local import LocalStorage
 
     class NoRename(LocalStorage):

@@ -7,11 +7,12 @@ import json
 import pytest
 
 from zerostall import LoadOptions
+from zerostall.commit.agreement import attempt_names
 from zerostall.distributed import DistributedOptions, Replicated
 from zerostall.distributed.load import replicated_leaves
 from zerostall.errors import CorruptCheckpointError
 from zerostall.format.manifest import encode_manifest, parse_manifest
-from zerostall.persist.collective import assign_owners, attempt_names, merge_reports
+from zerostall.persist.collective import assign_owners, merge_reports
 from zerostall.storage.memory import MemoryStorage
 
 

@@ -36,6 +36,30 @@ def test_the_writer_keeper_and_cli_start_without_the_save_and_load_api(entry: st
     assert not loaded & set(API), sorted(loaded & set(API))
 
 
+@pytest.mark.parametrize("entry,forbidden", [
+    ("zerostall.persist.server", ("zerostall.memtier", "zerostall.stage", "zerostall.tree", "zerostall.engine")),
+    ("zerostall.memtier.keeper", ("zerostall.stage", "zerostall.tree", "zerostall.engine")),
+])
+def test_the_writer_and_the_keeper_load_nothing_of_the_trainers_side(entry: str, forbidden: tuple[str, ...]) -> None:
+    """The process boundary, in the process: what the writer runs knows nothing of staging, the
+    tree or the engine (nor of the memory tier), the keeper nothing of staging, the tree or the
+    engine (the import linter's contracts say the same of the source)."""
+    loaded = _loaded_after(f"import {entry}")
+    assert not {m for m in loaded if m.startswith(forbidden)}, sorted(m for m in loaded if m.startswith(forbidden))
+
+
+@pytest.mark.parametrize("save", [
+    "zerostall.save_pytree(d + '/a', {'w': np.ones(3)})",
+    "ck = zerostall.Checkpointer(d + '/b')\nck.save_pytree(1, {'w': np.ones(3)})\nck.load_pytree(1)\nck.close()",
+])
+def test_a_plain_save_loads_no_memory_tier_module_in_the_trainer(tmp_path, save: str) -> None:
+    """The memory tier plugs in (persist.client.WriterSide, restore.sources): a save and load
+    without one import none of it."""
+    loaded = _loaded_after(f"import tempfile\nimport numpy as np\nimport zerostall\nd = {str(tmp_path)!r}\n{save}")
+    assert "zerostall.engine" in loaded
+    assert not {m for m in loaded if m.startswith("zerostall.memtier")}, sorted(m for m in loaded if "memtier" in m)
+
+
 def test_import_zerostall_loads_the_errors_and_each_public_name_on_first_use() -> None:
     assert _loaded_after("import zerostall") == {"zerostall", "zerostall._version", "zerostall.errors"}
     loaded = _loaded_after("import zerostall\nassert zerostall.Checkpointer.__name__ == 'Checkpointer'\n"

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from zerostall.commit import committed_steps
+from zerostall.commit.agreement import attempt_names, read_decision
 from zerostall.format.manifest import parse_manifest
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob, WriteOptions
-from zerostall.persist.collective import CollectiveStep, RankTaken, attempt_names, read_decision
+from zerostall.persist.collective import CollectiveStep, RankTaken
 from zerostall.persist.job import run_save
 from zerostall.storage import open_storage
 

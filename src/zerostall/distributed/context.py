@@ -12,12 +12,12 @@ import threading
 import uuid
 from typing import Any
 
+from zerostall.commit.agreement import abort_doc, attempt_names, decide, error_of, wait_for_outcome
 from zerostall.distributed.exchange import gather
 from zerostall.errors import ZerostallError
 from zerostall.messages import Collective, WriterStats
 from zerostall.options import DistributedOptions
 from zerostall.persist.client import OnDone
-from zerostall.persist.collective import abort_doc, attempt_names, decide, error_of, wait_for_outcome
 from zerostall.storage import open_storage
 
 __all__ = ["DistContext", "active", "group_rank_world", "agree_steps"]

@@ -52,7 +52,7 @@ class LeafEntry:
     """One leaf: its bytes are ``[offset, offset + nbytes)`` of data file ``file``.
 
     The one record of a leaf from plan to manifest: the staging plan makes it
-    (:func:`zerostall.stage.plan.lay_out`), the writer receives it unchanged on the wire (it is
+    (:func:`zerostall.format.file.lay_out`), the writer receives it unchanged on the wire (it is
     :class:`zerostall.messages.LeafRow`), and the manifest holds it as :meth:`to_json` spells it,
     with the ``crc32c`` the writer (or staging) computed; :func:`parse_manifest` reads it back.
     The data file's safetensors header entry is derived from it (:meth:`header_entry`).

@@ -37,20 +37,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from zerostall.commit.agreement import AttemptNames, abort_doc, attempt_names, decide, read_decision
 from zerostall.errors import ChecksumMismatchError, ZerostallError
 from zerostall.lease import host_id, read_leases
 from zerostall.memtier.imagecheck import cpus, first_bad_leaf
 from zerostall.memtier.replica import ReceivedStep
 from zerostall.messages import Collective, FileRow, LeafRow, SaveJob
-from zerostall.persist.collective import (
-    AttemptNames,
-    CollectiveStep,
-    RankTaken,
-    abort_doc,
-    attempt_names,
-    decide,
-    read_decision,
-)
+from zerostall.persist.collective import CollectiveStep, RankTaken
 from zerostall.persist.job import run_save
 from zerostall.storage import Storage
 

@@ -33,13 +33,13 @@ from zerostall.commit import (
     steps_to_delete,
 )
 from zerostall.errors import WriterError
+from zerostall.format.file import lay_out
 from zerostall.format.manifest import encode_manifest
 from zerostall.lease import Lease
 from zerostall.messages import LeafRow, SaveJob, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.persist.collective import CollectiveStep
-from zerostall.stage.plan import lay_out
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.base import as_piece_writer
 

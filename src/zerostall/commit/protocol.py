@@ -38,6 +38,7 @@ from zerostall.storage.base import as_probe
 __all__ = [
     "Attempt", "CommitProtocol", "RenameCommit", "ManifestLastCommit", "protocol_for",
     "exists_error", "is_committed", "remove_stale_attempts", "step_name", "parse_step", "committed_steps", "steps_to_delete", "delete_checkpoint",
+    "check_reachable",
     "steps_to_delete_everywhere",
 ]
 __all__ += ["check_reachable"]
