@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import types
 from typing import Any
 
 import pytest
@@ -23,13 +27,15 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
+import transformers
+from packaging.version import Version
 from safetensors import safe_open
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 import zerostall
 import zerostall.integrations.transformers as zt
-from zerostall.errors import BackgroundSaveError, MissingDependencyError, MissingKeyError
-from zerostall.integrations.transformers import ZerostallCheckpointing
+from zerostall.errors import BackgroundSaveError, MissingDependencyError, MissingKeyError, ZerostallWarning
+from zerostall.integrations.transformers import HF_METHODS, ZerostallCheckpointing
 from zerostall.interop import export_checkpoint
 
 HERE = os.path.dirname(__file__)
@@ -72,15 +78,20 @@ def losses(trainer: Any) -> dict[int, float]:
 
 
 class StartStep(TrainerCallback):
-    """Records the step training resumed at; then creates ``release`` (the model, optimizer and
-    scheduler are loaded by then)."""
+    """Records the step training resumed at, and what a callback sees of the optimizer and the
+    scheduler when training begins; then creates ``release`` (everything is loaded by then)."""
 
     def __init__(self, release: str) -> None:
         self.step: int | None = None
+        self.optimizer_steps: int | None = None
+        self.scheduler_epoch: int | None = None
         self.release = release
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.step = state.global_step
+        adam = kw["optimizer"].state_dict()["state"]
+        self.optimizer_steps = int(adam[0]["step"]) if adam else 0
+        self.scheduler_epoch = kw["lr_scheduler"].last_epoch
         open(self.release, "w").close()
 
 
@@ -137,6 +148,8 @@ def kill_and_resume(tmp_path: Any, kind: str, kill_step: int, memory: bool) -> t
 def test_sigkill_during_async_save_then_resume_true_matches_uninterrupted_run(tmp_path, kind):
     ref, resumed, start, out = kill_and_resume(tmp_path, kind, kill_step=4, memory=False)
     assert start.step == 4  # resumed from the save the trainer died during
+    # a callback's on_train_begin sees the optimizer and scheduler of step 4, as from HF's own resume
+    assert (start.optimizer_steps, start.scheduler_epoch) == (4, 4)
     assert resumed.state.global_step == STEPS
     assert_same(ref.model.state_dict(), resumed.model.state_dict(), "model")
     assert_same(ref.optimizer.state_dict(), resumed.optimizer.state_dict(), "optimizer")
@@ -306,12 +319,113 @@ def test_missing_transformers_raises_missing_dependency_error():
     assert r.stdout.startswith("MDE transformers") and "zerostall[transformers]" in r.stdout
 
 
-def test_an_old_transformers_version_is_refused_by_name(tmp_path, monkeypatch):
+# -- the transformers releases and Trainer methods the integration depends on ---------------------
+
+def _minor(version: str) -> str:
+    v = Version(version)
+    return f"{v.major}.{v.minor}"
+
+
+def test_each_trainer_method_in_the_table_has_the_signature_and_callers_it_relies_on_in_this_release():
+    """The installed transformers is one the table was read in, and in it each method of the table
+    exists with its signature and is called, by that name, from where the table says. A release
+    that renames, moves or changes one fails here, naming it."""
+    assert _minor(transformers.__version__) in zt.TESTED_TRANSFORMERS, (
+        f"transformers {transformers.__version__} is not in TESTED_TRANSFORMERS: read HF_METHODS' methods and "
+        "their callers in it, then add it")
+    for m in HF_METHODS:
+        assert _minor(transformers.__version__) in m.tested, m.name
+        fn = getattr(Trainer, m.name, None)
+        assert callable(fn), f"Trainer.{m.name} does not exist"
+        assert zt.signature_of(fn) == m.signature, f"Trainer.{m.name}"
+        assert m.public == (not m.name.startswith("_")) and m.why, m.name
+        for module, qualname in m.callers:
+            caller: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                caller = getattr(caller, part)
+            assert f".{m.name}(" in inspect.getsource(caller), f"{module}.{qualname} no longer calls {m.name}"
+
+
+def test_the_table_names_every_method_replaced_on_the_trainer(tmp_path):
     trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
-    monkeypatch.setattr(zt.transformers, "__version__", "4.57.1")  # the package object the integration reads
-    with pytest.raises(MissingDependencyError, match=r"transformers >= 5\.24\.0; found transformers 4\.57\.1"):
+    zs = ZerostallCheckpointing(trainer)
+    replaced = {name for name, v in vars(trainer).items() if isinstance(v, types.MethodType) and v.__self__ is zs}
+    assert replaced == {m.name for m in HF_METHODS if m.replaced}
+    assert replaced >= {"_save_checkpoint", "_load_from_checkpoint", "_load_rng_state", "_load_best_model"}
+
+
+def test_the_docs_table_lists_the_same_methods_releases_and_kinds():
+    text = open(os.path.join(HERE, "..", "..", "docs", "integrations.md"), encoding="utf-8").read()
+    section = text.split("### The Trainer methods it replaces, and the releases it accepts", 1)[1].split("\n### ", 1)[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| `")]
+    rows = [r for r in cells if re.fullmatch(r"`\w+`", r[0])]  # the method rows, not the header
+    assert [r[0].strip("`") for r in rows] == [m.name for m in HF_METHODS]
+    for row, m in zip(rows, HF_METHODS):
+        assert row[1].startswith("public" if m.public else "private"), m.name
+        assert row[3] == ", ".join(f"transformers {t}" for t in m.tested), m.name
+
+
+def test_the_loaders_left_to_hf_load_nothing_from_a_zerostall_resume_folder(tmp_path):
+    """HF's own _load_optimizer_and_scheduler and _load_scaler run on every zerostall resume, with
+    a folder that holds only trainer_state.json: they must load nothing (create_scheduler does)."""
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 4)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    trainer.optimizer.step()  # some state, that a load would replace
+    before = (trainer.optimizer.state_dict(), trainer.lr_scheduler.state_dict())
+    folder = tmp_path / "resume"
+    folder.mkdir()
+    trainer.state.save_to_json(str(folder / "trainer_state.json"))
+    trainer._load_optimizer_and_scheduler(str(folder))
+    trainer._load_scaler(str(folder))
+    assert_same(before, (trainer.optimizer.state_dict(), trainer.lr_scheduler.state_dict()))
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "5.23.2", "5.25.0", "6.0.0", "5.24.0rc1", "5.25.0.dev0"])
+def test_a_transformers_release_outside_the_tested_ones_is_refused_by_name(tmp_path, monkeypatch, version):
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    monkeypatch.setattr(zt.transformers, "__version__", version)  # the package object the integration reads
+    with pytest.raises(MissingDependencyError, match=rf"tested with transformers 5\.24\.x; found transformers "
+                                                     rf"{version.replace('.', '[.]')}\.") as e:
         ZerostallCheckpointing(trainer)
+    assert e.value.name == "transformers" and "allow_untested_transformers=True" in str(e.value)
     assert not os.path.exists(tmp_path / "run" / "zerostall")
+    assert trainer._save_checkpoint.__func__ is Trainer._save_checkpoint  # nothing was replaced
+
+
+def test_an_untested_transformers_runs_with_the_opt_in_and_warns(tmp_path, monkeypatch):
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    monkeypatch.setattr(zt.transformers, "__version__", "5.25.0")
+    with pytest.warns(ZerostallWarning, match=r"found transformers 5\.25\.0.*allow_untested_transformers=True"):
+        zs = ZerostallCheckpointing(trainer, allow_untested_transformers=True)
+    trainer.train()
+    assert committed(zs.directory) == ["step_00000002"]
+
+
+def test_an_untested_trl_is_refused_for_a_trl_trainer_unless_opted_in(tmp_path, monkeypatch):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    trainer = ht.make_trainer("sft", str(tmp_path / "run"), 2)
+    with pytest.raises(MissingDependencyError, match=r"tested with trl 1\.16\.x; found trl 1\.17\.0") as e:
+        ZerostallCheckpointing(trainer)
+    assert e.value.name == "trl"
+    ZerostallCheckpointing(ht.make_trainer("trainer", str(tmp_path / "plain"), 2))  # not a trl trainer: trl is not asked
+    with pytest.warns(ZerostallWarning, match=r"found trl 1\.17\.0"):
+        ZerostallCheckpointing(trainer, allow_untested_transformers=True)
+
+
+@pytest.mark.parametrize("change", ["renamed", "new parameter"])
+def test_a_release_that_changed_a_replaced_method_is_refused_even_with_the_opt_in(tmp_path, monkeypatch, change):
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), 2)
+    if change == "renamed":
+        monkeypatch.delattr(Trainer, "_load_rng_state")
+        want = r"Trainer\._load_rng_state does not exist, where .* relies on _load_rng_state\(self, checkpoint\)"
+    else:
+        monkeypatch.setattr(Trainer, "_save_checkpoint", lambda self, model, trial, metrics=None: None)
+        want = r"Trainer\._save_checkpoint is _save_checkpoint\(self, model, trial, metrics=None\), where"
+    with pytest.raises(MissingDependencyError, match=want):
+        ZerostallCheckpointing(trainer, allow_untested_transformers=True)
+    assert not hasattr(trainer, "_zerostall")
 
 
 def test_an_installed_transformers_too_old_for_the_integration_names_its_version():
@@ -355,3 +469,17 @@ def test_a_save_that_fails_in_the_background_fails_train(tmp_path, monkeypatch):
     assert getattr(e.value.__cause__, "errno", None) == errno.ENOSPC or "ENOSPC" in str(e.value)
     assert committed(zs.directory) == []
     assert zs.checkpointer is None  # closed
+
+
+def test_a_resume_whose_optimizer_state_was_not_loaded_stops_before_training(tmp_path, trained):
+    """If HF began training without calling create_scheduler (where the optimizer, scheduler and
+    scaler state of the step are loaded), the resume stops at on_train_begin instead of training
+    from a fresh optimizer."""
+    _, done = trained
+    trainer = ht.make_trainer("trainer", str(tmp_path / "run"), STEPS + 2)
+    ZerostallCheckpointing(trainer, directory=done.directory)
+    trainer.create_scheduler = types.MethodType(Trainer.create_scheduler, trainer)  # as if HF no longer called ours
+    with pytest.raises(MissingDependencyError, match=r"without calling Trainer\.create_scheduler"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == STEPS  # it stopped where it resumed
+    assert committed(done.directory) == ["step_00000006", "step_00000008"]

@@ -5,15 +5,24 @@ Two lines in a stock training script (``trl``'s ``SFTTrainer`` and other ``Train
     from zerostall.integrations.transformers import ZerostallCheckpointing
     ZerostallCheckpointing(trainer)              # then trainer.train(resume_from_checkpoint=True) as usual
 
-:class:`ZerostallCheckpointing` replaces, on that trainer object only, the methods through which
-``Trainer`` saves and loads a checkpoint (``_save_checkpoint``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``, ``_load_best_model``)
-and wraps ``train``. HF decides when to save (``save_strategy``, ``save_steps``, evaluation and
-``SaveStrategy.BEST``) exactly as before; each save is a ``Checkpointer.save_checkpointables_async``
-of step ``global_step`` in ``{output_dir}/zerostall`` (``step_00000010/`` ...) and HF writes no
-``checkpoint-N`` folder. ``trainer.train(resume_from_checkpoint=True)`` resumes from the newest
-committed zerostall step (from memory when a :class:`~zerostall.MemoryTier` holds it) and
-otherwise does what HF does (an HF ``checkpoint-N`` folder, or HF's error when there is none).
+HF decides when to save (``save_strategy``, ``save_steps``, evaluation and ``SaveStrategy.BEST``,
+``enable_jit_checkpoint``'s SIGTERM save) exactly as before; each save is a
+``Checkpointer.save_checkpointables_async`` of step ``global_step`` in ``{output_dir}/zerostall``
+(``step_00000010/`` ...) and HF writes no ``checkpoint-N`` folder. ``trainer.train(resume_from_checkpoint=True)``
+resumes from the newest committed zerostall step (from memory when a :class:`~zerostall.MemoryTier`
+holds it) and otherwise does what HF does (an HF ``checkpoint-N`` folder, or HF's error when there is none).
+
+How it plugs into ``Trainer``: :data:`HF_METHODS` is the table of the ``Trainer`` methods it
+depends on. On the trainer object it replaces four private ones (``_save_checkpoint``,
+``_load_from_checkpoint``, ``_load_rng_state``, ``_load_best_model``) and wraps two public ones
+(``train``, and ``create_scheduler``, which HF documents as a method to override); it leaves
+``_load_optimizer_and_scheduler`` and ``_load_scaler`` to HF, whose own do nothing for a
+zerostall resume. Each row says why no public extension point suffices, and the transformers
+releases it was read and tested in (:data:`TESTED_TRANSFORMERS`). HF says of its private methods
+that they "may change without notice", so :class:`ZerostallCheckpointing` refuses a transformers
+release outside :data:`TESTED_TRANSFORMERS` (and, for a trl trainer, a trl release outside
+:data:`TESTED_TRL`) unless ``allow_untested_transformers=True``, and refuses any release in which
+a method of the table lacks the signature the table gives.
 
 What one save holds (items of the zerostall checkpoint):
 
@@ -36,6 +45,7 @@ What one save holds (items of the zerostall checkpoint):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -43,19 +53,31 @@ import random
 import shutil
 import tempfile
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 
 import zerostall
-from zerostall.errors import CheckpointNotFoundError, InvalidArgumentError, MissingDependencyError
+from zerostall.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    MissingDependencyError,
+    ZerostallWarning,
+)
 from zerostall.format.layout import STEP_RE
+
+#: the transformers releases (major.minor, any final patch release of them) that :data:`HF_METHODS`
+#: was read in and the tests ran against
+TESTED_TRANSFORMERS = ("5.24",)
+#: the trl releases tested (every trl trainer overrides ``_save_checkpoint``, which this replaces)
+TESTED_TRL = ("1.16",)
 
 try:
     import torch
     import transformers
-    from packaging.version import Version
+    from packaging.version import InvalidVersion, Version
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import SaveStrategy
@@ -72,45 +94,156 @@ except ImportError as exc:  # depends on the environment (tests/integration/test
     except _md.PackageNotFoundError:
         _found = "unknown"
     raise MissingDependencyError(
-        f"zerostall.integrations.transformers needs transformers >= 5.24.0, found {_found} ({exc}): "
-        "pip install -U 'zerostall[transformers]'", name="transformers") from exc
+        f"zerostall.integrations.transformers needs transformers {TESTED_TRANSFORMERS[-1]}.x, found {_found} ({exc}): "
+        f"pip install 'transformers=={TESTED_TRANSFORMERS[-1]}.*'", name="transformers") from exc
 
-__all__ = ["ZerostallCheckpointing", "MIN_TRANSFORMERS", "MIN_TRL"]
+__all__ = ["ZerostallCheckpointing", "HF_METHODS", "HFMethod", "TESTED_TRANSFORMERS", "TESTED_TRL"]
 
 log = logging.getLogger("zerostall")
 
-#: the oldest releases this integration is tested with (it replaces private ``Trainer`` methods
-#: whose signatures and call sites are read from these releases)
-MIN_TRANSFORMERS = "5.24.0"
-MIN_TRL = "1.16.0"
 #: the subdirectory of ``args.output_dir`` that holds the zerostall checkpoints by default
 SUBDIR = "zerostall"
 _RESUME_PREFIX = "zerostall-hf-resume-"
 
 
-def check_versions(trainer: Any = None) -> None:
-    """Raise :class:`~zerostall.errors.MissingDependencyError` naming the version when transformers
-    (or trl, for a trl trainer) is older than this integration supports."""
+@dataclasses.dataclass(frozen=True)
+class HFMethod:
+    """A ``transformers.Trainer`` method the integration depends on: one row of :data:`HF_METHODS`.
+
+    ``replaced``: the integration installs its own on the trainer object (it calls the original
+    for anything that is not a zerostall checkpoint); otherwise HF's own runs, and the integration
+    relies on what it does. ``signature``: ``Trainer``'s parameters, as :func:`inspect.signature`
+    renders them without annotations; HF's calls and the integration's assume them. ``callers``:
+    the functions of ``transformers`` (module, qualified name) that call it by this name.
+    ``tested``: the transformers releases it was read and tested in.
+    """
+
+    name: str
+    public: bool
+    replaced: bool
+    signature: str
+    callers: tuple[tuple[str, str], ...]
+    why: str
+    tested: tuple[str, ...] = TESTED_TRANSFORMERS
+
+
+_T = "transformers.trainer"
+
+#: Every ``Trainer`` method the integration replaces, wraps or relies on, and why no public
+#: extension point (a ``TrainerCallback`` event, ``train()``'s arguments, a method HF documents as
+#: one to override) does what it does.
+HF_METHODS: tuple[HFMethod, ...] = (
+    HFMethod(
+        "train", public=True, replaced=True,
+        signature="(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None)", callers=(),
+        why="Wrapped (public). resume_from_checkpoint=True, or a step's path, must become the zerostall step before "
+            "HF searches output_dir for checkpoint-N folders; the Checkpointer must close (raising a background "
+            "save's failure) when train() returns or raises, and no callback runs when it raises."),
+    HFMethod(
+        "create_scheduler", public=True, replaced=True, signature="(self, num_training_steps, optimizer=None)",
+        callers=((_T, "Trainer._prepare_for_training"),),
+        why="Wrapped (public: documented to override). On a zerostall resume it loads the optimizer's, "
+            "scheduler's and GradScaler's state right after HF built the scheduler, where HF's own loaders "
+            "run and before any callback's on_train_begin (a callback restoring them there would come after "
+            "the callbacks listed before it)."),
+    HFMethod(
+        "_save_checkpoint", public=False, replaced=True, signature="(self, model, trial)",
+        callers=((_T, "Trainer._maybe_log_save_evaluate"),
+                 ("transformers.trainer_jit_checkpoint", "CheckpointManager.execute_jit_checkpoint")),
+        why="HF saves inside _maybe_log_save_evaluate, after it logged and evaluated the step (SaveStrategy.BEST "
+            "decides there, after every callback, whether to save); on_save runs only after HF's own synchronous "
+            "save. A callback taking the save over at on_step_end (control.should_save = False) would save before "
+            "the step's loss is in the log history and before its evaluation chose the best step, and never for "
+            "SaveStrategy.BEST. enable_jit_checkpoint calls it directly."),
+    HFMethod(
+        "_load_from_checkpoint", public=False, replaced=True, signature="(self, resume_from_checkpoint, model=None)",
+        callers=((_T, "Trainer.train"), (_T, "Trainer._prepare_for_training")),
+        why="HF reads the weights only from its own files in the resume folder (model.safetensors, shards, "
+            "adapters) and raises ValueError without them; it runs in train() before any callback. The resume "
+            "folder holds only trainer_state.json, which HF reads by path."),
+    HFMethod(
+        "_load_rng_state", public=False, replaced=True, signature="(self, checkpoint)",
+        callers=((_T, "Trainer._run_epoch"),),
+        why="HF restores the RNG states where its data skipping puts them: at the resumed epoch's start, or after "
+            "the first batch past the skipped ones is drawn. Those are two hooks (on_epoch_begin, the first "
+            "on_step_begin) and which one applies is decided from locals of the training loop."),
+    HFMethod(
+        "_load_best_model", public=False, replaced=True, signature="(self)",
+        callers=((_T, "Trainer._finalize_training"),),
+        why="HF loads the best model from its own files in _finalize_training, before on_train_end; a callback "
+            "loading it at on_train_end would come after the callbacks before it (the report_to integrations, "
+            "which log or upload the model there) and after HF's loader warned that the step has no weights file."),
+    HFMethod(
+        "_load_optimizer_and_scheduler", public=False, replaced=False, signature="(self, checkpoint)",
+        callers=((_T, "Trainer._prepare_for_training"),),
+        why="Left to HF: without optimizer.pt and scheduler.pt in the resume folder it loads nothing "
+            "(create_scheduler loads that state instead)."),
+    HFMethod(
+        "_load_scaler", public=False, replaced=False, signature="(self, checkpoint)",
+        callers=((_T, "Trainer._prepare_for_training"),),
+        why="Left to HF: without scaler.pt in the resume folder it loads nothing (create_scheduler loads it)."),
+)
+
+
+def signature_of(fn: Callable[..., Any]) -> str:
+    """``fn``'s parameters as :data:`HF_METHODS` writes them (no annotations)."""
+    sig = inspect.signature(fn)
+    return str(sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                           return_annotation=inspect.Signature.empty))
+
+
+def _tested(found: str, tested: tuple[str, ...]) -> bool:
+    try:
+        v = Version(found)
+    except InvalidVersion:  # "unknown" or a malformed version string: untested
+        return False
+    return not v.is_prerelease and f"{v.major}.{v.minor}" in tested
+
+
+def _releases(package: str, tested: tuple[str, ...]) -> str:
+    return " or ".join(f"{package} {t}.x" for t in tested)
+
+
+def check_versions(trainer: Any = None, *, allow_untested: bool = False) -> None:
+    """Refuse a transformers (or, for a trl trainer, trl) release outside the tested ones, unless
+    ``allow_untested`` (then warn); refuse, either way, one whose ``Trainer`` lacks a method of
+    :data:`HF_METHODS` with its signature.
+
+    Raises:
+        MissingDependencyError: naming the package and the version found.
+    """
     found = getattr(transformers, "__version__", "unknown")
-    if _older(found, MIN_TRANSFORMERS):
-        raise MissingDependencyError(
-            f"zerostall.integrations.transformers supports transformers >= {MIN_TRANSFORMERS}; found transformers "
-            f"{found}: pip install 'zerostall[transformers]'", name="transformers")
+    untested: list[tuple[str, str]] = []
+    if not _tested(found, TESTED_TRANSFORMERS):
+        untested.append(("transformers", f"is tested with {_releases('transformers', TESTED_TRANSFORMERS)}; found "
+                                         f"transformers {found}. It replaces private Trainer methods (HF_METHODS), "
+                                         f"which a release may rename or change: pip install "
+                                         f"'transformers=={TESTED_TRANSFORMERS[-1]}.*'"))
     if trainer is not None and type(trainer).__module__.split(".")[0] == "trl":
         import trl  # a trl trainer exists, so trl is importable
 
-        found = getattr(trl, "__version__", "unknown")
-        if _older(found, MIN_TRL):
+        found_trl = getattr(trl, "__version__", "unknown")
+        if not _tested(found_trl, TESTED_TRL):
+            untested.append(("trl", f"is tested with {_releases('trl', TESTED_TRL)}; found trl {found_trl}. trl's "
+                                    f"trainers override Trainer methods this integration replaces: pip install "
+                                    f"'trl=={TESTED_TRL[-1]}.*'"))
+    for name, what in untested:
+        message = f"zerostall.integrations.transformers {what}"
+        if not allow_untested:
             raise MissingDependencyError(
-                f"zerostall.integrations.transformers supports trl >= {MIN_TRL}; found trl {found}: "
-                f"pip install 'trl>={MIN_TRL}'", name="trl")
-
-
-def _older(found: str, minimum: str) -> bool:
-    try:
-        return Version(found) < Version(minimum)
-    except ValueError:  # "unknown" or a malformed version string: say so rather than guess
-        return True
+                f"{message}, or pass ZerostallCheckpointing(trainer, allow_untested_transformers=True) to run it "
+                "anyway", name=name)
+        warnings.warn(f"{message} (running anyway: allow_untested_transformers=True)", ZerostallWarning,
+                      stacklevel=3)
+    for m in HF_METHODS:
+        fn = getattr(Trainer, m.name, None)
+        have = signature_of(fn) if callable(fn) else None
+        if have != m.signature:
+            raise MissingDependencyError(
+                f"transformers {found}: Trainer.{m.name} " + ("does not exist" if have is None else f"is {m.name}{have}")
+                + f", where zerostall.integrations.transformers relies on {m.name}{m.signature} (read in "
+                f"{_releases('transformers', m.tested)}): pip install 'transformers=={m.tested[-1]}.*'",
+                name="transformers")
 
 
 @dataclasses.dataclass
@@ -122,6 +255,8 @@ class _Resume:
     step: int
     folder: str
     items: frozenset[str]
+    #: the optimizer's, scheduler's and scaler's state are loaded (``create_scheduler``)
+    restored: bool = False
 
 
 class ZerostallCheckpointing:
@@ -135,6 +270,10 @@ class ZerostallCheckpointing:
         save_options / load_options: see :class:`~zerostall.SaveOptions` / :class:`~zerostall.LoadOptions`.
         prepare: allocate the staging buffers after the first optimizer step (the optimizer's
             state then exists), so that the first save only copies, like the later ones.
+        allow_untested_transformers: run with a transformers (or trl) release outside
+            :data:`TESTED_TRANSFORMERS` (:data:`TESTED_TRL`), with a
+            :class:`~zerostall.errors.ZerostallWarning` instead of the refusal. A release whose
+            ``Trainer`` lacks a method of :data:`HF_METHODS` with its signature is refused all the same.
 
     ``save_total_limit`` keeps that many newest steps (zerostall's ``keep_last``); with
     ``load_best_model_at_end`` the best step is kept too, as HF keeps its best checkpoint. The
@@ -142,8 +281,8 @@ class ZerostallCheckpointing:
     (every save committed or its failure raised; with a memory tier, the newest step persisted).
 
     Raises:
-        MissingDependencyError: transformers (or trl) older than :data:`MIN_TRANSFORMERS`
-            (:data:`MIN_TRL`), naming the version found.
+        MissingDependencyError: a transformers (or trl) release outside the tested ones, naming
+            the version found; or one whose ``Trainer`` lacks a method of :data:`HF_METHODS`.
         InvalidArgumentError: ``trainer`` is not a ``transformers.Trainer``, already has one, or is
             already training (wrap it before ``train()``: the running ``train()`` would never close
             the checkpointer, nor raise a background save's failure).
@@ -151,11 +290,12 @@ class ZerostallCheckpointing:
 
     def __init__(self, trainer: Any, *, directory: str | os.PathLike[str] | None = None,
                  memory_tier: zerostall.MemoryTier | None = None, save_options: zerostall.SaveOptions | None = None,
-                 load_options: zerostall.LoadOptions | None = None, prepare: bool = True) -> None:
+                 load_options: zerostall.LoadOptions | None = None, prepare: bool = True,
+                 allow_untested_transformers: bool = False) -> None:
         if not isinstance(trainer, Trainer):
             raise InvalidArgumentError(f"expected a transformers.Trainer, got {type(trainer).__name__}",
                                        argument="trainer")
-        check_versions(trainer)
+        check_versions(trainer, allow_untested=allow_untested_transformers)
         if isinstance(getattr(trainer, "_zerostall", None), ZerostallCheckpointing):
             raise InvalidArgumentError("this trainer already checkpoints through zerostall", argument="trainer")
         if getattr(trainer, "is_in_train", False):
@@ -177,13 +317,12 @@ class ZerostallCheckpointing:
         self._prepare = prepare
         self._prepared = False
         self._originals: dict[str, Callable[..., Any]] = {}
-        for name in ("train", "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-                     "_load_scaler", "_load_rng_state", "_load_best_model"):
-            self._originals[name] = getattr(self.trainer, name)
-            setattr(self.trainer, name, types.MethodType(getattr(type(self), "_hf_" + name.lstrip("_")), self))
+        for m in HF_METHODS:
+            if m.replaced:
+                self._originals[m.name] = getattr(self.trainer, m.name)
+                setattr(self.trainer, m.name, types.MethodType(getattr(type(self), "_hf_" + m.name.lstrip("_")), self))
         self.trainer._zerostall = self
-        if prepare:
-            self.trainer.add_callback(_PrepareAfterFirstStep(self))
+        self.trainer.add_callback(_Hooks(self))
 
     # -- the Checkpointer ----------------------------------------------------------------------
 
@@ -339,7 +478,8 @@ class ZerostallCheckpointing:
             self._known.discard(s)
 
     def _prepare_now(self) -> None:
-        if self._prepared or self.checkpointer is None or self.trainer.args.save_strategy == SaveStrategy.NO:
+        if (not self._prepare or self._prepared or self.checkpointer is None
+                or self.trainer.args.save_strategy == SaveStrategy.NO):
             return
         self._prepared = True
         items = self._items(full=not self.trainer.args.save_only_model)
@@ -356,28 +496,33 @@ class ZerostallCheckpointing:
         target = model if model is not None else self.trainer.model
         self.open().load_checkpointables(r.step, {"model": target})
 
-    def _hf_load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        r = self._ours(checkpoint)
-        if r is None:
-            self._originals["_load_optimizer_and_scheduler"](checkpoint)
-            return
-        t = self.trainer
-        want: dict[str, Any] = {}
-        if "optimizer" in r.items:
-            want["optimizer"] = t.optimizer
-        if "scheduler" in r.items and t.lr_scheduler is not None:
-            want["scheduler"] = t.lr_scheduler
-        if want:
-            self.open().load_checkpointables(r.step, want)
+    def _hf_create_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        scheduler = self._originals["create_scheduler"](*args, **kwargs)
+        r = self._resume
+        if r is not None:
+            t = self.trainer
+            want: dict[str, Any] = {}
+            if "optimizer" in r.items:
+                want["optimizer"] = t.optimizer
+            if "scheduler" in r.items and t.lr_scheduler is not None:
+                want["scheduler"] = t.lr_scheduler
+            scaler = getattr(t.accelerator, "scaler", None)
+            if scaler is not None and "scaler" in r.items:
+                want["scaler"] = scaler
+            if want:
+                self.open().load_checkpointables(r.step, want)
+            r.restored = True
+        return scheduler
 
-    def _hf_load_scaler(self, checkpoint: str | None) -> None:
-        r = self._ours(checkpoint)
-        if r is None:
-            self._originals["_load_scaler"](checkpoint)
-            return
-        scaler = getattr(self.trainer.accelerator, "scaler", None)
-        if scaler is not None and "scaler" in r.items:
-            self.open().load_checkpointables(r.step, {"scaler": scaler})
+    def _check_restored(self) -> None:
+        """At ``on_train_begin``: a resume from a zerostall step has its optimizer state by now."""
+        r = self._resume
+        if r is not None and not r.restored:
+            raise MissingDependencyError(
+                f"transformers {transformers.__version__} began training without calling Trainer.create_scheduler, "
+                f"where zerostall.integrations.transformers loads the optimizer's, scheduler's and scaler's state "
+                f"of {self.step_path(r.step)}: pip install 'transformers=={TESTED_TRANSFORMERS[-1]}.*'",
+                name="transformers")
 
     def _hf_load_rng_state(self, checkpoint: str | None) -> None:
         r = self._ours(checkpoint)
@@ -402,11 +547,16 @@ class ZerostallCheckpointing:
         ck.load_checkpointables(int(m.group(1)), {"model": self.trainer.model})
 
 
-class _PrepareAfterFirstStep(TrainerCallback):
-    """Allocates the staging buffers once the optimizer has its state (after the first step)."""
+class _Hooks(TrainerCallback):
+    """The integration's callback: checks that a resume restored the optimizer state before
+    training begins, and allocates the staging buffers once the optimizer has its state (after
+    the first step)."""
 
     def __init__(self, owner: ZerostallCheckpointing) -> None:
         self.owner = owner
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.owner._check_restored()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.owner._prepare_now()
