@@ -60,10 +60,6 @@ from zerostall.storage import Storage, local_path, open_storage, split_url
 __all__ = ["main"]
 
 
-class _Failed(Exception):
-    """A command found problems: exit 1 after printing them."""
-
-
 # -- commands ----------------------------------------------------------------------------------
 
 

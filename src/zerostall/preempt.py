@@ -433,7 +433,11 @@ class Preemption:
             PeerUnreachableError: a rank did not post in time (it is named), or the store did not answer.
         """
         keys = [f"{self._prefix}/{what}/{r}" for r in range(self._world)]
-        store.set(keys[self._rank], json.dumps(value))
+        try:
+            store.set(keys[self._rank], json.dumps(value))
+        except Exception as exc:
+            raise PeerUnreachableError(f"the job's store did not answer ({exc})", path=self.path,
+                                       rank=self._rank) from exc
         left = self._agree_by() - time.monotonic()
         try:
             if left <= 0:
@@ -450,10 +454,16 @@ class Preemption:
                 store.set(f"{self._prefix}/failed", f"rank {self._rank}: {err.message}")
             raise err from exc
         failed = f"{self._prefix}/failed"
-        if store.check([failed]):  # every rank answered, but one gave up waiting first
-            why = bytes(store.get(failed)).decode(errors="replace")
+        try:
+            gave_up = store.check([failed])  # every rank answered, but one gave up waiting first
+            why = bytes(store.get(failed)).decode(errors="replace") if gave_up else ""
+            values = [] if gave_up else store.multi_get(keys)
+        except Exception as exc:
+            raise PeerUnreachableError(f"the job's store did not answer ({exc})", path=self.path,
+                                       rank=self._rank) from exc
+        if gave_up:
             raise PeerUnreachableError(f"another rank gave up the agreement ({why})", path=self.path, rank=self._rank)
-        return [json.loads(v) for v in store.multi_get(keys)]
+        return [json.loads(v) for v in values]
 
     @staticmethod
     def _missing(store: Any, keys: list[str]) -> list[int]:

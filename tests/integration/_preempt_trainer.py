@@ -10,7 +10,10 @@ every 20 ms). It stops when ``ckpt.preempted`` says so, printing ``FINAL <step>`
 ``close()``, ``CLOSED <memory-only step persisted at once or -1> <handler restored>``.
 
 ``ZS_GRACE_S`` sets ``preemption_grace_s``. A ``PreemptionError`` from ``should_save`` prints
-``PREEMPTION_ERROR <message>`` and ends the process at once, as a crash.
+``PREEMPTION_ERROR <message>`` and ends the process at once, as a crash; with ``ZS_STORE_OUTLIVES=1``
+rank 0, whose process hosts the job's store here, first waits (bounded) until every other rank has
+printed its own (each touches ``DIR/ended-RANK``), as torchrun's agent, which hosts the store there,
+outlives its ranks.
 
 Under torchrun, ``env DIR 0 LAG WHERE`` makes rank 1 lag ``LAG`` seconds: with ``WHERE=save``
 before its save of step 8 (every 4th step persists, so that save is collective and needs rank 1's
@@ -107,6 +110,11 @@ def main() -> None:
             due = ck.should_save(step)
         except PreemptionError as exc:  # the ranks could not agree: leave as a crash (the keepers persist)
             say("PREEMPTION_ERROR", str(exc).replace("\n", " "))
+            if os.environ.get("ZS_STORE_OUTLIVES") == "1":
+                open(os.path.join(d, f"ended-{rank}"), "w").close()
+                if rank == 0:
+                    for r in range(1, world):
+                        _wait_for(os.path.join(d, f"ended-{r}"))
             os._exit(3)
         if due:
             r = ck.save_pytree_async(step, {"w": w, "rank": rank})

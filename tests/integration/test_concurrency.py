@@ -243,7 +243,7 @@ def _partial(d: Path, tag: str, files: int = 1, mark: str = "tmp") -> Path:
 
 
 def test_stale_attempts_only_of_dead_writers_in_this_pid_namespace(tmp_path: Path) -> None:
-    from zerostall.commit import _host_id
+    from zerostall.commit.protocol import _host_id
 
     d = tmp_path / "run"
     d.mkdir()
@@ -263,7 +263,8 @@ def test_stale_attempts_only_of_dead_writers_in_this_pid_namespace(tmp_path: Pat
 
 def test_two_checkpointers_cleaning_at_once(tmp_path: Path) -> None:
     """Ranks restarting together all clean the same stale directories: none of them fails."""
-    from zerostall.commit import _host_id, remove_stale_attempts
+    from zerostall.commit import remove_stale_attempts
+    from zerostall.commit.protocol import _host_id
     from zerostall.storage import open_storage
 
     d = tmp_path / "run"

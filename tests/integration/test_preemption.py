@@ -210,7 +210,8 @@ def test_a_hung_rank_at_the_notice_is_named_within_half_the_grace_and_the_keeper
     continued later, hears that the agreement was given up and raises too, instead of going on
     alone. Both leave as a crash, and their keepers persist the step both hold (3) together."""
     d, port = tmp_path / "run", _port()
-    procs = [Proc([str(r), "2", str(port), str(d), "3"], tmp_path / f"stderr-{r}.log", extra_env={"ZS_GRACE_S": "6"})
+    env = {"ZS_GRACE_S": "6", "ZS_STORE_OUTLIVES": "1"}
+    procs = [Proc([str(r), "2", str(port), str(d), "3"], tmp_path / f"stderr-{r}.log", extra_env=env)
              for r in range(2)]
     try:
         _wait(lambda: all(p.seen("HELD") for p in procs), "step 3 in memory on both ranks")

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
@@ -115,6 +115,9 @@ class MemoryStep:
 
     applies_retention = False
     writes = False
+    #: staging's CRC32Cs are taken, the rest checksummed here: the keeper holds what it verified
+    known_crcs: Sequence[int | None] | None = None
+    guard: Callable[[], None] | None = None
 
     def __init__(self, job: SaveJob) -> None:
         self.job = job
@@ -708,10 +711,10 @@ class Keeper:
                 return
             # A collective step's part yields: a stand-in may have taken it while this keeper hung
             # (its lease lapsed), writing the same step from its verified replica.
+            guard = lambda: self._check_directory(job, closing)  # noqa: E731 - one guard, two steps
             run_save(job, held.views, lambda: None,
-                     step=SoloStep(job, storage) if job.collective is None else
-                     CollectiveStep(job, job.collective, storage, yields=True),
-                     known_crcs=known, guard=lambda: self._check_directory(job, closing))
+                     step=SoloStep(job, storage, known_crcs=known, guard=guard) if job.collective is None else
+                     CollectiveStep(job, job.collective, storage, yields=True, known_crcs=known, guard=guard))
             held.persisted = True
         except RankTaken:
             print(f"zerostall keeper: rank {self.spec.rank}'s part of {job.path} was taken by a stand-in (this keeper "

@@ -150,8 +150,8 @@ def stand_in(job: SaveJob, replica: ReceivedStep, storage: Storage, *, instance:
         raise exc
     say(f"rank {coll.rank}'s keeper is gone: standing in for it at step {job.step} from its replica")
     try:
-        run_save(job_o, views, lambda: None, step=CollectiveStep(job_o, coll, storage, yields=True),
-                 known_crcs=crcs, guard=guard)
+        run_save(job_o, views, lambda: None,
+                 step=CollectiveStep(job_o, coll, storage, yields=True, known_crcs=crcs, guard=guard))
     except RankTaken:
         say(f"rank {coll.rank}'s part of step {job.step} was taken by another writer; this stand-in withdrew")
         return False

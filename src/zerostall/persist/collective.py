@@ -194,9 +194,14 @@ class CollectiveStep:
     writer of its part means two processes claim one rank, and the attempt is aborted.
     """
 
-    def __init__(self, job: SaveJob, coll: Collective, storage: Storage, *, yields: bool = False) -> None:
+    writes = True
+
+    def __init__(self, job: SaveJob, coll: Collective, storage: Storage, *, yields: bool = False,
+                 known_crcs: Sequence[int | None] | None = None, guard: Callable[[], None] | None = None) -> None:
         self.job, self.coll, self.storage = job, coll, storage
         self.yields = yields
+        #: see :class:`zerostall.persist.job.Step`
+        self.known_crcs, self.guard = known_crcs, guard
         self.names = attempt_names(storage, job.name, coll.run, coll.counter)
         # Every rank applies retention to its own view of the storage (the same view on shared
         # storage: then the others find rank 0's deletions done), with what every rank agreed.

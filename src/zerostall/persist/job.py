@@ -89,10 +89,21 @@ def apply_retention(storage: Storage, policy: RetentionPolicy | None, newest: in
 
 
 class Step(Protocol):
-    """The part of a save that depends on how many writers take part in it."""
+    """The part of a save that depends on how many writers take part in it, and on what the
+    bytes are (a trainer's staged save, or a keeper's held step: :mod:`zerostall.memtier.keeper`)."""
 
     #: whether this writer deletes old steps once the save is committed
     applies_retention: bool
+    #: whether the data files are written (False: the memory tier's step keeps them in memory)
+    writes: bool
+    #: CRC32Cs (one per leaf of the job, in its order) already checked against these very bytes,
+    #: which nothing writes to any more: the save makes no checksum pass of its own and commits
+    #: those (a keeper's held step it verified after its trainer died). None: the CRC32Cs staging
+    #: computed (:attr:`SaveJob.crcs`) are taken and only the other leaves checksummed
+    known_crcs: Sequence[int | None] | None
+    #: runs right before the commit, with the lease check; raising there fails the save (a keeper
+    #: checks that its directory was not deleted since the step was saved into it). None: nothing
+    guard: Callable[[], None] | None
     #: called right before the commit becomes visible: raises if the writer's lease lapsed
     check_lease: Callable[[], None]
 
@@ -133,9 +144,12 @@ class SoloStep:
     """A save that one writer makes alone: every leaf is its own; commit by the storage's protocol."""
 
     applies_retention = True
+    writes = True
 
-    def __init__(self, job: SaveJob, storage: Storage) -> None:
+    def __init__(self, job: SaveJob, storage: Storage, *, known_crcs: Sequence[int | None] | None = None,
+                 guard: Callable[[], None] | None = None) -> None:
         self.job = job
+        self.known_crcs, self.guard = known_crcs, guard
         self.protocol: CommitProtocol = protocol_for(storage)
         #: set by run_save: raises if the writer's lease lapsed (its partial may be gone)
         self.check_lease: Callable[[], None] = _no_check
@@ -180,8 +194,7 @@ class SoloStep:
 
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-             step: Step | None = None, *, known_crcs: Sequence[int | None] | None = None,
-             guard: Callable[[], None] | None = None, mirror_env: bool = True) -> WriterStats:
+             step: Step | None = None, *, mirror_env: bool = True) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
     ``mirror_env``: make this process's storage environment the one the trainer had at the save
@@ -190,51 +203,76 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     what the trainer set since, credentials rotated after the save, say), so it uses that
     environment as it is when the job runs.
 
-    ``step`` replaces the step the job would get (the memory tier's, which writes no data file:
-    ``step.writes`` is False).
-
-    ``known_crcs`` (one per leaf of ``job.leaves``, in its order) are CRC32Cs already checked
-    against these very bytes, which nothing writes to any more: the save then makes no checksum
-    pass of its own and commits those. The memory tier's keeper passes them when it persists a
-    held step after its trainer died, once its check of that step found every leaf matching its
-    manifest (:meth:`zerostall.memtier.keeper.Keeper._persist_once`). Without them, the CRC32Cs
-    staging computed in its copy (:attr:`SaveJob.crcs`) are taken, and only the other leaves
-    are checksummed here.
-
-    ``guard`` runs right before the commit, with the lease check (the step's ``check_lease``; for
-    a collective save, rank 0's): raising there fails the save instead. The memory tier's keeper
-    passes a check that the directory was not deleted since the step was saved into it.
+    ``step`` replaces the step the job would get (a collective or solo save's): the memory tier's,
+    which writes no data file, or a keeper's persist of a held step, with the CRC32Cs it verified
+    and its directory's guard (:class:`Step`).
 
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
             (for a collective save, the error every rank raises).
     """
-    t0 = time.perf_counter()
     if mirror_env:
         _mirror_env(job.env)
-    storage = open_storage(job.root)
-    if step is None:
-        step = CollectiveStep(job, job.collective, storage) if job.collective is not None else SoloStep(job, storage)
-    views = [buffers[f.buffer] for f in job.files]
-    is_released = False
-    lease: Lease | None = None
+    save = _Save(job, buffers, released, step)
     try:
+        save.begin()  # the attempt, and the lease on what it will create
+        mine = save.plan()  # the leaves this writer writes; their checksums start beside the writes
+        save.write(mine)  # the data files; then the buffers are released
+        save.commit(mine)  # every CRC32C in, the manifest last
+    except BaseException as exc:
+        final = save.failed(exc)
+        if final is exc:
+            raise
+        raise final from exc
+    return save.finish(mine)  # retention and housekeeping, which never fail the save
+
+
+class _Save:
+    """One save job's state across its phases (:func:`run_save`)."""
+
+    def __init__(self, job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
+                 step: Step | None) -> None:
+        self.t0 = time.perf_counter()
+        self.job = job
+        self.storage = open_storage(job.root)
+        self.step: Step = step if step is not None else (
+            CollectiveStep(job, job.collective, self.storage) if job.collective is not None else SoloStep(job, self.storage))
+        self.views = [buffers[f.buffer] for f in job.files]
+        self._released, self.is_released = released, False
+        self.lease: Lease | None = None
+        self.known: list[int | None] = []
+        self.sums: dict[int, int] = {}
+        self.crc_error: list[BaseException] = []
+        self.crc_thread: threading.Thread | None = None
+        self.written: list[dict[str, Any]] = []
+        self.files: list[dict[str, Any]] = []
+        self.write_s = self.commit_s = 0.0
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self._released()
+
+    def begin(self) -> None:
+        job, step = self.job, self.step
         faults.hit("begin", job.root)
         step.begin()
         # Before anything of the attempt exists: a collector on any host leaves it alone while renewed.
         # (A memory-only save creates nothing under the root: no lease.)
         targets = step.lease_targets()
-        lease = Lease(storage, targets).acquire() if targets else None
-        if lease is not None:
-            held = lease
+        self.lease = Lease(self.storage, targets).acquire() if targets else None
+        if self.lease is not None:
+            held = self.lease
             step.check_lease = lambda: held.check(job.path)
-        if guard is not None:
-            step.check_lease = _guarded(guard, step.check_lease)
-        mine = step.owned(views, lambda lf: lf.shared)
-        known = _known(job, known_crcs)
-        todo = [li for li in mine if known[li] is None]
-        sums: dict[int, int] = {}
-        crc_error: list[BaseException] = []
+        if step.guard is not None:
+            step.check_lease = _guarded(step.guard, step.check_lease)
+
+    def plan(self) -> list[int]:
+        """The leaves this writer writes; the CRC32Cs no one took yet start on a thread of their own."""
+        job, views = self.job, self.views
+        mine = self.step.owned(views, lambda lf: lf.shared)
+        self.known = _known(job, self.step.known_crcs)
+        todo = [li for li in mine if self.known[li] is None]
 
         def crc_runner() -> None:
             # Checksums run beside the writes: CRC32C is ~10 GB/s on one core and mostly overlaps I/O.
@@ -242,71 +280,76 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
                 faults.hit("checksum")
                 for li in todo:
                     lf = job.leaves[li]
-                    sums[li] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
-            except BaseException as exc:  # noqa: BLE001 - re-raised below on the job's thread
-                crc_error.append(exc)
+                    self.sums[li] = checksum(views[lf.file][lf.offset:lf.offset + lf.nbytes])
+            except BaseException as exc:  # noqa: BLE001 - re-raised in commit(), on the job's thread
+                self.crc_error.append(exc)
 
-        crc_thread = None
         if todo:
-            crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
-            crc_thread.start()
-        elif known_crcs is None:
+            self.crc_thread = threading.Thread(target=crc_runner, name="zerostall-crc", daemon=True)
+            self.crc_thread.start()
+        elif self.step.known_crcs is None:
             # The checksum phase of a trainer's save, with nothing left to sum (staging did): a
             # fault point all the same (crash tests stop a save there). The keeper's persist of
             # CRCs it checked has no such phase.
             faults.hit("checksum")
+        return mine
+
+    def write(self, mine: list[int]) -> None:
+        job, step = self.job, self.step
         t_write = time.perf_counter()
         try:
             faults.hit("write", job.root)
-            if getattr(step, "writes", True):
-                written, files = _write(job, step, storage, views, mine)
+            if step.writes:
+                self.written, self.files = _write(job, step, self.storage, self.views, mine)
             else:  # the staged images stay where they are (the memory tier)
-                written = [lf.to_json() for lf in job.leaves]
-                files = [{"name": f.name, "size": f.length} for f in job.files]
+                self.written = [lf.to_json() for lf in job.leaves]
+                self.files = [{"name": f.name, "size": f.length} for f in job.files]
         finally:
-            if crc_thread is not None:
-                crc_thread.join()
-        write_s = time.perf_counter() - t_write
-        released()
-        is_released = True
-        if crc_error:
-            raise crc_error[0]
-        for lf, li in zip(written, mine, strict=True):
-            c = known[li]
-            lf["crc32c"] = c if c is not None else sums[li]
-        t_commit = time.perf_counter()
-        step.commit(written, files)
-        commit_s = time.perf_counter() - t_commit
-    except BaseException as exc:
-        if not is_released:
-            released()
-        final = step.fail(exc)
-        if lease is not None:
-            _release_after_failure(lease, storage)
-        if final is exc:
-            raise
-        raise final from exc
+            if self.crc_thread is not None:
+                self.crc_thread.join()
+        self.write_s = time.perf_counter() - t_write
+        self.release()
 
-    # Committed: what follows never turns the save into a failure. A retention failure only
-    # leaves old steps behind (the next save's retention retries them); it is reported in the
-    # stats and logged by the trainer.
-    if lease is not None:
-        lease.release()
-    step.after_commit()
-    deleted: list[int] = []
-    retention_error: str | None = None
-    if step.applies_retention:
-        try:
-            step.retain(storage, job.retention, job.step, deleted)
-        except Exception as exc:  # noqa: BLE001 - any failure here is reported, never raised
-            retention_error = f"{type(exc).__name__}: {exc}"
-    return WriterStats(
-        nbytes=sum(f["size"] for f in files), write_s=write_s, commit_s=commit_s,
-        persist_s=time.perf_counter() - t0, writer_peak_rss=peak_rss(), deleted_steps=tuple(deleted),
-        retention_error=retention_error,
-        rank=job.collective.rank if job.collective is not None else None,
-        leaves_written=len(mine) if job.collective is not None else None,
-    )
+    def commit(self, mine: list[int]) -> None:
+        if self.crc_error:
+            raise self.crc_error[0]
+        for lf, li in zip(self.written, mine, strict=True):
+            c = self.known[li]
+            lf["crc32c"] = c if c is not None else self.sums[li]
+        t_commit = time.perf_counter()
+        self.step.commit(self.written, self.files)
+        self.commit_s = time.perf_counter() - t_commit
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """What a failed save raises, once its attempt is cleaned up (its buffers released first)."""
+        self.release()
+        final = self.step.fail(exc)
+        if self.lease is not None:
+            _release_after_failure(self.lease, self.storage)
+        return final
+
+    def finish(self, mine: list[int]) -> WriterStats:
+        # Committed: what follows never turns the save into a failure. A retention failure only
+        # leaves old steps behind (the next save's retention retries them); it is reported in the
+        # stats and logged by the trainer.
+        job, step = self.job, self.step
+        if self.lease is not None:
+            self.lease.release()
+        step.after_commit()
+        deleted: list[int] = []
+        retention_error: str | None = None
+        if step.applies_retention:
+            try:
+                step.retain(self.storage, job.retention, job.step, deleted)
+            except Exception as exc:  # noqa: BLE001 - any failure here is reported, never raised
+                retention_error = f"{type(exc).__name__}: {exc}"
+        return WriterStats(
+            nbytes=sum(f["size"] for f in self.files), write_s=self.write_s, commit_s=self.commit_s,
+            persist_s=time.perf_counter() - self.t0, writer_peak_rss=peak_rss(), deleted_steps=tuple(deleted),
+            retention_error=retention_error,
+            rank=job.collective.rank if job.collective is not None else None,
+            leaves_written=len(mine) if job.collective is not None else None,
+        )
 
 
 def _guarded(guard: Callable[[], None], check_lease: Callable[[], None]) -> Callable[[], None]:
