@@ -10,6 +10,13 @@ its commit); right after that save was staged it prints ``{"killed_at": step}`` 
 Under torchrun (``_hf_trainer.py ddp OUT_DIR``) each rank runs: an uninterrupted run, a run that
 stops after step 4, and a fresh trainer resuming that run; it prints the SHA-256 of the final
 parameters of the uninterrupted and the resumed run, the steps saved and the final global step.
+
+``_hf_trainer.py jit OUT_DIR MAX_STEPS NOTICE_STEP SAVE_STEPS READY_FILE [memory]`` trains with
+``enable_jit_checkpoint=True`` (HF's SIGTERM handler) and :class:`ZerostallCheckpointing`, saving
+every SAVE_STEPS steps. At the end of step NOTICE_STEP it creates READY_FILE (the test then sends
+SIGTERM) and holds that step until HF's 3 s timer has requested the JIT checkpoint, so that HF acts
+at a known hook: the next step's ``on_step_begin``. When ``train()`` returns it prints the final
+global step and the steps committed at that moment, then exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,6 +136,38 @@ class _StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+class _HoldUntilJITNotice(TrainerCallback):
+    """At the end of ``step``: creates ``ready``, then waits until HF's JIT checkpoint is requested
+    (its timer runs out 3 s after the SIGTERM the test sends). It reads HF's JIT callback only to
+    know when; what HF then does, it does on its own."""
+
+    def __init__(self, step: int, ready: str) -> None:
+        self.step, self.ready = step, ready
+        self.jit: Any = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step != self.step:
+            return
+        open(self.ready, "w").close()
+        deadline = time.monotonic() + 120  # a bound on a hang, not a verdict on speed
+        while not self.jit.jit_manager.is_checkpoint_requested:
+            if time.monotonic() > deadline:
+                print(json.dumps({"error": "no JIT checkpoint requested"}), flush=True)
+                os._exit(3)
+            time.sleep(0.01)
+
+
+def _jit(out: str, max_steps: int, notice_step: int, save_steps: int, ready: str, memory: bool) -> None:
+    hold = _HoldUntilJITNotice(notice_step, ready)
+    trainer = make_trainer("trainer", out, max_steps, callbacks=[hold], enable_jit_checkpoint=True,
+                           save_steps=save_steps)
+    hold.jit = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "JITCheckpointCallback")
+    zs = ZerostallCheckpointing(trainer, memory_tier=MEMORY if memory else None)
+    trainer.train()
+    committed = sorted(n for n in os.listdir(zs.directory) if os.path.isfile(os.path.join(zs.directory, n, "manifest.json")))
+    print(json.dumps({"global_step": trainer.state.global_step, "committed": committed}), flush=True)
+
+
 def _ddp(out: str) -> None:
     import hashlib
 
@@ -157,6 +197,9 @@ def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     if kind == "ddp":
         _ddp(out)
+        return
+    if kind == "jit":
+        _jit(out, int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7:] == ["memory"])
         return
     max_steps, kill_step, release = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     killer = _KillAt(kill_step, release)

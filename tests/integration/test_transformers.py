@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -483,3 +484,55 @@ def test_a_resume_whose_optimizer_state_was_not_loaded_stops_before_training(tmp
         trainer.train(resume_from_checkpoint=True)
     assert trainer.state.global_step == STEPS  # it stopped where it resumed
     assert committed(done.directory) == ["step_00000006", "step_00000008"]
+
+
+@pytest.mark.parametrize(("notice_step", "save_steps", "memory", "want"), [
+    (3, 100, True, [3]),    # a step no regular save took: the JIT save is one, memory-only, persisted at the end
+    (4, 2, False, [2, 4]),  # right after HF's regular save of step 4: HF asks for step 4 again, which it has
+], ids=["new-step-memory-tier", "after-a-regular-save"])
+def test_sigterm_with_enable_jit_checkpoint_saves_through_zerostall_then_resumes_bit_for_bit(
+        tmp_path, notice_step, save_steps, memory, want):
+    """HF's enable_jit_checkpoint with ZerostallCheckpointing: the test sends SIGTERM at the end of
+    step N; 3 s later HF's timer requests the JIT checkpoint, which HF takes at the next step's
+    on_step_begin (global step N) through the trainer's _save_checkpoint: zerostall's. That step
+    finishes, training stops, train() returns with step N committed, and the process exits 0. A
+    fresh trainer resuming it ends bit for bit where an uninterrupted run does."""
+    out = tmp_path / "jit"
+    ready = tmp_path / "ready"
+    out_path, err_path = tmp_path / "trainer.out", tmp_path / "trainer.err"
+    with open(out_path, "w") as o, open(err_path, "w") as e:
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_hf_trainer.py"), "jit", str(out), str(STEPS),
+                                 str(notice_step), str(save_steps), str(ready), *(["memory"] if memory else [])],
+                                env=ENV, stdout=o, stderr=e)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, f"the trainer to finish step {notice_step}",
+                 timeout=300)
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        ref = reference("trainer", str(tmp_path / "reference"))  # meanwhile, in this process
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err_path.read_text()[-3000:]
+    row = json.loads(out_path.read_text().strip().splitlines()[-1])
+    # HF finished the step it noticed in, then stopped; the JIT step was committed when train() returned
+    assert row == {"global_step": notice_step + 1, "committed": [f"step_{s:08d}" for s in want]}
+    zs_dir = str(out / "zerostall")
+    assert zerostall.load_metadata(os.path.join(zs_dir, f"step_{notice_step:08d}"))["transformers"]["global_step"] \
+        == notice_step
+    # HF's sentinel folder for the JIT save: created before the save, emptied once it returned
+    assert sorted(os.listdir(out)) == [f"checkpoint-{notice_step}", "zerostall"]
+    assert os.listdir(out / f"checkpoint-{notice_step}") == []
+
+    start = StartStep(str(tmp_path / "started"))
+    resumed = ht.make_trainer("trainer", str(out), STEPS, callbacks=[start], save_steps=save_steps)
+    ZerostallCheckpointing(resumed)
+    resumed.train(resume_from_checkpoint=True)
+    assert start.step == notice_step
+    assert resumed.state.global_step == STEPS
+    assert_same(ref.model.state_dict(), resumed.model.state_dict(), "model")
+    assert_same(ref.optimizer.state_dict(), resumed.optimizer.state_dict(), "optimizer")
+    assert_same(ref.lr_scheduler.state_dict(), resumed.lr_scheduler.state_dict(), "scheduler")
+    assert losses(resumed) == losses(ref)

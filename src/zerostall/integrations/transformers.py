@@ -311,6 +311,9 @@ class ZerostallCheckpointing:
         #: the response of the newest save (``wait_staged()``, ``result()``), None before the first
         self.last_save: zerostall.Response | None = None
         self._resume: _Resume | None = None
+        # The step the trainer's state is at since it was last saved or loaded: HF asking to save
+        # it again (a JIT save right after a regular one) gets that checkpoint.
+        self._last_step: int | None = None
         # Steps that exist or are being saved (with the best-keeping retention, those found at open
         # too), minus the ones deleted: the candidates for retention and for the best step's path.
         self._known: set[int] = set()
@@ -339,6 +342,7 @@ class ZerostallCheckpointing:
                 load_options=self.load_options, memory_tier=self.memory_tier)
             self.directory = self.checkpointer.directory
             self._known = set(self.checkpointer.steps()) if self._keep_best() else set()
+            self._last_step = None
             self._prepared = False
         return self.checkpointer
 
@@ -404,6 +408,7 @@ class ZerostallCheckpointing:
             with open(os.path.join(folder, "trainer_state.json"), "w", encoding="utf-8") as f:
                 f.write(text)
             self._resume = _Resume(step, folder, items)
+            self._last_step = step
             log.info("zerostall: resuming %s from %s", type(self.trainer).__name__, self.step_path(step))
             return train(folder, *args, **kwargs)
         finally:
@@ -424,6 +429,12 @@ class ZerostallCheckpointing:
         ck = self.open()
         args, state = t.args, t.state
         step = int(state.global_step)
+        if step == self._last_step:
+            # Nothing trained since that save (or the resume): HF asked again for the same step (a
+            # JIT save noticed right after a regular one). That checkpoint is this state, taken at
+            # HF's regular save point; zerostall never writes a step twice.
+            log.info("zerostall: step %d is already saved (%s); not saving it again", step, self.step_path(step))
+            return
         t.store_flos()
         best = state.best_global_step
         if (args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best
@@ -442,6 +453,7 @@ class ZerostallCheckpointing:
                                  "transformers_version": transformers.__version__,
                                  "trainer": type(t).__name__}}
         self.last_save = ck.save_checkpointables_async(step, items, metadata=meta)
+        self._last_step = step
         self._known.add(step)
         if self._keep_best() and args.process_index == 0:
             self._rotate()
