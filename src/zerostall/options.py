@@ -257,6 +257,12 @@ class MemoryTier:
             state in host memory (on the holder's host). Needs torch.distributed with at least
             ``replicas + 1`` hosts (``ZEROSTALL_HOST_ID``, else the hostname) holding equally
             many consecutive ranks, and the job's store at ``MASTER_ADDR:MASTER_PORT``.
+        replicas_in_place: a holder receives each new replica over the one it holds instead of
+            beside it: one copy of the origin's state per replica instead of two, but while a
+            transfer runs that holder has no complete replica of the origin, so a loss of the
+            origin's host then restores that rank from storage (docs/guarantees.md, "Replicas in
+            another host's memory"). False (the default) keeps the newest replica until the next
+            one has arrived and matched its checksums.
 
     Raises:
         InvalidArgumentError: a field is out of range (a ``ValueError``).
@@ -272,6 +278,7 @@ class MemoryTier:
     persist_interval_s: float | None = None
     linger_s: float = 600.0
     replicas: int = 0
+    replicas_in_place: bool = False
 
     def __post_init__(self) -> None:
         _check_memory_tier_types(self)  # from here on every field has its type
@@ -283,3 +290,4 @@ class MemoryTier:
             raise InvalidArgumentError(f"linger_s must be >= 0, got {self.linger_s!r}")
         if self.replicas < 0:
             raise InvalidArgumentError(f"replicas must be >= 0, got {self.replicas!r}", argument="replicas")
+        check_bool("MemoryTier.replicas_in_place", self.replicas_in_place)
