@@ -248,7 +248,8 @@ class Checkpointer:
                                     self._dist_options(), markers_due=not self.read_only)
                 if memory_tier.replicas > 0 and not self.read_only:  # collective: every rank constructs its Checkpointer
                     memory.setup_replicas(memory_tier.replicas, keeper.keeper.instance,
-                                          (so.distributed or DistributedOptions()).timeout_s)
+                                          (so.distributed or DistributedOptions()).timeout_s,
+                                          in_place=memory_tier.replicas_in_place)
                 if ready:
                     memory.take_markers()
                 memory.warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too

@@ -61,7 +61,7 @@ __all__ = [
 #: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field;
 #: 11: ImageQuery.request and Image.request (an answer to a query the trainer stopped waiting for,
 #: a keeper that hung, is never taken for a later query's: it may describe another rank's replica)
-PROTOCOL = 11
+PROTOCOL = 12
 
 
 class ProtocolMismatchError(WriterError):

@@ -95,7 +95,8 @@ def main() -> None:
     # ZS_ATOMIC_LOADS=1: all-or-nothing loads, whose shares from a holder arrive in memfds, not in the templates
     load_opts = LoadOptions(atomic=True) if os.environ.get("ZS_ATOMIC_LOADS") == "1" else None
     ck = Checkpointer(d, save_options=opts, load_options=load_opts,
-                      memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas))
+                      memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas,
+                                             replicas_in_place=os.environ.get("ZS_REPLICAS_IN_PLACE") == "1"))
     print("KEEPER", ck._engine.writer.pid, flush=True)
     if phase == "first":
         w = torch.zeros(64, 64)

@@ -103,8 +103,8 @@ def _lose_host_b(job: tuple[object, JobStore], d: Path, log: Path, hosts: list[s
 
 
 def _resume(job: tuple[object, JobStore], d: Path, log: Path, hosts: list[str] = HOSTS_AFTER,
-            replicas: int = 1) -> list[dict]:
-    procs = _start(job, "resume", d, hosts, log, replicas)
+            replicas: int = 1, **env: object) -> list[dict]:
+    procs = _start(job, "resume", d, hosts, log, replicas, **env)
     for p in procs:
         assert p.wait(timeout=DEADLINE_S) == 0, log.read_text()[-6000:]
     return [json.loads((d.parent / f"out-{r}.json").read_text()) for r in range(len(hosts))]
@@ -124,12 +124,16 @@ def _replica_memfds(keeper: int, trainer_inodes: set[int]) -> list[str]:
     return list(out.values())
 
 
-def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_path: Path, job) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["two-copies", "in-place"])
+def test_a_lost_host_resumes_every_rank_from_memory_through_the_replicas(tmp_path: Path, job, in_place) -> None:
+    """Also with ``replicas_in_place`` (one copy per holder): the loss comes between transfers, so
+    the holders' replicas of step 6 are whole."""
     d, log = tmp_path / "run", tmp_path / "log.txt"
-    said = _lose_host_b(job, d, log)
+    env = {"env": {"ZS_REPLICAS_IN_PLACE": "1"}} if in_place else {}
+    said = _lose_host_b(job, d, log, **env)
     assert all(s["TIERS"] == "memory,peer" for s in said)  # result() returned once the replica held step 6
     assert committed_steps(open_storage(str(d))) == [4]  # step 6 is on no storage: only memory can give it
-    outs = _resume(job, d, log)
+    outs = _resume(job, d, log, **env)
     assert [o["agreed"] for o in outs] == [6] * WORLD
     assert [o["loaded"] for o in outs] == [6] * WORLD  # ranks 2 and 3 from the replicas on host A
     assert [o["adopted"] for o in outs] == [True, True, False, False]

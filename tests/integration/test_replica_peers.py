@@ -30,9 +30,9 @@ def _saved(tmp_path: Path, first: float = 0.0) -> tuple[bytes, tuple[tuple[str, 
     return manifest, files
 
 
-def _setup(port: int, rank: int, job: str, secret: bytes) -> ReplicaSetup:
+def _setup(port: int, rank: int, job: str, secret: bytes, in_place: bool = False) -> ReplicaSetup:
     return ReplicaSetup(store=f"127.0.0.1:{port}", job=job, secret=secret.hex(), world=2, rank=rank,
-                        ranks_per_host=1, replicas=1, timeout_s=10.0)
+                        ranks_per_host=1, replicas=1, timeout_s=10.0, in_place=in_place)
 
 
 def _until(cond, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
@@ -145,6 +145,56 @@ def test_a_holder_receives_each_step_into_the_buffers_of_the_replica_it_replaced
     finally:
         sender.close()
         holder.close()
+
+
+def test_in_place_a_holder_keeps_one_copy_and_has_no_replica_while_one_arrives_or_after_one_failed(
+        tmp_path: Path) -> None:
+    """``replicas_in_place``: every step lands in the buffers of the one it replaces (one copy held,
+    the default keeps two once a second step arrived); the held replica is given up when the next
+    transfer starts, so a transfer that fails leaves none (never a mix of two steps)."""
+    import os
+
+    import torch.distributed as dist
+
+    from zerostall.memtier.peers import Peers
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    a, b = _saved(tmp_path), _saved(tmp_path, 1.0)  # the same layout, other bytes
+    one = sum(len(v) for _, v in a[1])
+    sender, holder, twice = Peers("inst"), Peers("inst"), Peers("inst")
+    try:
+        holder.configure(_setup(store.port, 1, "job", b"s" * 32, in_place=True))
+        sender.configure(_setup(store.port, 0, "job", b"s" * 32))
+        inodes: list[list[int]] = []
+        for step, (manifest, data) in ((6, a), (7, b), (8, a)):
+            assert sender.send(step, manifest, data) is True
+            assert _until(lambda step=step: holder.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
+            got: list[tuple[list[bytes], list[int]]] = []
+            holder.with_replica(0, lambda r: got.append(([bytes(r.view(i)) for i in range(len(r.names))],
+                                                         [os.fstat(x.fd).st_ino for x in r.buffers])))
+            assert got[0][0] == [bytes(v) for _, v in data]
+            inodes.append(got[0][1])
+            assert one <= holder.held_bytes() < 2 * one  # one copy (its buffers are page-rounded)
+        assert inodes[0] == inodes[1] == inodes[2]  # every step received into the same buffers
+        # a transfer that fails (the manifest promises bytes the sender does not have) leaves no replica
+        bad = tuple((name, v[: len(v) // 2]) for name, v in a[1])
+        assert sender.send(9, a[0], bad) is False
+        assert _until(lambda: holder.held() == ())
+        assert holder.held_bytes() < one  # nothing half-received is held as a replica
+    finally:
+        sender.close()
+        holder.close()
+    sender = Peers("inst")
+    try:  # the default, for contrast: the replaced replica's buffers are kept to receive the next into
+        twice.configure(_setup(store.port, 1, "job-2", b"s" * 32))
+        sender.configure(_setup(store.port, 0, "job-2", b"s" * 32))
+        for step, (manifest, data) in ((6, a), (7, b)):
+            assert sender.send(step, manifest, data) is True
+            assert _until(lambda step=step: twice.held() == (HeldReplica(origin=0, step=step),))  # type: ignore[misc]
+        assert twice.held_bytes() >= 2 * one
+    finally:
+        sender.close()
+        twice.close()
 
 
 def test_a_receiver_waiting_for_an_offer_ends_when_its_keeper_stops() -> None:

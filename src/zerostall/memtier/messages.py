@@ -86,7 +86,7 @@ class HeldReplica(Message):
 class ReplicaSetup(Message):
     """The trainer tells its keeper how to replicate: the job's keeper group (``job``, its
     ``secret`` in hex, its store at ``store`` = ``"host:port"``), this rank in the world's
-    layout, and how many replicas each step gets. Sent after each Hello (a keeper adopted by a
+    layout, how many replicas each step gets, and whether a holder keeps one copy of each. Sent after each Hello (a keeper adopted by a
     new run learns that run's job and secret). No answer."""
 
     store: str
@@ -97,6 +97,8 @@ class ReplicaSetup(Message):
     ranks_per_host: int
     replicas: int
     timeout_s: float
+    #: a holder receives each new replica over the one it holds (MemoryTier.replicas_in_place)
+    in_place: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -286,6 +286,15 @@ class Peers:
         receive the next offer over (None after a failure: both ends dropped it)."""
         with self._lock:
             spare = self._spare.pop(origin, [])
+            if setup.in_place and not stop.is_set():
+                # One copy: the held replica's buffers take the arriving one, so from here until it
+                # has arrived and matched its checksums this holder has no replica of ``origin``.
+                # One that a stand-in reads or another process maps is left whole (the arriving
+                # step then takes new buffers, as without in_place).
+                held = self._kept.get(origin)
+                if held is not None and not held.shared and id(held) not in self._pins:
+                    del self._kept[origin]
+                    spare = [*spare, *held.release()]
         try:
             if group is None:
                 group = pair_group(store, setup, f"pair/{origin}-{setup.rank}", n, RECEIVER)
@@ -304,7 +313,8 @@ class Peers:
             if not stop.is_set():  # else a new job (or the end) came meanwhile: its replicas are kept
                 old, self._kept[origin] = self._kept.get(origin), got
             old = self._unless_pinned(old)
-            if old is not None and not old.shared and not self._closed and origin not in self._spare:
+            if old is not None and not old.shared and not self._closed and origin not in self._spare \
+                    and not setup.in_place:
                 # (a receiver of a new job for the same origin may have left one already)
                 self._spare[origin], old = old.release(), None
         if old is not None:
@@ -312,6 +322,14 @@ class Peers:
         return group
 
     # -- what is held ---------------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """Bytes of host memory this keeper's replicas hold now: the replicas kept and the spare
+        buffers kept to receive the next ones into (one copy per origin with ``in_place``, else
+        two once a second step has arrived)."""
+        with self._lock:
+            return (sum(b.size for r in self._kept.values() for b in r.buffers)
+                    + sum(b.size for bufs in self._spare.values() for b in bufs))
 
     def held(self) -> tuple[HeldReplica, ...]:
         with self._lock:

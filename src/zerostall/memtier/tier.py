@@ -107,7 +107,7 @@ class MemorySide:
 
     # -- replicas ------------------------------------------------------------------------------
 
-    def setup_replicas(self, replicas: int, instance: str, timeout_s: float) -> None:
+    def setup_replicas(self, replicas: int, instance: str, timeout_s: float, *, in_place: bool = False) -> None:
         """Collectively (at construction): check the hosts, agree on the job's keeper group and
         its secret, and tell this rank's keeper (and every keeper it has later) how to replicate.
 
@@ -139,7 +139,8 @@ class MemorySide:
         mine = (secrets.token_hex(8), secrets.token_hex(32)) if rank == 0 else None
         job, secret = agree_step(mine, self.dist)
         self.replicas = ReplicaSetup(store=f"{addr}:{port}", job=str(job), secret=str(secret), world=world, rank=rank,
-                                     ranks_per_host=per_host, replicas=replicas, timeout_s=timeout_s)
+                                     ranks_per_host=per_host, replicas=replicas, timeout_s=timeout_s,
+                                     in_place=in_place)
         self.instance = instance
         self.keeper.set_replica_setup(self.replicas)
         # The keeper takes the setup in order, before this query: once answered, its receivers
