@@ -422,7 +422,7 @@ class MemorySide:
         rank then restores the tree it saved from its own memory, with no collective traffic.
         """
         # The held step may be this trainer's own staging slot: a save on another thread must not
-        # get it back to stage into while this load copies from it (persist.client.pin_held).
+        # get it back to stage into while this load copies from it (KeeperSide.pin_held).
         writer = self.keeper
         writer.pin_held()
         try:
