@@ -22,6 +22,7 @@ from zerostall.advice import (
     advise,
 )
 from zerostall.api import PYTREE, check_writer_reaches, hint_held_in_memory, hint_item_layout, load_newest_valid
+from zerostall.budget import HostLimit, check_limit
 from zerostall.cadence import Cadence
 from zerostall.commit import check_reachable, committed_steps, delete_checkpoint, parse_step, step_name
 from zerostall.distributed import DistContext, active, agree_step, agree_steps, load
@@ -124,6 +125,15 @@ class Checkpointer:
             ends within it, not within ``DistributedOptions.timeout_s``: the ranks' agreement and its
             exchanges within half of it, the immediate persist and the final save's wait for the
             other ranks within all of it. Set it a few seconds below your scheduler's grace.
+        host_memory_limit: bytes of this rank's host memory zerostall may hold (None: no limit):
+            staging slots, the memory tier's held step, replicas kept for other ranks and their
+            transfer (:mod:`zerostall.budget`; not the trainer's own tensors). From a per-host
+            budget: the budget divided by the ranks on the host. Checked when the first save of a
+            layout is planned, before any byte is staged (the state's size is known only then):
+            a state whose staging slot does not fit is saved in pieces that do (synchronously:
+            the save call returns once the last piece is handed over; ``SaveStats.limit_wait_s``);
+            a memory tier whose parts do not fit raises ``HostMemoryLimitError`` (docs/guarantees.md,
+            "Host memory limit").
 
     Raises:
         ValueError: an argument is out of range (:class:`~zerostall.errors.InvalidArgumentError`,
@@ -133,6 +143,8 @@ class Checkpointer:
             refused credentials, an unreachable endpoint, a regular file in the way, ...);
             ``errno`` and ``path`` say which. Raised here, not at the first save.
         CheckpointNotFoundError: ``read_only`` and the local directory does not exist.
+        HostMemoryLimitError: ``host_memory_limit`` is below what any state needs (one piece
+            buffer; with the memory tier, its slots and the replicas' transfer).
 
     The writer process starts here and the constructor returns once it is up (~0.3 s), so no
     save waits for it. Partial saves left by writers that are provably gone, on any host, are removed here
@@ -181,12 +193,14 @@ class Checkpointer:
         costs: MeasuredCosts | None = None,
         preemption_signals: tuple[int, ...] | None = None,
         preemption_grace_s: float = GRACE_S,
+        host_memory_limit: int | None = None,
     ) -> None:
         directory = _check_args(directory, keep_last=keep_last, keep_every_n_steps=keep_every_n_steps,
                                 save_interval_steps=save_interval_steps, save_options=save_options,
                                 load_options=load_options, on_error=on_error, read_only=read_only)
         _check_cadence_args(memory_tier=memory_tier, save_interval=save_interval,
                             save_interval_steps=save_interval_steps, mtbf_s=mtbf_s, costs=costs)
+        limit = check_limit(host_memory_limit, path=directory)
         signals = check_signals(preemption_signals, path=directory)
         grace_s = check_grace(preemption_grace_s, path=directory)
         if signals and read_only:
@@ -208,6 +222,13 @@ class Checkpointer:
                 lo.distributed or DistributedOptions(), process_group=process_group))
         self.load_options = load_options
         so = save_options or SaveOptions()
+        #: host_memory_limit and what fills it (zerostall.budget); None: no limit
+        self.host_limit = None if limit is None or self.read_only else HostLimit(
+            limit, max_in_flight=so.max_in_flight, held_slots=1 if memory_tier is not None else 0,
+            replicas=memory_tier.replicas if memory_tier is not None else 0,
+            in_place=memory_tier.replicas_in_place if memory_tier is not None else False)
+        if self.host_limit is not None:
+            self.host_limit.check_fixed(directory)
         self._save_dist = so.distributed
         self._cadence = Cadence(save_interval, save_interval_steps, mtbf_s, costs, so.max_in_flight,
                                 memory_tier=memory_tier is not None,
@@ -226,7 +247,10 @@ class Checkpointer:
             else:
                 writer = None
             # The writer starts first: its interpreter boots while the storage is probed below.
-            engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed), writer=writer)
+            if writer is not None and self.host_limit is not None:  # the keeper's own count of the slots it holds
+                self.host_limit = dataclasses.replace(self.host_limit, held_slots=writer.held_slots)
+            engine = Engine(so, prewarm=not self.read_only, coordinator=DistContext(so.distributed), writer=writer,
+                            host_limit=self.host_limit)
             unwind.callback(engine.close)
             engine.on_error = on_error
             storage = open_storage(self.directory)

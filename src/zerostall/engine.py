@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import functools
 import logging
 import operator
 import sys
@@ -25,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from zerostall.budget import Fit, HostLimit
 from zerostall.commit import exists_error
 from zerostall.errors import BackgroundSaveError, StorageError, WriterError, ZerostallError
 from zerostall.gcpause import paused_gc
@@ -36,9 +38,11 @@ from zerostall.response import Response
 from zerostall.stage import BufferPool, Plan, make_plan, stage
 from zerostall.stage.buffers import Slot
 from zerostall.stage.overlap import GUARD, Copier, OverlapTask, build_task, deferrable_any, sync_all
+from zerostall.stage.pieces import fill_piece
 from zerostall.stage.reuse import LayoutCache, Reused, layout_key
 from zerostall.stage.stager import prepare_slot, staging_checksums
-from zerostall.storage import open_storage, scheme_reference
+from zerostall.storage import Storage, open_storage, scheme_reference
+from zerostall.storage.base import as_piece_writer
 from zerostall.tree import FlatState, flatten, registry_generation
 
 __all__ = ["Engine", "Coordinator"]
@@ -85,7 +89,7 @@ class Engine:
 
     def __init__(self, options: SaveOptions | None = None, *, prewarm: bool = False,
                  coordinator: Coordinator | None = None, writer: WriterClient | None = None,
-                 buffer_cache_bytes: int = 0) -> None:
+                 buffer_cache_bytes: int = 0, host_limit: HostLimit | None = None) -> None:
         self.options = options or SaveOptions()
         #: the writer this engine hands its saves to: given (the memory tier's, whose keeper is
         #: its side), or a plain one of ``options``
@@ -98,6 +102,11 @@ class Engine:
         slots = self.options.max_in_flight + self.writer.held_slots
         self.pool = BufferPool(slots, pin=_cuda_present(), on_free=self.writer.forget,
                                cache_bytes=buffer_cache_bytes)
+        #: Checkpointer(host_memory_limit=...): what the pool may hold (zerostall.budget)
+        self.host_limit = host_limit
+        #: the pool's shape under the limit and the largest data-file image it was checked for
+        self._fit: Fit | None = None
+        self._fit_bytes = 0
         self._plans: OrderedDict[tuple[object, ...], tuple[Plan, tuple[LeafRow, ...]]] = OrderedDict()
         #: the previous saves' work per layout, reused while it still holds (stage.reuse)
         self._layouts = LayoutCache(_PLAN_CACHE)
@@ -171,8 +180,12 @@ class Engine:
         reused, flat, plan, _ = self._layout(items, rank)
         if reused is not None:
             reused.layout.release(flat)  # only the layout is needed below (headers and views)
+        fit = self._fit_plan(plan, None, None, rank != 0 or self._collective(), None)
+        if fit is not None and fit.pieces:
+            self.writer.start()
+            return 0  # piece buffers are allocated by the first save
         total = 0
-        slots = [self.pool.acquire() for _ in range(self.options.max_in_flight)]
+        slots = [self.pool.acquire() for _ in range(min(self.options.max_in_flight, self.pool.slots))]
         for _ in range(self.writer.held_slots):  # the slots the writer may keep, unless it keeps them now
             try:
                 slots.append(self.pool.acquire(timeout=0))
@@ -233,6 +246,9 @@ class Engine:
             raise exists_error(storage, name, path)
         reused, flat, plan, rows = self._layout(items, info.rank if info is not None else 0)
         try:
+            fit = self._fit_plan(plan, path, step, info is not None, storage)
+            if fit is not None and fit.pieces:
+                return self._save_pieces(root_url, name, path, flat, plan, rows, t0, fit, metadata, step, retention)
             return self._stage_async(root_url, name, path, items, t0, info, metadata, step, retention, reused, flat,
                                      plan, rows, memory=memory, persist=persist)
         finally:
@@ -248,7 +264,11 @@ class Engine:
         split = (self._layouts.deferral(reused, items, flat.leaves, deferrable_any)
                  if self.options.staging is Staging.OVERLAP else None)
         defer = split[0] if split is not None else None
+        t_wait = time.perf_counter()
         slot = self.pool.acquire()
+        # fewer slots than max_in_flight: waiting for one is the limit's cost
+        limit_wait_s = time.perf_counter() - t_wait if self._fit is not None and \
+            self._fit.slots < self.options.max_in_flight + self.writer.held_slots else 0.0
         task: OverlapTask | None = None
         try:
             fit_slot(self.pool, slot, plan, path)
@@ -274,6 +294,7 @@ class Engine:
         response = Response(path, sum(f.size for f in plan.files),
                             plan.nbytes / copy_s / 1e9 if copy_s > 0 else 0.0)
         response._step = step
+        response._limit_wait_s = limit_wait_s
         on_done: OnDone = response._finish
         if info is not None:
             assert self._coordinator is not None
@@ -295,6 +316,105 @@ class Engine:
         response._stall_s = time.perf_counter() - t0  # the hand-off counts as stall too
         if task is None:
             response._staged_s = response._stall_s
+        return response
+
+    # -- host_memory_limit ---------------------------------------------------------------------
+
+    def _fit_plan(self, plan: Plan, path: str | None, step: int | None, collective: bool,
+                  storage: Storage | None) -> Fit | None:
+        """How saves of ``plan`` fit ``host_limit`` (None: no limit), checked before anything is
+        staged; the pool takes the fit's shape, from no buffers, when it changes.
+
+        A layout no larger than the largest one checked keeps the pool as it is (its slots may
+        still hold that one's buffers, which the check covered); a larger one is checked with its
+        own size for every slot, so buffers of old and new layouts never exceed the limit together.
+
+        Raises:
+            HostMemoryLimitError: the configuration cannot fit (zerostall.budget.HostLimit.decide).
+        """
+        limit = self.host_limit
+        if limit is None:
+            return None
+        size = sum(f.alloc for f in plan.files)
+        pieces_ok = len(plan.files) == 1 and (storage is None or as_piece_writer(storage) is not None)
+        current = self._fit
+        if limit.memory_tier:  # the keeper's held slot is never free: the pool keeps its shape, checked at the largest
+            grown = max(size, self._fit_bytes)
+            self._fit = limit.decide(grown, path=path, step=step, collective=collective, piece_writes=pieces_ok)
+            self._fit_bytes = grown
+            return self._fit
+        if current is not None and not current.pieces:
+            grown = max(size, self._fit_bytes)
+            kept = limit.decide(grown, path=path, step=step, collective=collective, piece_writes=pieces_ok) \
+                if grown * current.slots > limit.limit or grown == size else current
+            if not kept.pieces and kept.slots == current.slots:
+                self._fit_bytes = grown
+                return current
+        fit = limit.decide(size, path=path, step=step, collective=collective, piece_writes=pieces_ok)
+        if current is None or not (fit.pieces and current.pieces):
+            self.wait()  # every slot free: the new shape starts from no buffers
+            self.pool.resize(fit.slots)
+        self._fit, self._fit_bytes = fit, size
+        return fit
+
+    def _save_pieces(self, root_url: str, name: str, path: str, flat: FlatState, plan: Plan,
+                     rows: tuple[LeafRow, ...], t0: float, fit: Fit, metadata: dict[str, Any] | None,
+                     step: int | None, retention: RetentionPolicy | None) -> Response:
+        """Stage and hand off ``plan``'s one data file in pieces of ``fit.piece_bytes`` (training thread).
+
+        The writer gets the job first, then each piece as it is staged into a free piece buffer;
+        it writes each into the attempt's data file and releases it, and commits after the last
+        (manifest last), as any save. Returns once the last piece is handed over: every byte
+        was copied, so the caller may change its tensors. The waits for free piece buffers are
+        ``limit_wait_s``."""
+        sync_all()  # an overlapped save before this one is handed to the writer first
+        GUARD.tidy()
+        fplan = plan.files[0]
+        piece = fit.piece_bytes
+        count = -(-fplan.size // piece)
+        job = SaveJob(
+            id=0, root=root_url, name=name, path=path,
+            files=(FileRow(name=fplan.name, length=fplan.size, buffer=0),), leaves=rows, items=flat.items,
+            metadata=metadata or {}, step=step, retention=retention, env=storage_env(), write=self._write,
+            storage_ref=scheme_reference(root_url), pieces=count)
+        response = Response(path, fplan.size, 0.0)
+        response._step = step
+        with self._lock:
+            self._inflight.add(response)
+        response._add_before_done(self._on_done)
+        try:
+            job_id = self.writer.submit(job, [], on_released=_nothing, on_done=response._finish)
+        except BaseException as exc:
+            response._received = True
+            response._finish(None, exc)
+            raise
+        starts = [r.offset for r in rows]
+        waited = copied = 0.0
+        try:
+            for a in range(0, fplan.size, piece):
+                if response.done():  # the writer failed the job: the rest would be read by nobody
+                    break
+                t = time.perf_counter()
+                slot = self.pool.acquire()
+                t_copy = time.perf_counter()
+                waited += t_copy - t
+                try:
+                    fit_slot(self.pool, slot, _piece_plan(plan, piece), path)
+                    n = min(piece, fplan.size - a)
+                    crcs = fill_piece(slot.buffers[0], a, n, fplan.header, flat.leaves, rows, starts)
+                except BaseException:
+                    self.pool.release(slot)
+                    raise
+                copied += time.perf_counter() - t_copy
+                self.writer.submit_piece(job_id, file=0, offset=a, length=n, buffer=slot.buffers[0], crcs=crcs,
+                                         on_released=functools.partial(self.pool.release, slot))
+        except BaseException:
+            response._received = True  # raised to the caller here
+            self.writer.abort_pieces(job_id)
+            raise
+        response._staging_gbps = plan.nbytes / copied / 1e9 if copied > 0 else 0.0
+        response._limit_wait_s = waited
+        response._stall_s = response._staged_s = time.perf_counter() - t0
         return response
 
     def _hand_off(self, job: SaveJob, slot: Slot, on_done: OnDone, raised_to: Response | None = None) -> None:
@@ -410,6 +530,17 @@ class Engine:
         err = self.take_failures()
         if err is not None:
             raise err from err.cause
+
+
+def _nothing() -> None:
+    return None
+
+
+def _piece_plan(plan: Plan, piece: int) -> Plan:
+    """A plan whose one file is a piece buffer (what :func:`fit_slot` allocates for a piece)."""
+    f = plan.files[0]
+    return dataclasses.replace(plan, signature=("piece", piece),
+                               files=(dataclasses.replace(f, size=piece, alloc=piece),))
 
 
 def _with_crcs(job: SaveJob, crcs: list[int | None] | None, task: OverlapTask) -> SaveJob:

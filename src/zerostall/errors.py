@@ -24,6 +24,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── UnsupportedLeafError(TypeError)              a leaf type zerostall cannot save
     ├── InvalidArgumentError(ValueError)             an argument out of range (.argument names it)
     │   ├── ArgumentTypeError(+TypeError)            an argument of the wrong type
+    │   ├── HostMemoryLimitError                     host_memory_limit cannot hold what the configuration needs (zerostall.budget)
     │   └── MetadataError                            metadata= cannot be stored (NaN, reserved key)
     │       └── MetadataTypeError(+TypeError)        metadata= holds a non-JSON type
     ├── AdviceError(ValueError)                      the interval advisor's inputs are out of range, or too few were measured
@@ -64,7 +65,7 @@ __all__ = [
     "MismatchError",
     "MissingKeyError",
     "UnsupportedLeafError",
-    "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
+    "InvalidArgumentError", "ArgumentTypeError", "HostMemoryLimitError", "MetadataError", "MetadataTypeError",
     "AdviceError",
     "MissingDependencyError",
     "StorageError", "ReadOnlyError",
@@ -313,7 +314,15 @@ class MetadataTypeError(MetadataError, TypeError):
     """A ``metadata=`` value or key has a type JSON cannot hold (a tensor, an object, a non-str key)."""
 
 
-for _cls in (InvalidArgumentError, ArgumentTypeError, MetadataError, MetadataTypeError):
+class HostMemoryLimitError(InvalidArgumentError):
+    """``Checkpointer(host_memory_limit=...)`` cannot hold what the configuration needs in this
+    rank's host memory (:mod:`zerostall.budget` does the accounting): raised by the constructor
+    for a limit below the parts known without the state, and by the first save (or one whose
+    layout grows) before any byte is staged. The message names each part's bytes, the limit, and
+    what would fit; ``argument`` is ``"host_memory_limit"``, ``path`` the step's path."""
+
+
+for _cls in (InvalidArgumentError, ArgumentTypeError, HostMemoryLimitError, MetadataError, MetadataTypeError):
     _BY_NAME[_cls.__name__] = _cls
 
 

@@ -47,7 +47,7 @@ from zerostall.options import RetentionPolicy
 __all__ = [
     "PROTOCOL", "ProtocolMismatchError", "LeafRow", "FileRow", "WriteOptions", "Collective", "SaveJob", "LeafLayout",
     "ForgetLayout", "resolve_layout", "node_index", "node_delta", "NodeIndex",
-    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "Message",
+    "WriterStats", "Hello", "MapBuffer", "UnmapBuffer", "Close", "Released", "Done", "Failed", "SavePiece", "Message",
     "register_message", "encode", "decode", "WireError", "to_wire", "from_wire",
 ]
 
@@ -61,7 +61,8 @@ __all__ = [
 #: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field;
 #: 11: ImageQuery.request and Image.request (an answer to a query the trainer stopped waiting for,
 #: a keeper that hung, is never taken for a later query's: it may describe another rank's replica)
-PROTOCOL = 12
+#: 12: ReplicaSetup.in_place; 13: SaveJob.pieces and SavePiece (a save staged and written in pieces)
+PROTOCOL = 13
 
 
 class ProtocolMismatchError(WriterError):
@@ -226,6 +227,28 @@ class SaveJob(Message):
     #: in (:func:`resolve_layout`) before it runs
     layout: int = 0
     order: tuple[str, ...] = ()
+    #: how many :class:`SavePiece` messages follow with this job's bytes (0: ``files`` are staged
+    #: whole, each in its ``buffer``); a piecewise job's files name buffer 0
+    pieces: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePiece(Message):
+    """One byte range of a piecewise job's data file (``Checkpointer(host_memory_limit=...)``),
+    staged in ``buffer``: ``length`` bytes written at ``offset`` of file ``file``. ``crcs`` are the
+    CRC32Cs of the leaf parts it holds, ``(leaf, lo, hi, crc)`` (bytes ``lo:hi`` of leaf ``leaf``),
+    which the writer joins into each leaf's. The writer answers :class:`Released` with ``id`` once
+    it no longer reads the buffer. ``abort``: the trainer failed to stage the rest (no bytes
+    here): the writer fails the job, and nothing of it is committed."""
+
+    id: int
+    job: int
+    file: int
+    offset: int
+    length: int
+    buffer: int
+    crcs: tuple[tuple[int, int, int, int], ...] = ()
+    abort: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,6 +440,7 @@ class Failed(Message):
 _OPS: dict[str, type[Message]] = {
     "hello": Hello, "map": MapBuffer, "unmap": UnmapBuffer, "save": SaveJob, "layout": LeafLayout,
     "forget-layout": ForgetLayout, "close": Close, "released": Released, "done": Done, "failed": Failed,
+    "piece": SavePiece,
 }
 _OP_OF: dict[type[Message], str] = {cls: op for op, cls in _OPS.items()}
 

@@ -35,6 +35,10 @@ class SaveStats:
             too; empty until committed.
         staged_s: seconds from the call until every byte was in host memory (with overlapped
             staging, later than ``stall_s``; None until then).
+        limit_wait_s: the part of ``stall_s`` the caller waited because of
+            ``Checkpointer(host_memory_limit=...)``: for a free staging slot where the limit
+            allows fewer than ``max_in_flight``, or, for a save in pieces, for each piece buffer
+            the writer had not finished writing (0.0 without a limit, or when it cost nothing).
     """
 
     path: str
@@ -47,6 +51,7 @@ class SaveStats:
     writer_peak_rss: int | None = None
     tiers: tuple[str, ...] = ()
     staged_s: float | None = None
+    limit_wait_s: float = 0.0
 
     def summary(self) -> str:
         """One line: the stall of the save call, then the background persist, each rate named by
@@ -75,6 +80,8 @@ class Response:
         self._nbytes = nbytes
         self._staging_gbps = staging_gbps
         self._stall_s = 0.0
+        #: the part of the stall spent waiting because of host_memory_limit (SaveStats.limit_wait_s)
+        self._limit_wait_s = 0.0
         self._writer: WriterStats | None = None
         # run before result() can return, so that what they record is visible to its caller
         self._before_done: list[Callable[[Response, BaseException | None], None]] = []
@@ -102,7 +109,8 @@ class Response:
         w = self._writer
         if w is None:
             return SaveStats(path=self._path, nbytes=self._nbytes, stall_s=self._stall_s,
-                             staging_gbps=self._staging_gbps, staged_s=self._staged_s)
+                             staging_gbps=self._staging_gbps, staged_s=self._staged_s,
+                             limit_wait_s=self._limit_wait_s)
         write_s = w.write_s or 0.0  # None when the writer died after committing
         return SaveStats(
             path=self._path,
@@ -115,6 +123,7 @@ class Response:
             writer_peak_rss=w.writer_peak_rss,
             tiers=w.tiers,
             staged_s=self._staged_s,
+            limit_wait_s=self._limit_wait_s,
         )
 
     def done(self) -> bool:

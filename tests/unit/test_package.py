@@ -92,7 +92,7 @@ ERRORS = [
     "ZerostallError", "CheckpointNotFoundError", "DirectoryReplacedError", "CheckpointExistsError",
     "CorruptCheckpointError", "ChecksumMismatchError", "NoValidCheckpointError", "UnsupportedFormatError",
     "MismatchError", "MissingKeyError", "UnsupportedLeafError",
-    "InvalidArgumentError", "ArgumentTypeError", "MetadataError", "MetadataTypeError",
+    "InvalidArgumentError", "ArgumentTypeError", "HostMemoryLimitError", "MetadataError", "MetadataTypeError",
     "AdviceError", "MissingDependencyError", "StorageError", "ReadOnlyError",
     "WriterError", "BackgroundSaveError", "UnknownLayoutError", "KeeperPersistError", "KeeperLostError",
     "TornSnapshotError", "DonatedArrayError", "ReplicaError", "PeerUnreachableError", "PreemptionError",

@@ -49,6 +49,7 @@ from zerostall.messages import (
     ProtocolMismatchError,
     Released,
     SaveJob,
+    SavePiece,
     UnmapBuffer,
     WriterStats,
     decode,
@@ -181,6 +182,8 @@ class WriterClient:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        #: the pieces of a piecewise save the writer has not let go of: piece id -> release
+        self._pieces: dict[int, Callable[[], None]] = {}
         self._mapped: set[int] = set()
         self._conn: Connection | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -214,6 +217,7 @@ class WriterClient:
         self._thread = None
         self._listener = None
         self._pending = {}
+        self._pieces = {}
         self._mapped = set()
         self._sent_layouts = {}
         self._adopted_pid = None
@@ -438,8 +442,9 @@ class WriterClient:
         self._mapped.discard(buf.id)
 
     def submit(self, job: SaveJob, buffers: list[HostBuffer], on_released: Callable[[], None],
-               on_done: OnDone) -> None:
-        """Queue ``job``; its ``files[i]`` are written from ``buffers[i]`` (the job's ``id`` is assigned here).
+               on_done: OnDone) -> int:
+        """Queue ``job``; its ``files[i]`` are written from ``buffers[i]`` (the job's ``id`` is
+        assigned here and returned: a piecewise job's pieces name it, :meth:`submit_piece`).
 
         Raises:
             WriterError: no writer could be started or reached (twice).
@@ -455,7 +460,7 @@ class WriterClient:
                         self.send(MapBuffer(buffer=b.id, size=b.size), fd=b.fd)
                         self._mapped.add(b.id)
                 self._send_job(job)
-                return
+                return job.id
             except OSError:
                 # The writer died under us: its listener fails what it had; try once more on a new one.
                 with self._lock:
@@ -465,6 +470,43 @@ class WriterClient:
                 self._reap()
                 if attempt == 1:
                     raise WriterError("could not hand the save to a writer process") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def submit_piece(self, job: int, *, file: int, offset: int, length: int, buffer: HostBuffer,
+                     crcs: tuple[tuple[int, int, int, int], ...], on_released: Callable[[], None]) -> None:
+        """Send one piece of piecewise job ``job`` (:class:`SavePiece`), staged in ``buffer``;
+        ``on_released`` runs once the writer no longer reads it (or the writer is gone).
+
+        Raises:
+            WriterError: the writer is gone (its job fails with it; ``on_released`` has run).
+        """
+        pid = next(self._ids)
+        with self._lock:
+            self._pieces[pid] = on_released
+        try:
+            if buffer.id not in self._mapped:
+                self.send(MapBuffer(buffer=buffer.id, size=buffer.size), fd=buffer.fd)
+                self._mapped.add(buffer.id)
+            self.send(SavePiece(id=pid, job=job, file=file, offset=offset, length=length, buffer=buffer.id,
+                                crcs=crcs))
+        except OSError:
+            self._release_piece(pid)
+            raise WriterError("the writer went away during a save in pieces; nothing of it was committed") from None
+
+    def abort_pieces(self, job: int) -> None:
+        """Tell the writer that piecewise job ``job`` gets no more pieces: it fails the job."""
+        try:
+            self.send(SavePiece(id=next(self._ids), job=job, file=0, offset=0, length=0, buffer=0, abort=True))
+        except OSError:
+            pass  # no writer: the job failed with it
+
+    def _release_piece(self, pid: int) -> bool:
+        with self._lock:
+            release = self._pieces.pop(pid, None)
+        if release is None:
+            return False
+        release()
+        return True
 
     def _listen(self, conn: Connection) -> None:
         side = self.side
@@ -484,6 +526,8 @@ class WriterClient:
                 if side is not None:  # before _ready: the constructor warns of what it says
                     side.on_hello(msg)
                 self._ready.set()
+            elif isinstance(msg, Released) and self._release_piece(msg.job):
+                pass
             elif isinstance(msg, Released):
                 with self._lock:
                     p = self._pending.get(msg.job)
@@ -522,6 +566,9 @@ class WriterClient:
     def _fail_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, {}
+            pieces, self._pieces = self._pieces, {}
+        for release in pieces.values():  # a writer that is gone reads no piece
+            release()
         if not pending:
             return
         how = "was closed"

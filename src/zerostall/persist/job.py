@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from zerostall import envvars
 from zerostall._version import __version__
-from zerostall.checksum import checksum
+from zerostall.checksum import checksum, join_crcs
 from zerostall.commit import (
     CommitProtocol,
     RenameCommit,
@@ -36,14 +36,14 @@ from zerostall.errors import WriterError
 from zerostall.format.file import lay_out
 from zerostall.format.manifest import encode_manifest
 from zerostall.lease import Lease
-from zerostall.messages import LeafRow, SaveJob, WriterStats
+from zerostall.messages import LeafRow, SaveJob, SavePiece, WriterStats
 from zerostall.options import RetentionPolicy
 from zerostall.persist import faults
 from zerostall.persist.collective import CollectiveStep
 from zerostall.storage import Storage, open_storage
 from zerostall.storage.base import as_piece_writer
 
-__all__ = ["run_save", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
+__all__ = ["run_save", "Pieces", "solo_manifest", "SoloStep", "apply_retention", "peak_rss", "STORAGE_ENV_PREFIXES", "storage_env"]
 
 #: environment variables that configure storage backends; the trainer's values travel with each job
 STORAGE_ENV_PREFIXES = ("AWS_", envvars.S3_PREFIX)
@@ -86,6 +86,20 @@ def apply_retention(storage: Storage, policy: RetentionPolicy | None, newest: in
         delete_checkpoint(storage, step_name(s))
         out.append(s)
     return out
+
+
+class Pieces(Protocol):
+    """Where a piecewise job's bytes come from (:attr:`SaveJob.pieces`; the writer's loop reads
+    them from the trainer's connection as they are staged)."""
+
+    def next(self) -> tuple[SavePiece, memoryview]:
+        """The next piece and the view of its buffer (blocks until the trainer sent it).
+
+        Raises:
+            WriterError: the trainer's connection ended first."""
+
+    def release(self, piece: SavePiece) -> None:
+        """The writer no longer reads ``piece``'s buffer: the trainer may stage into it again."""
 
 
 class Step(Protocol):
@@ -194,7 +208,7 @@ class SoloStep:
 
 
 def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-             step: Step | None = None, *, mirror_env: bool = True) -> WriterStats:
+             step: Step | None = None, *, mirror_env: bool = True, pieces: Pieces | None = None) -> WriterStats:
     """Persist and commit one save; call ``released()`` as soon as the buffers are no longer read.
 
     ``mirror_env``: make this process's storage environment the one the trainer had at the save
@@ -207,13 +221,17 @@ def run_save(job: SaveJob, buffers: Mapping[int, memoryview], released: Callable
     which writes no data file, or a keeper's persist of a held step, with the CRC32Cs it verified
     and its directory's guard (:class:`Step`).
 
+    ``pieces``: where a piecewise job's bytes come from (:class:`Pieces`): each is written at its
+    offset of the attempt's data file and released before the next is read; the commit follows the
+    last, as for a job staged whole.
+
     Raises:
         ZerostallError | OSError: the save failed; this attempt's partial files were removed
             (for a collective save, the error every rank raises).
     """
     if mirror_env:
         _mirror_env(job.env)
-    save = _Save(job, buffers, released, step)
+    save = _Save(job, buffers, released, step, pieces)
     try:
         save.begin()  # the attempt, and the lease on what it will create
         mine = save.plan()  # the leaves this writer writes; their checksums start beside the writes
@@ -231,13 +249,18 @@ class _Save:
     """One save job's state across its phases (:func:`run_save`)."""
 
     def __init__(self, job: SaveJob, buffers: Mapping[int, memoryview], released: Callable[[], None],
-                 step: Step | None) -> None:
+                 step: Step | None, pieces: Pieces | None = None) -> None:
         self.t0 = time.perf_counter()
         self.job = job
         self.storage = open_storage(job.root)
         self.step: Step = step if step is not None else (
             CollectiveStep(job, job.collective, self.storage) if job.collective is not None else SoloStep(job, self.storage))
-        self.views = [buffers[f.buffer] for f in job.files]
+        if job.pieces and (pieces is None or job.collective is not None or len(job.files) != 1):
+            raise WriterError(f"save of {job.path}: a save in pieces is one rank's alone, one data file, and needs "
+                              "its pieces' source")
+        self.pieces = pieces if job.pieces else None
+        #: a piecewise job's bytes are in no buffer of its own: they arrive piece by piece
+        self.views = [] if self.pieces is not None else [buffers[f.buffer] for f in job.files]
         self._released, self.is_released = released, False
         self.lease: Lease | None = None
         self.known: list[int | None] = []
@@ -271,6 +294,9 @@ class _Save:
         """The leaves this writer writes; the CRC32Cs no one took yet start on a thread of their own."""
         job, views = self.job, self.views
         mine = self.step.owned(views, lambda lf: lf.shared)
+        if self.pieces is not None:  # each piece brings its leaves' CRC32Cs (write())
+            self.known = [None] * len(job.leaves)
+            return mine
         self.known = _known(job, self.step.known_crcs)
         todo = [li for li in mine if self.known[li] is None]
 
@@ -299,7 +325,11 @@ class _Save:
         t_write = time.perf_counter()
         try:
             faults.hit("write", job.root)
-            if step.writes:
+            if self.pieces is not None:
+                self.known = _write_pieces(job, step, self.storage, self.pieces)
+                self.written = [lf.to_json() for lf in job.leaves]
+                self.files = [{"name": f.name, "size": f.length} for f in job.files]
+            elif step.writes:
                 self.written, self.files = _write(job, step, self.storage, self.views, mine)
             else:  # the staged images stay where they are (the memory tier)
                 self.written = [lf.to_json() for lf in job.leaves]
@@ -415,6 +445,45 @@ def _write(job: SaveJob, step: Step, storage: Storage, views: list[memoryview],
     _write_compact(storage, step.data_key(name), views, fplan.header, fplan.size,
                    [(lf.file, lf.offset, to.offset, lf.nbytes) for lf, to in zip(leaves, placed, strict=True)])
     return [to.to_json() for to in placed], [{"name": name, "size": fplan.size}]
+
+
+def _write_pieces(job: SaveJob, step: Step, storage: Storage, pieces: Pieces) -> list[int | None]:
+    """Write a piecewise job's one data file from its pieces as they arrive; return each leaf's
+    CRC32C, joined from the pieces' parts.
+
+    Each piece is released once written (the next is read only then), so the trainer stages into
+    at most the buffers it has. The file is durable on return, as a file written whole."""
+    writer = as_piece_writer(storage)
+    if writer is None:
+        raise WriterError(f"save of {job.path}: this storage writes no data file in pieces")
+    parts: list[tuple[tuple[int, int, int], int]] = []
+    f = job.files[0]
+
+    def stream() -> Any:
+        held: SavePiece | None = None
+        try:
+            for _ in range(job.pieces):
+                piece, view = pieces.next()
+                if piece.job != job.id or piece.file != 0 or piece.offset + piece.length > f.length:
+                    raise WriterError(f"save of {job.path}: a piece of {piece.length} bytes at {piece.offset} does not "
+                                      f"belong to this job's file of {f.length} bytes")
+                if held is not None:  # resumed after its write returned
+                    pieces.release(held)
+                held = piece
+                parts.extend(((leaf, lo, hi), crc) for leaf, lo, hi, crc in piece.crcs)
+                yield view[:piece.length], piece.offset
+        finally:
+            if held is not None:
+                pieces.release(held)
+
+    writer.write_pieces(step.data_key(f.name), b"", f.length, stream())
+    crcs = join_crcs(parts, len(job.leaves))
+    for i, (c, lf) in enumerate(zip(crcs, job.leaves, strict=True)):
+        if c is None:
+            if lf.nbytes:
+                raise WriterError(f"save of {job.path}: no piece held leaf {lf.key!r}")
+            crcs[i] = 0  # an empty leaf's checksum
+    return crcs
 
 
 def _write_compact(storage: Storage, key: str, views: list[memoryview], header: bytes, size: int,

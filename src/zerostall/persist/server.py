@@ -13,6 +13,7 @@ import mmap
 import os
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -33,6 +34,7 @@ from zerostall.messages import (
     ProtocolMismatchError,
     Released,
     SaveJob,
+    SavePiece,
     UnmapBuffer,
     WireError,
     WriterStats,
@@ -97,6 +99,44 @@ def _close(m: mmap.mmap) -> None:
             pass  # still referenced: unmapped when the last reference goes, or at exit
 
 
+_Got = tuple[Message, int | None] | None
+
+
+class _PieceFeed:
+    """A piecewise job's pieces, read from the trainer's connection while the job runs
+    (:class:`zerostall.persist.job.Pieces`). Buffers mapped or unmapped meanwhile are handled at
+    once; any other message waits in ``deferred`` for the loop, in order."""
+
+    def __init__(self, intake: Intake, views: dict[int, memoryview], on_buffer: Callable[[Message, int | None], None],
+                 send: Callable[[Message], None], deferred: deque[_Got]) -> None:
+        self._intake, self._views, self._on_buffer, self._send = intake, views, on_buffer, send
+        self._deferred = deferred
+
+    def next(self) -> tuple[SavePiece, memoryview]:
+        while True:
+            got = self._intake.get()
+            if got is None:
+                self._deferred.append(None)  # the loop ends once the job has failed
+                raise WriterError("the trainer's connection ended before the save's last piece; nothing of the save "
+                                  "was committed")
+            msg, fd = got
+            if isinstance(msg, SavePiece) and msg.abort:
+                raise WriterError("the trainer could not stage the rest of this save in pieces; nothing of it was "
+                                  "committed")
+            if isinstance(msg, SavePiece):
+                view = self._views.get(msg.buffer)
+                if view is None:
+                    raise WriterError(f"a piece names buffer {msg.buffer}, which is not mapped")
+                return msg, view
+            if isinstance(msg, (MapBuffer, UnmapBuffer)):
+                self._on_buffer(msg, fd)
+            else:
+                self._deferred.append(got)
+
+    def release(self, piece: SavePiece) -> None:
+        self._send(Released(job=piece.id))
+
+
 def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: bool = True) -> bool:
     """Run jobs from ``conn`` until it closes or says :class:`Close`; introduce itself first.
 
@@ -118,40 +158,51 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
         keeper.report_failed(conn)
     # Read on a thread of its own: a trainer sending while a job runs must never block (see intake).
     intake = Intake(conn)
+
+    def on_buffer(msg: Message, fd: int | None) -> None:
+        if isinstance(msg, MapBuffer):
+            assert fd is not None  # the intake receives a MapBuffer's descriptor with it
+            try:
+                maps[msg.buffer] = mmap.mmap(fd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                if keeper is not None:
+                    keeper.on_map(msg.buffer, fd, msg.size)
+            finally:
+                os.close(fd)
+            views[msg.buffer] = memoryview(maps[msg.buffer])
+        elif isinstance(msg, UnmapBuffer):
+            v = views.pop(msg.buffer, None)
+            if v is not None:
+                v.release()
+            m = maps.pop(msg.buffer, None)
+            if m is not None:
+                _close(m)
+            if keeper is not None:
+                keeper.on_unmap(msg.buffer)
+
+    #: what arrived while a piecewise job read its pieces, handled next
+    deferred: deque[_Got] = deque()
+    feed = _PieceFeed(intake, views, on_buffer, lambda m: _send(conn, m), deferred)
     try:
         while True:
             try:
-                got = intake.get()
+                got = deferred.popleft() if deferred else intake.get()
             except ProtocolMismatchError as exc:
                 print(f"zerostall writer: {exc}", file=sys.stderr, flush=True)
                 return False  # the trainer sees its writer exit; its listener names the mismatch from our Hello
             if got is None:
                 return False
             msg, fd = got
-            if isinstance(msg, MapBuffer):
-                assert fd is not None  # the intake receives a MapBuffer's descriptor with it
-                try:
-                    maps[msg.buffer] = mmap.mmap(fd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                    if keeper is not None:
-                        keeper.on_map(msg.buffer, fd, msg.size)
-                finally:
-                    os.close(fd)
-                views[msg.buffer] = memoryview(maps[msg.buffer])
-            elif isinstance(msg, UnmapBuffer):
-                v = views.pop(msg.buffer, None)
-                if v is not None:
-                    v.release()
-                m = maps.pop(msg.buffer, None)
-                if m is not None:
-                    _close(m)
-                if keeper is not None:
-                    keeper.on_unmap(msg.buffer)
+            if isinstance(msg, (MapBuffer, UnmapBuffer)):
+                on_buffer(msg, fd)
+            elif isinstance(msg, SavePiece):
+                # a piece of a job that failed before reading it: nothing reads its buffer
+                _send(conn, Released(job=msg.id))
             elif isinstance(msg, LeafLayout):
                 layouts[msg.id] = msg
             elif isinstance(msg, ForgetLayout):
                 layouts.pop(msg.id, None)
             elif isinstance(msg, SaveJob):
-                _run(conn, msg, views, keeper, layouts, own_process)
+                _run(conn, msg, views, keeper, layouts, own_process, feed)
                 if keeper is not None:  # a persist after a crash may have failed meanwhile
                     keeper.report_failed(conn)
             elif isinstance(msg, Close):
@@ -170,14 +221,15 @@ def serve(conn: Connection, keeper: HeldSteps | None = None, *, own_process: boo
 
 
 def _run(conn: Connection, job: SaveJob, views: dict[int, memoryview], keeper: HeldSteps | None = None,
-         layouts: dict[int, LeafLayout] | None = None, own_process: bool = True) -> None:
+         layouts: dict[int, LeafLayout] | None = None, own_process: bool = True, feed: _PieceFeed | None = None) -> None:
     try:
         job = resolve_layout(job, layouts or {})
         import_scheme(job.root, job.storage_ref)  # a scheme the trainer registered opens here too
         if keeper is not None and job.memory:
             stats = keeper.run(job, views, lambda m: _send(conn, m))
         else:
-            stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)), mirror_env=own_process)
+            stats = run_save(job, views, lambda: _send(conn, Released(job=job.id)), mirror_env=own_process,
+                             pieces=feed if job.pieces else None)
     except BaseException as exc:  # every failure goes back to the caller's result()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

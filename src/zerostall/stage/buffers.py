@@ -82,6 +82,8 @@ class BufferPool:
         #: buffers allocated over the pool's life, and their bytes (tests and benchmarks read them)
         self.allocations = 0
         self.allocated_bytes = 0
+        #: the most bytes the pool held at once (in slots and parked): what host_memory_limit bounds
+        self.peak_bytes = 0
 
     def acquire(self, timeout: float | None = None) -> Slot:
         with self._cond:
@@ -119,7 +121,27 @@ class BufferPool:
         slot.buffers = [HostBuffer(s, pin=self._pin) for s in sizes]
         self.allocations += len(sizes)
         self.allocated_bytes += sum(b.size for b in slot.buffers)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
         return True
+
+    def resize(self, slots: int) -> None:
+        """Free every buffer and make the pool ``slots`` slots (every slot must be free: the
+        engine waits for its saves first). A layout whose fit under ``host_memory_limit`` differs
+        from the previous one's starts from no buffers, so old and new never add up."""
+        with self._cond:
+            if len(self._free) != len(self._all):
+                raise RuntimeError("resize() with a slot in use")
+            old = [b for s in self._all for b in s.buffers]
+            old += [b for p in self._parked.values() for b in p.buffers]
+            self._parked.clear()
+            self._free = deque(Slot(i) for i in range(slots))
+            self._all = list(self._free)
+        self._close_all(old)
+
+    @property
+    def slots(self) -> int:
+        """How many slots the pool has."""
+        return len(self._all)
 
     def _pick(self, sizes: list[int], signature: tuple[object, ...] | None) -> int | None:
         """The parked set to use: the layout's own, else the smallest one large enough (its

@@ -16,7 +16,7 @@ implements and does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast, runtime_checkable
 
@@ -181,9 +181,10 @@ class FillCache(Protocol):
 
 @runtime_checkable
 class PieceWrites(Protocol):
-    def write_pieces(self, key: str, header: bytes, size: int, pieces: list[tuple[memoryview, int]]) -> None:
-        """Write a new ``size``-byte object: ``header`` at 0, then each ``(bytes, offset)``; gaps are
-        zeros; durable on return; ``FileExistsError`` if ``key`` exists."""
+    def write_pieces(self, key: str, header: bytes, size: int, pieces: Iterable[tuple[memoryview, int]]) -> None:
+        """Write a new ``size``-byte object: ``header`` at 0, then each ``(bytes, offset)`` in order,
+        each written before the next is taken from ``pieces`` (a piecewise save's pieces arrive
+        as they are staged); gaps are zeros; durable on return; ``FileExistsError`` if ``key`` exists."""
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ import os
 import platform
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -95,7 +95,7 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def write_pieces(self, key: str, header: bytes, size: int, pieces: list[tuple[memoryview, int]]) -> None:
+    def write_pieces(self, key: str, header: bytes, size: int, pieces: Iterable[tuple[memoryview, int]]) -> None:
         """Write a new ``size``-byte file: ``header`` at 0, then each ``(bytes, offset)`` piece; durable on return.
 
         Each piece goes from its buffer straight to its offset (no assembled copy); gaps read
