@@ -115,3 +115,18 @@ def test_memory_tier_below_its_slots_is_refused_at_the_first_save(tmp_path: Path
         assert "step 5" in msg and "step_00000005" in msg
         assert ck._engine.pool.allocations == 0  # refused before any byte was staged
         assert ck.latest_step() is None
+
+
+def test_the_advisor_measures_the_piece_waits(tmp_path: Path) -> None:
+    """A save in pieces blocks the caller until its last piece is handed over: the cost on the
+    training thread the advisor reads (Cadence's blocked time, from SaveStats.stall_s) holds the
+    piece waits."""
+    state = {"w": torch.randn(8 << 20)}  # 32 MiB in pieces of 2 MiB
+    with zerostall.Checkpointer(tmp_path, host_memory_limit=LIMIT, save_interval="auto", mtbf_s=3600.0) as ck:
+        r = ck.save_pytree_async(1, state)
+        stats = r.result()
+        assert stats.limit_wait_s > 0.0  # 16 pieces through 2 buffers: the writer had some in hand
+        assert stats.stall_s >= stats.limit_wait_s
+        ck.wait()
+        recorded = [blocked for s, blocked, *_ in ck._cadence._durable if s == 1]
+        assert recorded and recorded[0] >= stats.limit_wait_s
