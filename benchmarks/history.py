@@ -98,8 +98,9 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     """``(figure, value)`` of the benchmarks ``make bench`` runs once, not per size: the save call of
     an unchanged tree of many leaves (``benchmarks/many_leaves.py --targets``), a Hugging Face
     Trainer's checkpoint stall (``benchmarks/hf_trainer.py``), the memory tier's replicas against
-    their socket floors (``benchmarks/replicas.py``) and the signal to durable of a preemption,
-    alone and with a rank behind (``benchmarks/preemption.py``). A benchmark that failed adds none."""
+    their socket floors (``benchmarks/replicas.py``), the host memory each configuration holds
+    (``benchmarks/hostmem.py``) and the signal to durable of a preemption, alone and with a rank
+    behind (``benchmarks/preemption.py``). A benchmark that failed adds none."""
     out: list[tuple[str, float]] = []
     leaves = results.get("leaf_call") or {}
     for key, name in (("call", "leaf_call_x_floor_checkpointer"), ("free", "leaf_call_x_floor_free")):
@@ -129,6 +130,10 @@ def extra_figures(results: Mapping[str, Any]) -> list[tuple[str, float]]:
     rep_job = (results.get("replicas") or {}).get("restore_job_x_floor")
     if _ok(rep_job):
         out.append(("replicas_restore_job_x_floor", float(rep_job)))
+    for config, fig in ((results.get("hostmem") or {}).get("extra_per_byte") or {}).items():
+        for key in ("held_x", "peak_x"):
+            if _ok(fig.get(key)):
+                out.append((f"hostmem_{config.replace('-', '_')}_{key}", float(fig[key])))
     return out
 
 

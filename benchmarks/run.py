@@ -130,9 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only-dip", action="store_true", help="floors and the training dip only (no save/restore runs)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face Trainer benchmark")
     p.add_argument("--no-replicas", action="store_true",
-                   help="skip the memory tier's replicas benchmark (4 ranks on 2 simulated hosts)")
+                   help="skip the memory tier's replicas and host memory benchmarks (4 ranks on 2 simulated hosts)")
     p.add_argument("--replicas-mib", type=int, default=256,
-                   help="MiB of state per rank in the replicas benchmark (default 256)")
+                   help="MiB of state per rank in the replicas and host memory benchmarks (default 256)")
     p.add_argument("--timeout", type=float, default=1800, help="per child process, seconds")
     p.add_argument("--history", default=str(HISTORY),
                    help="CSV the run's figures are appended to (default benchmarks/reference/history.csv; "
@@ -211,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"== memory tier replicas: 4 ranks on 2 hosts, {a.replicas_mib} MiB per rank")
             results["replicas"] = run_child("replicas", ["--mib", str(a.replicas_mib)], a.timeout)
             for line in results["replicas"].get("lines", [f"no result: {results['replicas'].get('error')}"]):
+                log(line)
+        if not a.no_zerostall and not a.only_dip and not a.no_replicas:
+            # host memory held per configuration, PSS of the whole job against the same job without
+            # zerostall (benchmarks/hostmem.py)
+            log(f"== host memory: 4 ranks on 2 hosts, {a.replicas_mib} MiB per rank, PSS against no zerostall")
+            results["hostmem"] = run_child("hostmem", ["--mib", str(a.replicas_mib)], a.timeout)
+            for line in results["hostmem"].get("lines", [f"no result: {results['hostmem'].get('error')}"]):
                 log(line)
         if not a.no_zerostall and not a.only_dip:
             # signal to durable after a preemption notice, against an O_DIRECT write + fsync of the

@@ -143,14 +143,30 @@ def test_the_once_per_run_benchmarks_add_their_figures_and_a_failed_one_adds_non
                "replicas": {"replication_x_floor": 0.3, "lost_x_without": 2.0, "restore_x_floor": None,
                             "restore_job_x_floor": 1.7},
                "preemption": {"held_s": 0.3, "final_s": 0.9, "floor_s": 0.2},
-               "preemption_lag": {"lags": {"0.5": {"final_s": 0.7}, "3": {"final_s": None}}}}
+               "preemption_lag": {"lags": {"0.5": {"final_s": 0.7}, "3": {"final_s": None}}},
+               "hostmem": {"extra_per_byte": {"tier": {"held_x": 2.1, "peak_x": 2.2},
+                                              "in-place": {"held_x": 3.6, "peak_x": None}}}}
     assert dict(history.extra_figures(results)) == {
         "leaf_call_x_floor_checkpointer": 1.2, "leaf_call_x_floor_free": 1.4, "leaf_call_20k_speedup": 2.5,
         "hf_trainer_stall_zerostall_x_hf": 0.02, "hf_trainer_stall_zerostall_x_memcpy": 0.07 / 0.5,
         "replicas_replication_x_floor": 0.3, "replicas_lost_x_without": 2.0,  # no loss without: no ratio
         "preemption_held_durable_x_floor": 0.3 / 0.2, "preemption_final_durable_x_floor": 0.9 / 0.2,
         "preemption_lag0.5_final_durable_after_lag_s": 0.7 - 0.5,  # a lag whose final step was never seen: none
-        "replicas_restore_job_x_floor": 1.7}
+        "replicas_restore_job_x_floor": 1.7,
+        "hostmem_tier_held_x": 2.1, "hostmem_tier_peak_x": 2.2, "hostmem_in_place_held_x": 3.6}
     assert history.extra_figures({"leaf_call": {"error": "timed out"}, "hf_trainer": {"error": "exited 1"},
                                   "replicas": {"error": "timed out"}, "preemption": {"error": "exited 1"},
-                                  "preemption_lag": {"error": "exited 1"}}) == []
+                                  "preemption_lag": {"error": "exited 1"}, "hostmem": {"error": "timed out"}}) == []
+
+
+def test_the_host_memory_benchmark_reports_bytes_held_per_byte_of_state_against_the_job_without_zerostall():
+    from benchmarks import hostmem
+
+    mib = 256
+    state = hostmem.WORLD * (mib << 20)
+    jobs = {"plain": {"held": 10 << 30, "peak": 11 << 30},
+            "replicas": {"held": (10 << 30) + 4 * state, "peak": (11 << 30) + 5 * state},
+            "in-place": {"held": (10 << 30) + 3 * state, "peak": (11 << 30) + 3 * state}}
+    s = hostmem.summarize(mib, jobs)
+    assert s["extra_per_byte"] == {"replicas": {"held_x": 4.0, "peak_x": 5.0}, "in-place": {"held_x": 3.0, "peak_x": 3.0}}
+    assert hostmem.lines(s)[-1].endswith("3.00x vs 4.00x: met")
