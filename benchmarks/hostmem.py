@@ -26,16 +26,16 @@ but the targets line: ``in-place`` holds less than ``replicas``. The last line i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import host_rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -134,9 +134,7 @@ class _Sampler:
 def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> dict[str, int]:
     procs = []
     for r, host in enumerate(HOSTS):
-        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"bench-host-{host}",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        env = host_rank_env(host, port, ROOT)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.hostmem", "--rank", config, str(r), str(tmp / f"run-{config}"),
              str(a.mib), str(a.saves)], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -211,23 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     import torch.distributed as dist
 
-    from benchmarks.measure import RESULT_MARKER
+    from benchmarks.measure import job_scratch, report
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
-    with tempfile.TemporaryDirectory(prefix="zerostall-hostmem-") as tmp, open(Path(tmp) / "log.txt", "w") as log:
-        try:
-            jobs = {c: _job(c, Path(tmp), store.port, a, log) for c in configs}
-        except BaseException:
-            log.flush()
-            print((Path(tmp) / "log.txt").read_text()[-4000:], file=sys.stderr)
-            raise
+    with job_scratch("zerostall-hostmem-") as (tmp, log):
+        jobs = {c: _job(c, tmp, store.port, a, log) for c in configs}
     s = summarize(a.mib, jobs)
-    s["lines"] = lines(s)
-    for line in s["lines"]:
-        print(line, flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(s, indent=1))
-    print(RESULT_MARKER + json.dumps(s), flush=True)
+    report(s, lines(s), a.out)
     return 0
 
 

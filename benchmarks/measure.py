@@ -6,16 +6,18 @@ Kept free of any system under test so that every system is timed with the same c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,6 +278,17 @@ def emit(result: dict[str, Any]) -> None:
     print(RESULT_MARKER + json.dumps(result), flush=True)
 
 
+def report(summary: dict[str, Any], lines: list[str], out: str | None) -> None:
+    """A benchmark's end: its lines on stdout (kept in ``summary["lines"]``), the summary JSON to
+    ``out`` if given, then the marked result line."""
+    summary["lines"] = lines
+    for line in lines:
+        print(line, flush=True)
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=1))
+    emit(summary)
+
+
 def parse_child_output(stdout: str) -> dict[str, Any] | None:
     """Find the marked JSON line in a child's stdout; None if the child died before it."""
     for line in reversed(stdout.splitlines()):
@@ -469,3 +482,24 @@ def measure_system(system: System, state: Any, directory: Path, repeats: int) ->
             remove(path)
         system.close()
     return out
+
+
+@contextlib.contextmanager
+def job_scratch(prefix: str) -> Iterator[tuple[Path, Any]]:
+    """A scratch directory and, in it, the log the job's processes write their stderr to; if the
+    block fails, the log's tail goes to this process's stderr before the directory is removed."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, open(Path(tmp) / "log.txt", "w") as log:
+        try:
+            yield Path(tmp), log
+        except BaseException:
+            log.flush()
+            print((Path(tmp) / "log.txt").read_text()[-4000:], file=sys.stderr)
+            raise
+
+
+def host_rank_env(host: str, port: int, root: Path) -> dict[str, str]:
+    """A rank's environment on simulated host ``host`` (``ZEROSTALL_HOST_ID``) of a job whose store
+    is at 127.0.0.1:``port``, importing ``benchmarks`` and ``zerostall`` from ``root``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"bench-host-{host}",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]))

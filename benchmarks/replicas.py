@@ -45,11 +45,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import host_rank_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
@@ -177,9 +178,7 @@ def _start(phase: str, d: Path, hosts: list[str], port: int, a: argparse.Namespa
            log: Any) -> list[subprocess.Popen[str]]:
     procs = []
     for r, host in enumerate(hosts):
-        env = dict(os.environ, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"bench-host-{host}",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        env = host_rank_env(host, port, ROOT)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.replicas", "--rank", phase, str(r), str(d), str(a.mib),
              str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json"), str(a.between_s)],
@@ -346,29 +345,19 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "src"))
     import torch.distributed as dist
 
-    from benchmarks.measure import RESULT_MARKER
+    from benchmarks.measure import job_scratch, report
     from benchmarks.replica import socket_floor_s
 
     n = a.mib << 20
     floors = socket_floor_s(n, a.floor_repeats)
     together = concurrent_floor_s(n, a.floor_repeats)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
-    with tempfile.TemporaryDirectory(prefix="zerostall-replicas-") as tmp, open(Path(tmp) / "log.txt", "w") as log:
-        try:
-            jobs = {k: _job(Path(tmp), store.port, a, k, log) for k in (0, 1)}
-        except BaseException:
-            log.flush()
-            print((Path(tmp) / "log.txt").read_text()[-4000:], file=sys.stderr)
-            raise
+    with job_scratch("zerostall-replicas-") as (tmp, log):
+        jobs = {k: _job(tmp, store.port, a, k, log) for k in (0, 1)}
     floors += socket_floor_s(n, a.floor_repeats)
     together += concurrent_floor_s(n, a.floor_repeats)
     s = summarize(a.mib, floors, jobs, together)
-    for line in lines(s):
-        print(line, flush=True)
-    s["lines"] = lines(s)
-    if a.out:
-        Path(a.out).write_text(json.dumps(s, indent=1))
-    print(RESULT_MARKER + json.dumps(s), flush=True)
+    report(s, lines(s), a.out)
     return 0
 
 
