@@ -160,7 +160,8 @@ class ReplicaCost:
             a peer, on top of ``MeasuredCosts.memory.restore_s``.
         host_bytes: host memory one replica takes on the host that holds it: with zerostall's
             keepers two copies of the rank's state (the bytes a save stages): the newest replica
-            and the buffers the next one arrives into; None when unknown.
+            and the buffers the next one arrives into (one with ``MemoryTier(replicas_in_place=True)``);
+            None when unknown.
 
     Raises:
         AdviceError: a time is negative or not finite, or ``host_bytes`` is not an int >= 0.

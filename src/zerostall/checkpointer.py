@@ -835,9 +835,12 @@ class Checkpointer:
     def _with_replica_bytes(self, c: MeasuredCosts, *, measured: bool) -> MeasuredCosts:
         """``c`` with its replica's ``host_bytes`` from this rank's newest save (a holder keeps two
         copies of the bytes a save stages: the newest replica, and the buffers of the one it
-        replaced, which the next arrives into). Measured costs without a replica get one that
-        costs no time: the measured memory-only saves returned once the replicas held them."""
-        newest = 2 * self._committed[-1].stats.nbytes if self._committed else None
+        replaced, which the next arrives into; one with ``replicas_in_place``). Measured costs
+        without a replica get one that costs no time: the measured memory-only saves returned
+        once the replicas held them."""
+        assert self.memory_tier is not None
+        copies = 1 if self.memory_tier.replicas_in_place else 2
+        newest = copies * self._committed[-1].stats.nbytes if self._committed else None
         if c.replica is None:
             return dataclasses.replace(c, replica=ReplicaCost(host_bytes=newest)) if measured else c
         if c.replica.host_bytes is None and newest is not None:

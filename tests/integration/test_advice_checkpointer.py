@@ -208,7 +208,8 @@ given = MeasuredCosts(step_s=1.0, persisted=SaveCost(blocked_s=0.1, background_s
                       memory=SaveCost(blocked_s=0.1, background_s=0.1, durable_s=0.5))
 out = {}
 with Checkpointer(d, save_options=opts, save_interval="auto", mtbf_s=0.5,
-                  memory_tier=MemoryTier(linger_s=0, replicas=1)) as ck:
+                  memory_tier=MemoryTier(linger_s=0, replicas=1,
+                                         replicas_in_place=os.environ.get("ZS_IN_PLACE") == "1")) as ck:
     # the keeper took the replica setup (torch imported, receivers up) before the constructor returned
     out["keeper_ready"] = "libtorch" in open(f"/proc/{ck._engine.writer.pid}/maps").read()
     saved = []
@@ -239,10 +240,13 @@ dist.destroy_process_group()
 """
 
 
-def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["two-copies", "in-place"])
+def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_memory(tmp_path: Path,
+                                                                                      in_place: bool) -> None:
     """Two gloo ranks on two simulated hosts, ``MemoryTier(replicas=1)``: the constructor returns
-    with its keeper ready to replicate, ``advice()`` models three tiers, the replica's host memory is twice the bytes each rank's save staged, and "auto" advises with
-    the replicas."""
+    with its keeper ready to replicate, ``advice()`` models three tiers, the replica's host memory
+    is twice the bytes each rank's save staged (once with ``replicas_in_place``), and "auto"
+    advises with the replicas."""
     import json
     import os
     import subprocess
@@ -257,7 +261,7 @@ def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_m
     with open(tmp_path / "log.txt", "w") as log:
         for r, host in enumerate(("a", "b")):
             env = dict(os.environ, PYTHONPATH=src, OMP_NUM_THREADS="1", ZEROSTALL_HOST_ID=f"host-{host}",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), ZS_IN_PLACE="1" if in_place else "0")
             procs.append(subprocess.Popen([sys.executable, "-c", REPLICA_RANK, str(r), str(tmp_path / "run")],
                                           env=env, stderr=log))
         try:
@@ -273,7 +277,8 @@ def test_advice_of_a_checkpointer_with_replicas_has_the_peer_tier_and_its_host_m
         assert out["auto"][0] == 1 and out["auto"][1] in (1, None if r else 1)  # "auto" follows rank 0's advice
         for name in ("measured", "given", "mix"):  # the memory tier's replicas reach the advice
             assert out[name]["replicas"] == 1 and out[name]["tiers"] == ["memory", "peer", "storage"], out
-            assert out[name]["host_bytes"] == 2 * out["nbytes"], out  # the held replica and the next one's buffers
+            # the held replica and the next one's buffers, or the one replica received in place
+            assert out[name]["host_bytes"] == (1 if in_place else 2) * out["nbytes"], out
         assert not any("not measured" in c for c in out["measured"]["caveats"])  # counted in the memory saves
         assert out["mix"]["shares"] == pytest.approx([0.4, 0.5, 0.1])
         # given costs without a replica: replication unmeasured, said, its host memory unknown
