@@ -157,8 +157,22 @@ def test_each_member_holds_its_stripes_parity_and_any_one_share_is_rebuilt_bit_f
             assert step.lengths == [len(v) for v in shares[lost][1]]
         finally:
             step.close()
-    for h in held.values():
-        h.close()
+    groups = _form(store.port, g, g + 1)  # the next step's parity forms in this one's buffer
+    try:
+        spares = {m: held[m].parity for m in range(g)}
+        for b in spares.values():
+            np.frombuffer(b.view, dtype=np.uint8)[:] = 0xAA  # a stale byte would show
+        nxt = _together({m: lambda m=m: groups[m].exchange(6, *shares[m], spare=spares[m])  # type: ignore[misc]
+                         for m in range(g)})
+    finally:
+        _close(groups)
+    for m in range(g):
+        assert not isinstance(nxt[m], BaseException), nxt[m]
+        assert nxt[m].step == 6 and nxt[m].parity is spares[m]
+        want = bytearray(layout.chunk)
+        encode(layout, m, {k: shares[k][1] for k in range(g) if k != m}, memoryview(want))
+        assert bytes(nxt[m].view()) == bytes(want)
+        nxt[m].close()
 
 
 def _leaf_at(manifest: bytes, pos: int) -> str:
@@ -208,6 +222,19 @@ def test_a_member_that_never_exchanges_fails_the_others_exchange_naming_it(tmp_p
     for m in (0, 1):
         assert isinstance(got[m], ReplicaError), got[m]
         assert "member 2" in str(got[m]) and "step 5" in str(got[m])
+
+
+def test_members_exchanging_different_steps_all_refuse(tmp_path: Path, store: Any) -> None:
+    shares = _shares(tmp_path, 3)
+    groups = _form(store.port, 3, 0)
+    try:
+        got = _together({m: lambda m=m: groups[m].exchange(5 if m == 0 else 6, *shares[m])  # type: ignore[misc]
+                         for m in range(3)})
+    finally:
+        _close(groups)
+    for m in range(3):
+        assert isinstance(got[m], ReplicaError), got[m]
+    assert "expected step 5's exchange" in str(got[0])
 
 
 def test_a_member_with_another_secret_is_refused_and_the_group_cannot_exchange(tmp_path: Path,

@@ -404,8 +404,15 @@ class ParityGroup:
                     return f"member {p} sent {d.get('op')} of step {d.get('step')}, expected {what}"
                 return self._check_manifest(man, f"member {lost}'s step {step}", None, None)
 
-            got = self._all({(s, False): functools.partial(self._recv_head, ins[s], check, step, answer=False)
-                             for s in survivors}, what)
+            got: dict[tuple[int, bool], _Head] = {}
+            try:
+                self._all({(s, False): functools.partial(self._recv_head, ins[s], check, step, answer=False)
+                           for s in survivors}, what, got)
+            except ReplicaError:
+                # the survivors whose header passed wait for a verdict: refuse, so they raise now
+                self._all({k: functools.partial(ins[k[0]].code, _REFUSE, _ACCEPT, "the header's verdict")
+                           for k in got}, what)
+                raise
             heads = [got[s, False] for s in survivors]
             first = heads[0]
             agree = all(h.manifest == first.manifest and h.fields.get("sizes") == first.fields.get("sizes")
@@ -490,11 +497,13 @@ class ParityGroup:
             self._kept.extend(link.live)
         return ReplicaError(why)
 
-    def _all(self, jobs: dict[tuple[int, bool], Callable[[], _T]], what: str) -> dict[tuple[int, bool], _T]:
+    def _all(self, jobs: dict[tuple[int, bool], Callable[[], _T]], what: str,
+             out: dict[tuple[int, bool], _T] | None = None) -> dict[tuple[int, bool], _T]:
         """Run every job on its own thread, wait for all (each wait inside is bounded), and raise
-        the first failure, by member, naming it and ``what``."""
+        the first failure, by member, naming it and ``what``; the results, by job, go in ``out``
+        (those that succeeded, if one failed) and are returned."""
         futs = {k: self._pool.submit(f) for k, f in jobs.items()}
-        out: dict[tuple[int, bool], _T] = {}
+        out = {} if out is None else out
         errs: list[tuple[tuple[int, bool], BaseException]] = []
         for k, f in futs.items():
             err = f.exception()  # every job is waited for before one raises
