@@ -259,3 +259,21 @@ def test_unavailable_namespaces_raise_naming_why(tmp_path: Path, monkeypatch: py
         said = f.read().decode()
     os.waitpid(pid, 0)
     assert "root" in said, said
+
+
+def test_shared_paths_are_bound_once_and_a_checkout_under_tmp_is_among_them(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A host's private /tmp hides whatever lies under /tmp: a checkout or virtualenv there is
+    shared into every host (else no process started in one could import zerostall); a path inside
+    another shared one is bound once, through the outer one."""
+    from pathlib import Path
+
+    import nshosts
+
+    assert nshosts._outermost([Path("/a/b"), Path("/a"), Path("/c"), Path("/a")]) == (Path("/a"), Path("/c"))
+    venv = tmp_path / "clone" / ".venv"
+    venv.mkdir(parents=True)
+    assert Path("/tmp") in venv.resolve().parents  # pytest's tmp_path lies under /tmp here
+    monkeypatch.setattr(nshosts.sys, "prefix", str(venv))
+    monkeypatch.setattr(nshosts.sys, "base_prefix", "/usr")
+    hidden = nshosts._hidden_by_private_tmp()
+    assert venv.resolve() in hidden and Path("/usr") not in hidden

@@ -13,7 +13,9 @@ memory, a host whose network fails) gets them here as namespaces on this one mac
   gloo and torch.distributed pick their interface. Every process started in a host shares that
   host's ``/dev/shm``, ``/tmp`` and hostname; processes of different hosts do not;
 * the ``shared`` paths (typically the test's ``tmp_path``) are visible read-write at the same path
-  in every host: the "shared filesystem" that checkpoint storage lives on;
+  in every host: the "shared filesystem" that checkpoint storage lives on; so are this checkout
+  and the running interpreter's environment when they lie under ``/tmp`` or ``/dev/shm`` (a clone
+  in /tmp), which the private tmpfs would otherwise hide from every process started in a host;
 * ``cut`` and ``restore`` take a host's switch port down and up: a network failure without netem;
   a SIGSTOPped process is a hung peer (its kernel still completes connects, it answers nothing).
 
@@ -275,6 +277,22 @@ def _remove_stale() -> list[str]:
     return removed
 
 
+def _hidden_by_private_tmp() -> list[Path]:
+    """This checkout and the interpreter's environments, where a host's private ``/tmp`` or
+    ``/dev/shm`` would hide them (the processes started in it import zerostall and its tests from there)."""
+    out = []
+    for p in (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()):
+        if any(Path(t) in p.parents for t in ("/tmp", "/dev/shm")) and p.is_dir():
+            out.append(p)
+    return out
+
+
+def _outermost(paths: Sequence[Path]) -> tuple[Path, ...]:
+    """``paths`` without repeats and without those inside another: each is bound once."""
+    uniq = sorted(set(paths), key=lambda p: len(p.parts))
+    return tuple(p for i, p in enumerate(uniq) if not any(q in p.parents for q in uniq[:i]))
+
+
 class Hosts:
     """N hosts made of namespaces; see the module docstring. Use as a context manager, or call
     :meth:`close`, which also runs when the ``with`` block raises.
@@ -290,10 +308,11 @@ class Hosts:
         for n in self.names:
             if not _NAME_RE.match(n):
                 raise ValueError(f"host name {n!r} is not a DNS label (a-z, 0-9, -)")
-        self.shared: tuple[Path, ...] = tuple(Path(p).resolve() for p in shared)
-        for p in self.shared:
+        given = [Path(p).resolve() for p in shared]
+        for p in given:
             if not p.is_dir():
                 raise ValueError(f"shared path {p} is not a directory")
+        self.shared: tuple[Path, ...] = _outermost([*given, *_hidden_by_private_tmp()])
         missing = [t for t in _TOOLS if shutil.which(t) is None]
         if missing:
             raise NamespacesUnavailable(f"not on PATH: {', '.join(missing)}")
