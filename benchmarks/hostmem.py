@@ -10,7 +10,11 @@ is one float32 tensor of ``--mib`` MiB. One job per configuration:
 * ``storage``: ``Checkpointer(directory)``: every save persisted, no memory tier;
 * ``tier``: ``MemoryTier()`` (memory-only saves: ``persist_interval_steps`` is far away);
 * ``replicas``: ``MemoryTier(replicas=1)`` (each rank's step also in the keeper of the rank one host over);
-* ``in-place``: ``MemoryTier(replicas=1, replicas_in_place=True)`` (that holder keeps one copy, not two).
+* ``in-place``: ``MemoryTier(replicas=1, replicas_in_place=True)`` (that holder keeps one copy, not two);
+* ``limit``: one rank alone (no torch.distributed: a save in pieces is one rank's), a
+  ``Checkpointer(directory, host_memory_limit=state / 4)``: every save in pieces, then a load in
+  place; measured against ``solo``, the same process without zerostall, and beside the staging
+  pool's own high-water mark (``BufferPool.peak_bytes``), which the limit bounds.
 
 Each job saves ``--saves`` + 1 steps, each waited for (``result()``), then holds still. While it
 runs, a sampler here reads the PSS (``/proc/PID/smaps_rollup``) of every process of the job: the
@@ -41,12 +45,38 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 HOSTS = ["A", "A", "B", "B"]
 TIMEOUT_S = 120.0
-CONFIGS = ("plain", "storage", "tier", "replicas", "in-place")
+CONFIGS = ("plain", "storage", "tier", "replicas", "in-place", "limit")
+#: one-process configurations, measured against ``solo``
+SOLO = ("solo", "limit")
 #: seconds between PSS samples
 SAMPLE_S = 0.05
 
 
+def _limit_main(config: str, d: str, mib: int, saves: int) -> None:
+    import torch
+
+    w = torch.full(((mib << 20) // 4,), 1.0)
+    if config == "limit":
+        from zerostall import Checkpointer
+
+        with Checkpointer(d, host_memory_limit=(mib << 20) // 4) as ck:
+            print("WRITER", ck._engine.writer.pid, flush=True)
+            for step in range(1, saves + 2):
+                w.fill_(float(step))
+                ck.save_pytree(step, {"w": w, "step": step})
+            ck.load_pytree(template={"w": w, "step": 0})  # a restore, in place
+            print("POOL", ck._engine.pool.peak_bytes, flush=True)
+            print("READY", flush=True)
+            sys.stdin.read()
+        return
+    print("READY", flush=True)
+    sys.stdin.read()
+
+
 def rank_main(config: str, rank: int, d: str, mib: int, saves: int) -> None:
+    if config in SOLO:
+        _limit_main(config, d, mib, saves)
+        return
     import torch
     import torch.distributed as dist
 
@@ -133,7 +163,7 @@ class _Sampler:
 
 def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> dict[str, int]:
     procs = []
-    for r, host in enumerate(HOSTS):
+    for r, host in enumerate(HOSTS[:1] if config in SOLO else HOSTS):
         env = host_rank_env(host, port, ROOT)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.hostmem", "--rank", config, str(r), str(tmp / f"run-{config}"),
@@ -141,6 +171,7 @@ def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> 
             stderr=log, text=True))
     roots = {p.pid for p in procs}
     sampler = _Sampler(roots)
+    pool = None
     try:
         for p in procs:
             assert p.stdout is not None
@@ -151,6 +182,8 @@ def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> 
                 head, _, rest = line.strip().partition(" ")
                 if head == "WRITER":
                     roots.add(int(rest))  # a keeper in a session of its own: counted even if re-parented
+                if head == "POOL":
+                    pool = int(rest)
                 if head == "READY":
                     break
         time.sleep(1.0)  # let the last transfer's buffers settle
@@ -166,14 +199,20 @@ def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> 
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    return {"held": held, "peak": sampler.peak}
+    return {"held": held, "peak": sampler.peak, **({"pool_peak": pool} if pool is not None else {})}
 
 
 def summarize(mib: int, jobs: dict[str, dict[str, int]]) -> dict[str, Any]:
-    state = WORLD * (mib << 20)
-    base = jobs["plain"]
-    per = {c: {"held_x": (j["held"] - base["held"]) / state, "peak_x": (j["peak"] - base["peak"]) / state}
-           for c, j in jobs.items() if c != "plain"}
+    per: dict[str, dict[str, float]] = {}
+    for c, j in jobs.items():
+        if c in ("plain", "solo"):
+            continue
+        solo = c in SOLO
+        base, state = jobs["solo" if solo else "plain"], (1 if solo else WORLD) * (mib << 20)
+        per[c] = {"held_x": (j["held"] - base["held"]) / state, "peak_x": (j["peak"] - base["peak"]) / state}
+        if "pool_peak" in j:
+            per[c]["pool_peak_x"] = j["pool_peak"] / state
+            per[c]["limit_x"] = 0.25
     return {"mib": mib, "world": WORLD, "hosts": len(set(HOSTS)), "jobs": jobs, "extra_per_byte": per}
 
 
@@ -181,7 +220,12 @@ def lines(s: dict[str, Any]) -> list[str]:
     out = [f"host memory zerostall holds, {s['world']} ranks x {s['mib']} MiB on {s['hosts']} hosts "
            "(PSS of the whole job minus the same job without zerostall, per byte of state):"]
     for c, v in s["extra_per_byte"].items():
-        out.append(f"  {c:10s} held {v['held_x']:5.2f}x   peak during saves {v['peak_x']:5.2f}x")
+        line = f"  {c:10s} held {v['held_x']:5.2f}x   peak during saves {v['peak_x']:5.2f}x"
+        if "limit_x" in v:
+            line += (f"   (one rank; host_memory_limit {v['limit_x']:.2f}x, staging pool's peak "
+                     f"{v['pool_peak_x']:.2f}x: {'within' if v['pool_peak_x'] <= v['limit_x'] else 'OVER'} the limit; "
+                     "the rest is the writer process)")
+        out.append(line)
     per = s["extra_per_byte"]
     if "replicas" in per and "in-place" in per:
         less = per["in-place"]["held_x"] < per["replicas"]["held_x"]
@@ -202,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
     p.add_argument("--out", default=None, help="write the summary JSON here")
     a = p.parse_args(argv)
-    configs = ["plain", *[c for c in a.configs.split(",") if c and c != "plain"]]
-    bad = [c for c in configs if c not in CONFIGS]
+    asked = [c for c in a.configs.split(",") if c and c not in ("plain", "solo")]
+    configs = ["plain", *(["solo"] if any(c in SOLO for c in asked) else []), *asked]
+    bad = [c for c in configs if c not in (*CONFIGS, "solo")]
     if bad:
         p.error(f"unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}")
     sys.path.insert(0, str(ROOT / "src"))

@@ -170,3 +170,10 @@ def test_the_host_memory_benchmark_reports_bytes_held_per_byte_of_state_against_
     s = hostmem.summarize(mib, jobs)
     assert s["extra_per_byte"] == {"replicas": {"held_x": 4.0, "peak_x": 5.0}, "in-place": {"held_x": 3.0, "peak_x": 3.0}}
     assert hostmem.lines(s)[-1].endswith("3.00x vs 4.00x: met")
+    # the limit's job is one rank, measured against one process without zerostall
+    one = mib << 20
+    jobs |= {"solo": {"held": 1 << 30, "peak": 1 << 30},
+             "limit": {"held": (1 << 30) + one // 2, "peak": (1 << 30) + one, "pool_peak": one // 4}}
+    s = hostmem.summarize(mib, jobs)
+    assert s["extra_per_byte"]["limit"] == {"held_x": 0.5, "peak_x": 1.0, "pool_peak_x": 0.25, "limit_x": 0.25}
+    assert "staging pool's peak 0.25x: within the limit" in " ".join(hostmem.lines(s))
