@@ -289,7 +289,7 @@ def _hidden_by_private_tmp() -> list[Path]:
 
 def _outermost(paths: Sequence[Path]) -> tuple[Path, ...]:
     """``paths`` without repeats and without those inside another: each is bound once."""
-    uniq = sorted(set(paths), key=lambda p: len(p.parts))
+    uniq = sorted(set(paths), key=lambda p: (len(p.parts), str(p)))
     return tuple(p for i, p in enumerate(uniq) if not any(q in p.parents for q in uniq[:i]))
 
 

@@ -93,10 +93,6 @@ class _Head:
     nonces: tuple[bytes, bytes]
 
 
-class _Refused(ReplicaError):
-    """A header the receiver checked and refused: the link stays usable."""
-
-
 def _views(share: Sequence[memoryview]) -> list[memoryview]:
     out = []
     for v in share:
@@ -549,7 +545,7 @@ class ParityGroup:
         link.wait(link.send(torch.tensor([len(head), len(manifest)], dtype=torch.int64), _LENS), "the header")
         link.wait(link.send(torch.frombuffer(bytearray(head + manifest + tag), dtype=torch.uint8), _HEAD), "the header")
         if link.code(None, _ACCEPT, "the header's verdict") != OK:
-            raise _Refused(f"{link.who} refused step {step}'s header")
+            raise ReplicaError(f"{link.who} refused step {step}'s header")
         return nr, ns
 
     def _recv_head(self, link: Link, check: Callable[[int, dict[str, Any], bytes], str | None], step: int, *,
@@ -588,7 +584,7 @@ class ParityGroup:
                     why = check(link.peer, d, manifest)
         if why is not None:
             link.code(_REFUSE, _ACCEPT, "the header's verdict")
-            raise _Refused(why)
+            raise ReplicaError(why)
         if answer:
             link.code(OK, _ACCEPT, "the header's verdict")
         return _Head(d, manifest, (nr, ns))
@@ -603,7 +599,7 @@ class ParityGroup:
         link.wait(link.send(torch.frombuffer(bytearray(sized.ljust(_MAX_SIZES, b" ") + tag), dtype=torch.uint8),
                             _SIZES), "the group's sizes")
         if link.code(None, _SIZES_OK, "the sizes' verdict") != OK:
-            raise _Refused(f"{link.who} computed other share sizes of step {step}'s group")
+            raise ReplicaError(f"{link.who} computed other share sizes of step {step}'s group")
         self._send_pieces(link, src)
         if link.code(None, _FINAL, "the receiver's verdict") != OK:
             raise ReplicaError(f"{link.who} refused the chunk of step {step}")
@@ -622,7 +618,7 @@ class ParityGroup:
         same = raw[:_MAX_SIZES].rstrip(b" ") == sized
         link.code(OK if ok and same else _REFUSE, _SIZES_OK, "the sizes' verdict")
         if not (ok and same):
-            raise _Refused(f"{link.who} {'computed other share sizes' if ok else 'sent sizes that do not authenticate'}"
+            raise ReplicaError(f"{link.who} {'computed other share sizes' if ok else 'sent sizes that do not authenticate'}"
                            f" for step {step}'s group")
         plan = [(pos, k) for _, _, k, pos in _plan(files, span[0], span[1], int(head.fields["chunk"]))]
         self._recv_pieces(link, None, (plan, into))
