@@ -11,13 +11,15 @@ from __future__ import annotations
 import hmac
 import secrets
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
+from zerostall.buffers import HostBuffer
 from zerostall.errors import ReplicaError
-from zerostall.memtier.auth import log, mac
+from zerostall.memtier.auth import Formation, Member, log, mac
 
-__all__ = ["OK", "Link", "prove"]
+__all__ = ["OK", "GroupEnd", "Link", "prove"]
 
 OK, _REFUSED = 0, 1
 _NONCE, _PROOF, _VERDICT = 1, 2, 3
@@ -97,3 +99,34 @@ def prove(link: Link, key: bytes, group_id: str) -> tuple[bytes, bytes]:
     if verdict[0] != OK:
         raise link.broken(link, f"{link.who} refused this keeper's link proof")
     return nr, ns
+
+
+class GroupEnd:
+    """What a keeper group's end holds and how it is dropped, shared by the replica and parity
+    transports: the proven formation, the gloo process group, the threads its transfers use, and
+    what failed transfers keep alive (gloo may still touch it) until :meth:`close`."""
+
+    formation: Formation
+    _pg: Any
+    _threads: ThreadPoolExecutor
+    _kept: list[Any]
+
+    @property
+    def members(self) -> dict[int, Member]:
+        return self.formation.members
+
+    @property
+    def refused(self) -> dict[int, str]:
+        return self.formation.refused
+
+    def close(self) -> None:
+        """Drop the transport; then free what failed transfers kept alive."""
+        self._threads.shutdown(wait=True)
+        pg, self._pg = self._pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            pg.shutdown()
+        del pg
+        for b in self._kept:
+            if isinstance(b, HostBuffer):
+                b.close()
+        self._kept = []

@@ -52,8 +52,8 @@ from zerostall.errors import InvalidArgumentError, ReplicaError, ZerostallError
 from zerostall.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from zerostall.jobstore import bounded
 from zerostall.lease import host_id
-from zerostall.memtier.auth import Formation, Member, form, job_key, mac
-from zerostall.memtier.link import OK, Link, prove
+from zerostall.memtier.auth import Formation, form, job_key, mac
+from zerostall.memtier.link import OK, GroupEnd, Link, prove
 from zerostall.memtier.parity import Accumulator, ParityLayout, xor_into
 from zerostall.memtier.replica import CHUNK_BYTES, WINDOW, ReceivedStep, ReplicaOf, _first_bad, _LeafSpans
 
@@ -135,7 +135,7 @@ def _survivors(size: int, lost: int, alive: Iterable[int]) -> list[int]:
     return [m for m in range(size) if m != lost]
 
 
-class ParityGroup:
+class ParityGroup(GroupEnd):
     """The ``size`` keepers of job ``job_id``'s parity group ``group``, this one ``member``.
 
     Arguments as :class:`~zerostall.memtier.replica.ReplicaGroup`'s (a store or its
@@ -182,27 +182,7 @@ class ParityGroup:
         self._kept: list[Any] = []
         self._lock = threading.Lock()
         self._op = threading.Lock()
-        self._pool = ThreadPoolExecutor(2 * size, thread_name_prefix="zerostall-parity")
-
-    @property
-    def members(self) -> dict[int, Member]:
-        return self.formation.members
-
-    @property
-    def refused(self) -> dict[int, str]:
-        return self.formation.refused
-
-    def close(self) -> None:
-        """Drop the transport; then free what failed transfers kept alive."""
-        self._pool.shutdown(wait=True)
-        pg, self._pg = self._pg, None
-        if pg is not None and hasattr(pg, "shutdown"):
-            pg.shutdown()
-        del pg
-        for b in self._kept:
-            if isinstance(b, HostBuffer):
-                b.close()
-        self._kept = []
+        self._threads = ThreadPoolExecutor(2 * size, thread_name_prefix="zerostall-parity")
 
     def __enter__(self) -> ParityGroup:
         return self
@@ -498,7 +478,7 @@ class ParityGroup:
         """Run every job on its own thread, wait for all (each wait inside is bounded), and raise
         the first failure, by member, naming it and ``what``; the results, by job, go in ``out``
         (those that succeeded, if one failed) and are returned."""
-        futs = {k: self._pool.submit(f) for k, f in jobs.items()}
+        futs = {k: self._threads.submit(f) for k, f in jobs.items()}
         out = {} if out is None else out
         errs: list[tuple[tuple[int, bool], BaseException]] = []
         for k, f in futs.items():

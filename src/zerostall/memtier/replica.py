@@ -44,9 +44,9 @@ from zerostall.errors import ReplicaError, ZerostallError
 from zerostall.format.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from zerostall.jobstore import bounded
 from zerostall.lease import host_id
-from zerostall.memtier.auth import Formation, Member, form, job_key, log, mac
+from zerostall.memtier.auth import Formation, form, job_key, log, mac
 from zerostall.memtier.link import OK as _OK
-from zerostall.memtier.link import Link, prove
+from zerostall.memtier.link import GroupEnd, Link, prove
 
 __all__ = ["CHUNK_BYTES", "ReplicaOf", "OutgoingStep", "ReceivedStep", "ReplicaGroup", "Scatter"]
 
@@ -129,7 +129,7 @@ class _Refusal:
     why: str
 
 
-class ReplicaGroup:
+class ReplicaGroup(GroupEnd):
     """The keepers of job ``job_id``: ``size`` of them, this one ``member`` (0 .. size-1).
 
     ``store`` is a ``torch.distributed`` store (the job's ``TCPStore`` under torchrun, or one
@@ -175,27 +175,7 @@ class ReplicaGroup:
         self._busy: set[tuple[int, bool]] = set()
         self._lock = threading.Lock()
         self._kept: list[Any] = []
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="zerostall-replica-crc")
-
-    @property
-    def members(self) -> dict[int, Member]:
-        return self.formation.members
-
-    @property
-    def refused(self) -> dict[int, str]:
-        return self.formation.refused
-
-    def close(self) -> None:
-        """Drop the transport; then free what failed transfers kept mapped."""
-        self._verifier.shutdown(wait=True)
-        pg, self._pg = self._pg, None
-        if pg is not None and hasattr(pg, "shutdown"):
-            pg.shutdown()
-        del pg
-        for b in self._kept:
-            if isinstance(b, HostBuffer):
-                b.close()
-        self._kept = []
+        self._threads = ThreadPoolExecutor(1, thread_name_prefix="zerostall-replica-crc")
 
     def __enter__(self) -> ReplicaGroup:
         return self
@@ -445,7 +425,7 @@ class ReplicaGroup:
                 nxt += 1
             w, fi, a, n = posted.pop(0)
             link.wait(w, "receiving a piece")
-            jobs.append(self._verifier.submit(crcs, fi, a, n))
+            jobs.append(self._threads.submit(crcs, fi, a, n))
         return _first_bad(man, [p for j in jobs for p in j.result()])
 
     def _recv_scattered(self, link: Link, man: Manifest, scatter: Scatter, lengths: list[int],
@@ -517,7 +497,7 @@ class ReplicaGroup:
                 nxt += 1
             w, fi, a, n, t, slot = posted.pop(0)
             link.wait(w, "receiving a piece")
-            job = self._verifier.submit(check, fi, a, n, t, slot is not None)
+            job = self._threads.submit(check, fi, a, n, t, slot is not None)
             jobs.append(job)
             if slot is not None:
                 in_flight.discard(slot)
