@@ -220,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             for line in results["hostmem"].get("lines", [f"no result: {results['hostmem'].get('error')}"]):
                 log(line)
         if not a.no_zerostall and not a.only_dip:
+            # the parity codec's encode and rebuild rates against a memcpy and a plain XOR of the
+            # same bytes in the same run (benchmarks/parity.py)
+            log("== parity codec: G = 4 and 8, 256 MiB shares, against memcpy and XOR")
+            results["parity"] = run_child("parity", ["--mib", "256"], a.timeout)
+            for line in results["parity"].get("lines", [f"no result: {results['parity'].get('error')}"]):
+                log(line)
             # signal to durable after a preemption notice, against an O_DIRECT write + fsync of the
             # same bytes in the same directory (benchmarks/preemption.py)
             log("== preemption: signal to durable, 256 MiB")
