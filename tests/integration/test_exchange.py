@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from memtier_procs import stop
+
 from zerostall.distributed.exchange import decode, encode
 
 RANK = """
@@ -68,7 +70,7 @@ def test_an_exchange_a_rank_stops_answering_ends_at_timeout_s_naming_that_rank(t
         assert procs[1].stdout is not None and procs[0].stdout is not None
         first1 = json.loads(procs[1].stdout.readline())
         assert procs[1].stdout.readline().strip() == "STOP ME"
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        stop(procs[1].pid)
         first0 = json.loads(procs[0].stdout.readline())
         out = json.loads(procs[0].stdout.readline())
         assert procs[0].wait(timeout=60) == 0

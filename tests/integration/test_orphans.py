@@ -30,6 +30,7 @@ from zerostall.storage import open_storage
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _orphans as orph
+from memtier_procs import stop
 
 THREAD = SaveOptions(writer=WriterKind.THREAD)
 
@@ -199,7 +200,7 @@ def test_a_writer_whose_lease_lapsed_does_not_commit(tmp_path: Path) -> None:
     t = orph.start_held(url, tmp_path, 7, "manifest", f"wait:{gate}")
     try:
         orph.wait_mark(t.mark, "manifest")  # type: ignore[attr-defined]
-        os.kill(t.writer, signal.SIGSTOP)
+        stop(t.writer)
         try:
             storage = open_storage(url)
             (lease,) = read_leases(storage)

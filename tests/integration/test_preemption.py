@@ -23,6 +23,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from memtier_procs import stop
+
 TRAINER = str(Path(__file__).parent / "_preempt_trainer.py")
 DEADLINE_S = 90.0  # generous: only a hang takes this long
 
@@ -215,7 +217,7 @@ def test_a_hung_rank_at_the_notice_is_named_within_half_the_grace_and_the_keeper
              for r in range(2)]
     try:
         _wait(lambda: all(p.seen("HELD") for p in procs), "step 3 in memory on both ranks")
-        os.kill(procs[1].p.pid, signal.SIGSTOP)
+        stop(procs[1].p.pid)
         t0 = time.monotonic()
         os.kill(procs[0].p.pid, signal.SIGTERM)
         log0 = tmp_path / "stderr-0.log"

@@ -27,7 +27,7 @@ from zerostall.memtier.spec import keeper_address
 from zerostall.storage.release import wait_unmapped
 
 __all__ = ["TRAINER", "DEADLINE_S", "start_trainer", "run_trainer", "parse_trainer_output", "killed_trainer",
-           "running", "wait_for", "storage_steps", "keeper_sockets", "keeper_processes", "assert_state",
+           "running", "stop", "wait_for", "storage_steps", "keeper_sockets", "keeper_processes", "assert_state",
            "memory_tier", "squatter", "held_inodes", "mappings_of", "fds_of"]
 
 #: the trainer subprocess: ``TRAINER DIR FIRST LAST EVERY LINGER MODE``, numpy state only; prints
@@ -78,6 +78,27 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """Stop process ``pid`` (SIGSTOP: alive, silent) and return once every thread of it is stopped.
+
+    ``kill`` only marks the stop pending: a thread already running, or woken by a request, may
+    still answer that request before it stops (seen on a loaded two-core machine), so a test that
+    sends its first request to the stopped process right after ``kill`` waits here first."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue  # a thread that ended
+        return bool(states) and all(s in ("T", "t") for s in states)
+
+    wait_for(all_stopped, f"process {pid} to stop", timeout)
 
 
 def wait_for(cond: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> None:

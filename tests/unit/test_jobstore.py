@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from memtier_procs import stop
+
 from zerostall.errors import PeerUnreachableError
 from zerostall.jobstore import SLACK_S, bounded
 
@@ -47,7 +49,7 @@ def test_requests_to_a_store_that_stops_answering_end_within_their_bound_and_wor
     store = _client(port, 1.0)
     store.set("a", "1")  # type: ignore[attr-defined]
     assert store.add("n", 2) == 2  # type: ignore[attr-defined]
-    os.kill(p.pid, signal.SIGSTOP)
+    stop(p.pid)
     for name, call, bound in [("add", lambda: store.add("n", 1), 1.0),  # type: ignore[attr-defined]
                               ("get", lambda: store.get("a"), 1.0 + SLACK_S),  # type: ignore[attr-defined]
                               ("wait", lambda: store.wait(["a"], timedelta(seconds=0.5)), 0.5 + SLACK_S)]:  # type: ignore[attr-defined]
@@ -69,7 +71,7 @@ def test_a_deadline_bounds_several_requests_together_and_a_prefix_names_the_keys
     assert plain.get("job-1/k") == b"v"
     dist.PrefixStore("x", store).set("k", "w")  # C++ callers go through the bounds too
     assert plain.get("job-1/x/k") == b"w"
-    os.kill(p.pid, signal.SIGSTOP)
+    stop(p.pid)
     store.deadline = time.monotonic() + 1.0  # type: ignore[attr-defined]
     t0 = time.monotonic()
     for _ in range(3):  # three requests, one deadline: the 30 s per request never applies
