@@ -270,10 +270,12 @@ class Checkpointer:
                 assert memory_tier is not None
                 memory = MemorySide(engine, keeper, storage, self.directory, self.load_options,
                                     self._dist_options(), markers_due=not self.read_only)
-                if memory_tier.replicas > 0 and not self.read_only:  # collective: every rank constructs its Checkpointer
+                if (memory_tier.replicas > 0 or memory_tier.parity) and not self.read_only:
+                    # collective: every rank constructs its Checkpointer
                     memory.setup_replicas(memory_tier.replicas, keeper.keeper.instance,
                                           (so.distributed or DistributedOptions()).timeout_s,
-                                          in_place=memory_tier.replicas_in_place)
+                                          in_place=memory_tier.replicas_in_place, parity=bool(memory_tier.parity),
+                                          parity_group=memory_tier.parity_group)
                 if ready:
                     memory.take_markers()
                 memory.warn_unadoptable(stacklevel=2)  # an error under filterwarnings("error") too

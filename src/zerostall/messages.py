@@ -61,8 +61,10 @@ __all__ = [
 #: 10: a leaf row is the manifest's leaf entry (format.manifest.LeafEntry), with its ``crc32c`` field;
 #: 11: ImageQuery.request and Image.request (an answer to a query the trainer stopped waiting for,
 #: a keeper that hung, is never taken for a later query's: it may describe another rank's replica)
-#: 12: ReplicaSetup.in_place; 13: SaveJob.pieces and SavePiece (a save staged and written in pieces)
-PROTOCOL = 13
+#: 12: ReplicaSetup.in_place; 13: SaveJob.pieces and SavePiece (a save staged and written in pieces);
+#: 14: ReplicaSetup.parity_group, ImageQuery.parity, Image.parity_step and Image.parity (a keeper
+#: that ignored the query's parity would answer with its own step as if it were parity)
+PROTOCOL = 14
 
 
 class ProtocolMismatchError(WriterError):

@@ -5,7 +5,7 @@ a namespace host of tests/support/nshosts.py; the job's store is the test's, at
 ``python _replica_host_trainer.py PHASE RANK WORLD DIR TIMEOUT_S OUT [REPLICAS]`` with PHASE:
 
 - ``first``: train and save steps 1..6 with ``MemoryTier(persist_interval_steps=4, replicas=REPLICAS)``
-  (default 1),
+  (default 1; 0: ``MemoryTier(parity=1)`` instead, one group of every host),
   each save waited for; print ``KEEPER <pid>``, ``TIERS <tiers of step 6>``, ``INODES <the
   inodes of this trainer's staging memfds>`` and ``READY``, then wait to be killed;
 - ``resume``: restore the step the ranks agree on, train on to step ``LAST`` and ``close()``;
@@ -96,7 +96,8 @@ def main() -> None:
     load_opts = LoadOptions(atomic=True) if os.environ.get("ZS_ATOMIC_LOADS") == "1" else None
     ck = Checkpointer(d, save_options=opts, load_options=load_opts,
                       memory_tier=MemoryTier(persist_interval_steps=PERSIST_EVERY, linger_s=120, replicas=replicas,
-                                             replicas_in_place=os.environ.get("ZS_REPLICAS_IN_PLACE") == "1"))
+                                             replicas_in_place=os.environ.get("ZS_REPLICAS_IN_PLACE") == "1",
+                                             parity=1 if replicas == 0 else 0))
     print("KEEPER", ck._engine.writer.pid, flush=True)
     if phase == "first":
         w = torch.zeros(64, 64)

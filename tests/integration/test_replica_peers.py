@@ -12,6 +12,7 @@ import pytest
 
 from zerostall.format.manifest import parse_manifest
 from zerostall.memtier.messages import HeldReplica, ReplicaSetup
+from zerostall.memtier.rebuild import PARITY
 from zerostall.memtier.tier import plan_steps
 
 torch = pytest.importorskip("torch")
@@ -231,12 +232,25 @@ def test_a_receiver_waiting_for_an_offer_ends_when_its_keeper_stops() -> None:
 
 def test_a_memory_step_counts_only_when_every_ranks_share_is_held_somewhere() -> None:
     # Host B (ranks 2, 3) lost; host A's keepers hold their own step 6 and B's replicas of it.
-    assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})]) == (
-        [4], {6: [[0], [1], [0], [1]]})
+    assert plan_steps([([4], 6, {2: 6}, None), ([4], 6, {3: 6}, None), ([4], None, {}, None),
+                       ([4], None, {}, None)]) == ([4], {6: [[0], [1], [0], [1]]})
     # Rank 3's replica is of an older step: step 6 is not complete anywhere, step 5 neither.
-    assert plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 5}), ([4], None, {}), ([4], None, {})]) == ([4], {})
+    assert plan_steps([([4], 6, {2: 6}, None), ([4], 6, {3: 5}, None), ([4], None, {}, None),
+                       ([4], None, {}, None)]) == ([4], {})
     # Every rank holds its own step: no replica needed; storage common steps only.
-    assert plan_steps([([2, 4], 6, {1: 6}), ([4], 6, {0: 6})]) == ([4], {6: [[0, 1], [1, 0]]})
+    assert plan_steps([([2, 4], 6, {1: 6}, None), ([4], 6, {0: 6}, None)]) == ([4], {6: [[0, 1], [1, 0]]})
+
+
+def test_a_lost_member_is_rebuilt_only_from_a_group_whose_others_hold_the_step_and_its_parity() -> None:
+    groups = [[0, 2], [1, 3]]  # two hosts of two ranks; each group is one local index
+    lost_b = [([4], 6, {}, 6), ([4], 6, {}, 6), ([4], None, {}, None), ([4], None, {}, None)]
+    assert plan_steps(lost_b, groups) == ([4], {6: [[0], [1], [PARITY], [PARITY]]})
+    assert plan_steps(lost_b) == ([4], {})  # without parity groups nothing rebuilds them
+    # Rank 1's parity is of the step before (its exchange of step 6 had not ended): rank 3 is lost.
+    assert plan_steps([([4], 6, {}, 6), ([4], 6, {}, 5), ([4], None, {}, None), ([4], None, {}, None)],
+                      groups) == ([4], {})
+    # Two members of one group lost: one parity cannot rebuild both.
+    assert plan_steps([([4], 6, {}, 6), ([4], None, {}, None), ([4], None, {}, None)], [[0, 1, 2]]) == ([4], {})
 
 
 def _pair(port: int) -> tuple[object, object]:

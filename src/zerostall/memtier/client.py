@@ -374,11 +374,12 @@ class KeeperSide:
         self._image_event.set()
 
     def query_image(self, timeout: float | None = 600.0, *, start: bool = True,
-                    origin: int | None = None) -> tuple[Image, list[int]] | None:
+                    origin: int | None = None, parity: bool = False) -> tuple[Image, list[int]] | None:
         """The keeper's newest in-memory step and one descriptor per data file (the caller
         closes them); None when the keeper is not running, or does not answer within ``timeout``.
 
-        ``origin``: the replica this keeper holds of rank ``origin``'s step instead.
+        ``origin``: the replica this keeper holds of rank ``origin``'s step instead. ``parity``:
+        the parity it holds instead (:attr:`Image.parity`; its one descriptor is the parity's buffer).
         Answered after every job submitted before the call has finished. ``start=False``: None
         rather than starting a keeper that is not running (a background query must not start
         a keeper after the Checkpointer closed).
@@ -402,7 +403,7 @@ class KeeperSide:
             self._image_event.clear()
             self._image_waiter = (request, box)
             try:
-                client.send(ImageQuery(origin=origin, request=request))
+                client.send(ImageQuery(origin=origin, parity=parity, request=request))
             except OSError:
                 self._image_waiter = None
                 return None

@@ -46,6 +46,7 @@ from multiprocessing.reduction import send_handle
 from typing import Any
 
 from zerostall import envvars
+from zerostall.buffers import HostBuffer
 from zerostall.commit import committed_steps, parse_step, step_name
 from zerostall.errors import ChecksumMismatchError, DirectoryReplacedError, ZerostallError
 from zerostall.format.layout import DATA_DIR
@@ -56,6 +57,7 @@ from zerostall.memtier.keeperfail import KeeperFailure, write_marker
 from zerostall.memtier.messages import (
     Adopt,
     Closed,
+    HeldParityInfo,
     Image,
     ImageFile,
     ImageQuery,
@@ -65,6 +67,8 @@ from zerostall.memtier.messages import (
     PersistHeld,
     ReplicaSetup,
 )
+from zerostall.memtier.paritygroup import HeldParity
+from zerostall.memtier.paritypeers import ParityPeers
 from zerostall.memtier.peers import Peers
 from zerostall.memtier.replica import ReceivedStep
 from zerostall.memtier.spec import (
@@ -197,6 +201,25 @@ class _Held:
         self.views, self.maps, self.fds = {}, [], []
 
 
+def _share(held: _Held) -> tuple[tuple[str, memoryview], ...] | None:
+    """The held step's data files as views of the staged buffers, in the manifest's order (what a
+    replica sends and a parity exchange codes); None when the step has no usable manifest."""
+    if held.job.step is None:
+        return None
+    try:
+        man = parse_manifest(held.manifest, path=f"memory:{held.job.name}")
+    except ZerostallError:
+        return None
+    by_name = {f.name: f for f in held.job.files}
+    files = []
+    for mf in man.files:
+        f = by_name.get(mf.path.rsplit("/", 1)[-1])
+        if f is None:
+            return None
+        files.append((f.name, held.views[f.buffer][:f.length]))
+    return tuple(files)
+
+
 def _manifest_crcs(held: _Held) -> list[int] | None:
     """The CRC32C of each of ``held.job.leaves`` (in its order) from the held step's manifest;
     None if the manifest does not give one for every leaf (then the persist checksums itself)."""
@@ -258,6 +281,8 @@ class Keeper:
         self.replaced = False
         #: replication: this keeper's held steps sent to other hosts' keepers, their replicas kept here
         self.peers = Peers(spec.instance)
+        #: parity: each held step's XOR parity formed with the keepers of this rank's parity group
+        self.parity = ParityPeers()
         #: with replicas: the lease that says this keeper lives (:mod:`zerostall.memtier.standin`)
         self._alive: Lease | None = None
 
@@ -431,7 +456,7 @@ class Keeper:
                      persisted=job.persist)
         self._drop_held(send, held)
         tiers: tuple[str, ...] = ("memory", "storage") if job.persist else ("memory",)
-        if self.peers.active and self._hold_alive(job) and self._replicate(held):
+        if (self.peers.active and self._hold_alive(job) and self._replicate(held)) or (self.parity.active and self._exchange_parity(held)):
             tiers = ("memory", "peer", "storage") if job.persist else ("memory", "peer")
         return dataclasses.replace(stats, tiers=tiers)
 
@@ -440,7 +465,7 @@ class Keeper:
         writer's loop (so after every job the trainer sent before it); False for any other."""
         if isinstance(msg, ImageQuery):
             answer = _answering(send, msg.request)
-            self.send_image(conn, answer, msg.origin)
+            self.send_image(conn, answer, msg.origin, msg.parity)
             self.report_failed(conn)
         elif isinstance(msg, ReplicaSetup):
             self.setup_replicas(msg)
@@ -459,8 +484,10 @@ class Keeper:
         send(Closed(step=self.durable_step()))
 
     def setup_replicas(self, setup: ReplicaSetup) -> None:
-        """The trainer's replication settings (sent after each Hello): see :mod:`zerostall.memtier.peers`."""
+        """The trainer's replication settings (sent after each Hello): see
+        :mod:`zerostall.memtier.peers` and :mod:`zerostall.memtier.paritypeers`."""
         self.peers.configure(setup)
+        self.parity.configure(setup)
 
     def _hold_alive(self, job: SaveJob) -> bool:
         """Hold the keeper lease, before the first replica leaves: a holder stands in for this
@@ -476,22 +503,16 @@ class Keeper:
         return True
 
     def _replicate(self, held: _Held) -> bool:
-        """Send the held step to its holders, from the staged buffers (the files in the manifest's
-        order); True when every holder verified it."""
-        if held.job.step is None:
-            return False
-        try:
-            man = parse_manifest(held.manifest, path=f"memory:{held.job.name}")
-        except ZerostallError:
-            return False
-        by_name = {f.name: f for f in held.job.files}
-        files = []
-        for mf in man.files:
-            f = by_name.get(mf.path.rsplit("/", 1)[-1])
-            if f is None:
-                return False
-            files.append((f.name, held.views[f.buffer][:f.length]))
-        return self.peers.send(held.job.step, held.manifest, tuple(files))
+        """Send the held step to its holders, from the staged buffers; True when every holder verified it."""
+        files = _share(held)
+        return files is not None and held.job.step is not None and \
+            self.peers.send(held.job.step, held.manifest, files)
+
+    def _exchange_parity(self, held: _Held) -> bool:
+        """Form the held step's parity with this rank's parity group; True when it holds it."""
+        files = _share(held)
+        return files is not None and held.job.step is not None and \
+            self.parity.exchange(held.job.step, held.manifest, files)
 
     def _drop_held(self, send: Callable[[Message], None], new: _Held | None = None) -> None:
         """Make ``new`` the held step (the new one first: never a moment without a complete
@@ -526,22 +547,39 @@ class Keeper:
         if close:
             held.close()
 
-    def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None) -> None:
+    def send_image(self, conn: Connection, send: Callable[[Message], None], origin: int | None = None,
+                   parity: bool = False) -> None:
+        if parity:
+            self.parity.with_held(lambda p, buf: self._send_parity(conn, send, p, buf))
+            return
         if origin is not None:
             faults.hit("keeper_serve_replica")
             self.peers.with_replica(origin, lambda r: self._send_replica(conn, send, r), lend=True)
             return
         held = self.held  # stable: only this thread (the job loop) replaces it
         if held is None:
-            send(dataclasses.replace(_empty_image(), replicas=self.peers.held()))
+            send(dataclasses.replace(_empty_image(), replicas=self.peers.held(),
+                                     parity_step=self.parity.held_step()))
             return
         if held.checked is not None:
             # The check after a crash is running: it is the pass the trainer would make itself
             # (the same bytes, the same cores), so wait for it rather than do it twice.
             held.checked.wait()
-        send(dataclasses.replace(held.image(), replicas=self.peers.held()))
+        send(dataclasses.replace(held.image(), replicas=self.peers.held(), parity_step=self.parity.held_step()))
         for fd in held.fds:
             send_handle(conn, fd, 0)
+
+    def _send_parity(self, conn: Connection, send: Callable[[Message], None], p: HeldParity | None,
+                     buffer: HostBuffer | None) -> None:
+        """The parity ``p`` as an :class:`Image` whose one file is its ``buffer`` (an empty one: none held)."""
+        if p is None or buffer is None:
+            send(_empty_image())
+            return
+        info = HeldParityInfo(step=p.step, member=p.member, size=p.layout.group, sizes=p.layout.sizes,
+                              manifests=tuple(m.decode() for m in p.manifests))
+        send(Image(step=p.step, name=step_name(p.step), manifest="", parity=info,
+                   files=(ImageFile(name="parity", length=p.layout.chunk, size=buffer.size),)))
+        send_handle(conn, buffer.fd, 0)
 
     def _send_replica(self, conn: Connection, send: Callable[[Message], None], r: ReceivedStep | None) -> None:
         """The replica ``r`` as an :class:`Image` with its descriptors (an empty one: none held)."""
@@ -953,6 +991,7 @@ class Keeper:
             t.join()
         self._leave_marker()
         self.peers.close()
+        self.parity.close()
         if self._alive is not None:
             self._alive.release()
         with self._cond:

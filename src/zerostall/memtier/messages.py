@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from zerostall.messages import Message, WireError, register_message
 
-__all__ = ["Adopt", "Closed", "HeldReplica", "Image", "ImageFile", "ImageQuery", "KeeperBusy", "KeeperFailed",
-           "PersistHeld", "Persisted", "ReplicaSetup"]
+__all__ = ["Adopt", "Closed", "HeldParityInfo", "HeldReplica", "Image", "ImageFile", "ImageQuery", "KeeperBusy",
+           "KeeperFailed", "PersistHeld", "Persisted", "ReplicaSetup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,9 @@ class ImageQuery(Message):
     #: ask instead for the replica this keeper holds of rank ``origin``'s step (another host's
     #: rank; :class:`ReplicaSetup`): the :class:`Image` then describes that replica
     origin: int | None = None
+    #: ask instead for the parity this keeper holds (:class:`ReplicaSetup` ``parity_group``): the
+    #: :class:`Image` then has the parity buffer as its one file and :class:`HeldParityInfo`
+    parity: bool = False
     #: the asker's number for this query, repeated in the :class:`Image` that answers it
     request: int = 0
 
@@ -80,6 +83,19 @@ class HeldReplica(Message):
 
     origin: int
     step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldParityInfo(Message):
+    """The parity a keeper holds (:mod:`zerostall.memtier.paritypeers`): its stripe's parity of
+    step ``step`` for member ``member`` of a parity group of ``size`` members, the share size of
+    every member and every member's manifest (of that step), as the exchange agreed on them."""
+
+    step: int
+    member: int
+    size: int
+    sizes: tuple[int, ...]
+    manifests: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +115,9 @@ class ReplicaSetup(Message):
     timeout_s: float
     #: a holder receives each new replica over the one it holds (MemoryTier.replicas_in_place)
     in_place: bool = False
+    #: hosts per parity group (MemoryTier.parity): the keepers of this rank's group exchange
+    #: every held step's parity; 0: no parity
+    parity_group: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +157,10 @@ class Image(Message):
     instance: str = ""
     #: the replicas of other ranks' steps this keeper holds (:class:`ReplicaSetup`)
     replicas: tuple[HeldReplica, ...] = ()
+    #: the step whose parity this keeper holds (None: none)
+    parity_step: int | None = None
+    #: answering ``ImageQuery(parity=True)``: the parity held (None: none); the one file is its buffer
+    parity: HeldParityInfo | None = None
     #: the :class:`ImageQuery` this answers (its ``request``)
     request: int = 0
 

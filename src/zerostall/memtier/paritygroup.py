@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from zerostall.memtier.link import OK, GroupEnd, Link, prove
 from zerostall.memtier.parity import Accumulator, ParityLayout, xor_into
 from zerostall.memtier.replica import CHUNK_BYTES, WINDOW, ReceivedStep, ReplicaOf, _first_bad, _LeafSpans
 
-__all__ = ["HeldParity", "ParityGroup"]
+__all__ = ["HeldParity", "ParityBytes", "ParityGroup"]
 
 _MAX_HEAD = 1 << 20
 _REFUSE = 1
@@ -65,6 +65,16 @@ _REFUSE = 1
 _BAD_LEAF = 100
 _LENS, _HEAD, _ACCEPT, _FINAL, _SIZES, _SIZES_OK, _CHUNK0 = 4, 5, 6, 7, 8, 9, 16
 _T = TypeVar("_T")
+
+
+class ParityBytes(Protocol):
+    """Memory a parity lies in: a :class:`~zerostall.buffers.HostBuffer` in the keeper that formed
+    it, a read-only mapping of its buffer in a trainer that rebuilds from it."""
+
+    @property
+    def view(self) -> memoryview: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ class HeldParity:
     step: int
     member: int
     layout: ParityLayout
-    parity: HostBuffer
+    parity: ParityBytes
     manifests: tuple[bytes, ...]
 
     def view(self) -> memoryview:

@@ -45,8 +45,11 @@ from zerostall.memtier.image import ImageStorage, open_image
 from zerostall.memtier.instance import ensure_instance, read_instance
 from zerostall.memtier.keeperfail import take_markers
 from zerostall.memtier.messages import ReplicaSetup
+from zerostall.memtier.paritypeers import group_name
 from zerostall.memtier.peers import RECEIVER, SENDER, open_store, pair_group
+from zerostall.memtier.placement import parity_groups
 from zerostall.memtier.premap import Premap
+from zerostall.memtier.rebuild import PARITY, receive_rebuild, serve_rebuild
 from zerostall.memtier.replica import OutgoingStep, ReplicaOf, Scatter
 from zerostall.memtier.spec import KeeperSpec
 from zerostall.options import DistributedOptions, LoadOptions, MemoryTier, SaveOptions, WriterKind
@@ -107,9 +110,12 @@ class MemorySide:
 
     # -- replicas ------------------------------------------------------------------------------
 
-    def setup_replicas(self, replicas: int, instance: str, timeout_s: float, *, in_place: bool = False) -> None:
+    def setup_replicas(self, replicas: int, instance: str, timeout_s: float, *, in_place: bool = False,
+                       parity: bool = False, parity_group: int | None = None) -> None:
         """Collectively (at construction): check the hosts, agree on the job's keeper group and
-        its secret, and tell this rank's keeper (and every keeper it has later) how to replicate.
+        its secret, and tell this rank's keeper (and every keeper it has later) how to replicate
+        (``replicas``) or form parity (``parity``: groups of ``parity_group`` hosts,
+        :func:`~zerostall.memtier.placement.parity_groups`).
 
         The secret is made by rank 0 (``secrets.token_bytes``) and broadcast over the job's
         process group; each trainer hands it to its own keeper over their private unix socket.
@@ -119,28 +125,37 @@ class MemorySide:
             InvalidArgumentError: not under torch.distributed, one host only, hosts that do not
                 hold equally many consecutive ranks, or no ``MASTER_ADDR``/``MASTER_PORT``.
         """
+        what = "parity" if parity else "replicas"
         if not active(self.dist):
-            raise InvalidArgumentError("MemoryTier(replicas=...) needs torch.distributed: replicas go to the keepers "
-                                       "of other hosts' ranks", argument="replicas", path=self.directory)
+            raise InvalidArgumentError(f"MemoryTier({what}=...) needs torch.distributed: {what} go to the keepers "
+                                       "of other hosts' ranks", argument=what, path=self.directory)
         _, rank, world = group_rank_world(self.dist)
         hosts = gather_objects(host_id(), self.dist)
         per_host = _ranks_per_host(hosts, self.directory)
         n_hosts = len(set(hosts))
-        if n_hosts < replicas + 1:
+        group = 0
+        if parity:
+            if n_hosts < 2:
+                raise InvalidArgumentError(
+                    f"MemoryTier(parity=1) needs at least 2 hosts, but the job's {world} ranks run on one "
+                    f"({hosts[0]}): parity on its own host is lost with it", argument="parity", path=self.directory)
+            groups = parity_groups(world, per_host, parity_group)  # raises for a parity_group past the hosts
+            group = parity_group if parity_group is not None else len(groups[0])
+        elif n_hosts < replicas + 1:
             raise InvalidArgumentError(
                 f"MemoryTier(replicas={replicas}) needs {replicas + 1} hosts, but the job's {world} ranks run on "
                 f"{n_hosts} ({', '.join(sorted(set(hosts)))}): a replica on its original's host is lost with it, and "
                 "one host gains nothing from replicas; use replicas=0 there", argument="replicas", path=self.directory)
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not addr or not port:
-            raise InvalidArgumentError("MemoryTier(replicas=...) needs the job's store at MASTER_ADDR:MASTER_PORT "
+            raise InvalidArgumentError(f"MemoryTier({what}=...) needs the job's store at MASTER_ADDR:MASTER_PORT "
                                        "(torchrun sets both) for the keepers to find each other",
-                                       argument="replicas", path=self.directory)
+                                       argument=what, path=self.directory)
         mine = (secrets.token_hex(8), secrets.token_hex(32)) if rank == 0 else None
         job, secret = agree_step(mine, self.dist)
         self.replicas = ReplicaSetup(store=f"{addr}:{port}", job=str(job), secret=str(secret), world=world, rank=rank,
                                      ranks_per_host=per_host, replicas=replicas, timeout_s=timeout_s,
-                                     in_place=in_place)
+                                     in_place=in_place, parity_group=group)
         self.instance = instance
         self.keeper.set_replica_setup(self.replicas)
         # The keeper takes the setup in order, before this query: once answered, its receivers
@@ -153,22 +168,28 @@ class MemorySide:
                         "setup for %s; its saves and loads will say what became of it", rank, timeout_s,
                         self.directory)
 
-    def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int]]]:
-        """Every rank's (storage steps, held step, {origin: replica step held}): one exchange (a
-        rank whose keeper hangs asks it until ``timeout_s``; the others wait that out, then ``timeout_s``)."""
+    def _views(self, storage_steps: list[int]) -> list[tuple[list[int], int | None, dict[int, int], int | None]]:
+        """Every rank's (storage steps, held step, {origin: replica step held}, step of the parity
+        held): one exchange (a rank whose keeper hangs asks it until ``timeout_s``; the others
+        wait that out, then ``timeout_s``)."""
         deadline = time.monotonic() + self._timeout_s()
         img = self.held_image(self._timeout_s()) if not self._engine.closed else None
         mem = img.step if img is not None else None
         reps = {r.origin: r.step for r in img.replicas} if img is not None else {}
-        out: list[tuple[list[int], int | None, dict[int, int]]] = gather_objects(
-            (storage_steps, mem, reps), self.dist, what="listing the steps in memory", after=deadline)
+        par = img.parity_step if img is not None else None
+        out: list[tuple[list[int], int | None, dict[int, int], int | None]] = [
+            (s, m, {int(k): v for k, v in r.items()}, p) for s, m, r, p in gather_objects(
+                (storage_steps, mem, reps, par), self.dist, what="listing the steps in memory", after=deadline)]
         return out
 
     def agreed_steps(self, storage_steps: list[int]) -> list[int]:
         """Collectively, with replicas: the steps every rank can load, from storage, its own memory
         or a replica of its step in another keeper's memory (one all_gather_object). Remembers
         where each rank's share of each memory step is, for the load that follows."""
-        stored, sources = plan_steps(self._views(storage_steps))
+        setup = self.replicas
+        groups = parity_groups(setup.world, setup.ranks_per_host, setup.parity_group) \
+            if setup is not None and setup.parity_group else None
+        stored, sources = plan_steps(self._views(storage_steps), groups)
         self._sources, self._stored = sources, stored
         return sorted(set(stored) | set(sources))
 
@@ -214,7 +235,9 @@ class MemorySide:
             failed = {r: st[0] for r, st in enumerate(statuses) if st[0] is not None}
             for r, e in sorted(failed.items()):
                 nxt = plan[r][tries[r] + 1] if tries[r] + 1 < len(plan[r]) else None
-                self._tell(agreed, f"rank {r}: {e}", f"trying rank {nxt}'s keeper" if nxt is not None else None)
+                then = None if nxt is None else "rebuilding it from its parity group" if nxt == PARITY \
+                    else f"trying rank {nxt}'s keeper"
+                self._tell(agreed, f"rank {r}: {e}", then)
                 tries[r] += 1
             pending = set(failed)
             if any(tries[r] >= len(plan[r]) for r in pending):
@@ -242,18 +265,31 @@ class MemorySide:
             # Every pair of this round forms, and every keeper answers, by the round's deadline (a
             # holder cut off, or hung, ends it); the transfers' own waits are each bounded by timeout_s.
             store.deadline = deadline
+            mates = set(group_name(setup)[3]) if setup.parity_group else set()
             for r, holder in now.items():
                 if holder == rank and r != rank:
                     t = threading.Thread(target=self._serve_replica,
                                          args=(store, setup, r, step, generation, deadline),
                                          name="zerostall-replica-serve", daemon=True)
-                    t.start()
-                    senders.append(t)
+                elif holder == PARITY and r != rank and r in mates:  # this rank survives r's loss
+                    t = threading.Thread(target=serve_rebuild,
+                                         args=(self.keeper, store, setup, r, step, generation, deadline),
+                                         name="zerostall-parity-serve", daemon=True)
+                else:
+                    continue
+                t.start()
+                senders.append(t)
             if source == rank:  # this rank's own keeper, while the threads serve the others
                 out = self.load_from_memory(step, items, collective=True,
                                             timeout_s=max(0.0, deadline - time.monotonic()))
                 if out is None:
                     err = f"this host's keeper no longer holds step {step}, or did not answer within {setup.timeout_s:g} s"
+            elif source == PARITY:
+                got = receive_rebuild(store, setup, self.instance, step, generation)
+                try:
+                    out = self._load_received(got, step, items, into)
+                finally:
+                    got.close()
             elif source is not None:
                 with pair_group(store, setup, f"fetch/{rank}", generation, RECEIVER) as g:
                     got = g.recv_step(SENDER, run_id=self.instance, world=setup.world, rank=rank, step=step,
@@ -264,7 +300,8 @@ class MemorySide:
                     got.close()
         except BaseException as exc:  # noqa: BLE001 - the next source is tried, or every rank raises it
             if _source_failed(exc):
-                whose = "its own keeper" if source == rank else f"rank {source}'s keeper"
+                whose = ("its own keeper" if source == rank else "its parity group" if source == PARITY
+                         else f"rank {source}'s keeper")
                 err = f"its share of step {step} did not come from {whose}: {exc}"
             else:  # a failure of the request itself (a template that does not match)
                 fatal = exc
@@ -566,25 +603,35 @@ def _ranks_per_host(hosts: list[str], directory: str) -> int:
     return per
 
 
-def plan_steps(views: list[tuple[list[int], int | None, dict[int, int]]]
-               ) -> tuple[list[int], dict[int, list[list[int]]]]:
-    """From every rank's (storage steps, held step, {origin: replica step held}), in rank order:
-    the steps in every rank's storage, and each memory step whose every rank's share is held
-    somewhere, with, per rank, the ranks whose keepers hold that share (the rank itself first).
+def plan_steps(views: list[tuple[list[int], int | None, dict[int, int], int | None]],
+               groups: list[list[int]] | None = None) -> tuple[list[int], dict[int, list[list[int]]]]:
+    """From every rank's (storage steps, held step, {origin: replica step held}, step of the
+    parity held), in rank order, and the job's parity groups (None: no parity): the steps in
+    every rank's storage, and each memory step whose every rank's share is held somewhere, with,
+    per rank, the ranks whose keepers hold that share (the rank itself first), then
+    :data:`~zerostall.memtier.rebuild.PARITY` when every other member of its parity group holds
+    its own share of the step and the parity of it (a group so rebuilds one member only).
 
     Example::
 
-        >>> plan_steps([([4], 6, {2: 6}), ([4], 6, {3: 6}), ([4], None, {}), ([4], None, {})])
+        >>> plan_steps([([4], 6, {2: 6}, None), ([4], 6, {3: 6}, None), ([4], None, {}, None),
+        ...             ([4], None, {}, None)])
         ([4], {6: [[0], [1], [0], [1]]})
+        >>> plan_steps([([4], 6, {}, 6), ([4], None, {}, None), ([4], 6, {}, 6)], [[0, 1, 2]])
+        ([4], {6: [[0], [-1], [2]]})
     """
     world = len(views)
     stored = set(views[0][0]).intersection(*(set(v[0]) for v in views[1:])) if views else set()
     sources: dict[int, list[list[int]]] = {}
     candidates = {v[1] for v in views if v[1] is not None} | {s for v in views for s in v[2].values()}
+    group_of = {r: g for g in groups or [] for r in g}
     for s in candidates:
         per_rank: list[list[int]] = []
         for r in range(world):
             holders = ([r] if views[r][1] == s else []) + [h for h in range(world) if views[h][2].get(r) == s]
+            others = [m for m in group_of.get(r, [r]) if m != r]
+            if others and all(views[m][1] == s and views[m][3] == s for m in others):
+                holders.append(PARITY)
             if not holders:
                 break
             per_rank.append(holders)
