@@ -11,6 +11,10 @@ is one float32 tensor of ``--mib`` MiB. One job per configuration:
 * ``tier``: ``MemoryTier()`` (memory-only saves: ``persist_interval_steps`` is far away);
 * ``replicas``: ``MemoryTier(replicas=1)`` (each rank's step also in the keeper of the rank one host over);
 * ``in-place``: ``MemoryTier(replicas=1, replicas_in_place=True)`` (that holder keeps one copy, not two);
+* ``parity-2``: ``MemoryTier(parity=1)`` on the two hosts: groups of G = 2 (ranks 0, 2 and 1, 3),
+  each keeper holding a parity the size of its share;
+* ``parity-4``: ``MemoryTier(parity=1)`` with the four ranks on four hosts (A..D): one group of G = 4,
+  each keeper holding about a third of its share as parity;
 * ``limit``: one rank alone (no torch.distributed: a save in pieces is one rank's), a
   ``Checkpointer(directory, host_memory_limit=state / 4)``: every save in pieces, then a load in
   place; measured against ``solo``, the same process without zerostall, and beside the staging
@@ -45,7 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 HOSTS = ["A", "A", "B", "B"]
 TIMEOUT_S = 120.0
-CONFIGS = ("plain", "storage", "tier", "replicas", "in-place", "limit")
+CONFIGS = ("plain", "storage", "tier", "replicas", "in-place", "parity-2", "parity-4", "limit")
+#: the four ranks' hosts, where a configuration needs other than HOSTS
+CONFIG_HOSTS = {"parity-4": ["A", "B", "C", "D"]}
 #: one-process configurations, measured against ``solo``
 SOLO = ("solo", "limit")
 #: seconds between PSS samples
@@ -92,7 +98,9 @@ def rank_main(config: str, rank: int, d: str, mib: int, saves: int) -> None:
         tier = {"storage": None, "tier": MemoryTier(persist_interval_steps=10**9, linger_s=0),
                 "replicas": MemoryTier(persist_interval_steps=10**9, linger_s=0, replicas=1),
                 "in-place": MemoryTier(persist_interval_steps=10**9, linger_s=0, replicas=1,
-                                       replicas_in_place=True)}[config]
+                                       replicas_in_place=True),
+                "parity-2": MemoryTier(persist_interval_steps=10**9, linger_s=0, parity=1),
+                "parity-4": MemoryTier(persist_interval_steps=10**9, linger_s=0, parity=1)}[config]
         ck = Checkpointer(d, save_options=SaveOptions(distributed=DistributedOptions(timeout_s=TIMEOUT_S)),
                           memory_tier=tier)
         print("WRITER", ck._engine.writer.pid, flush=True)
@@ -163,7 +171,7 @@ class _Sampler:
 
 def _job(config: str, tmp: Path, port: int, a: argparse.Namespace, log: Any) -> dict[str, int]:
     procs = []
-    for r, host in enumerate(HOSTS[:1] if config in SOLO else HOSTS):
+    for r, host in enumerate(HOSTS[:1] if config in SOLO else CONFIG_HOSTS.get(config, HOSTS)):
         env = host_rank_env(host, port, ROOT)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.hostmem", "--rank", config, str(r), str(tmp / f"run-{config}"),

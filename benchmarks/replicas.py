@@ -1,6 +1,10 @@
 """The memory tier's replicas end to end: 4 ranks on 2 simulated hosts, against socket floors.
 
-``python -m benchmarks.replicas [--mib 256] [--saves 3] [--out FILE]`` (``make bench`` runs it)
+``python -m benchmarks.replicas [--mib 256] [--saves 3] [--parity] [--out FILE]`` (``make bench`` runs it)
+
+``--parity``: the second job has ``MemoryTier(parity=1)`` instead of ``replicas=1`` (two parity
+groups of G = 2: ranks 0, 2 and 1, 3), and the restore rebuilds host B's shares from host A's
+shares and parity.
 
 Four gloo ranks, each its own process with its Checkpointer and keeper; ranks 0, 1 on host A and
 2, 3 on host B (``ZEROSTALL_HOST_ID``); the job's store is this process's, as torchrun's agent
@@ -79,7 +83,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int, out: str,
-              between_s: float) -> None:
+              between_s: float, parity: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -92,7 +96,8 @@ def rank_main(phase: str, rank: int, d: str, mib: int, replicas: int, saves: int
     opts = SaveOptions(distributed=DistributedOptions(timeout_s=TIMEOUT_S))
     n = (mib << 20) // 4
     ck = Checkpointer(d, save_options=opts,
-                      memory_tier=MemoryTier(persist_interval_steps=10**9, linger_s=600, replicas=replicas))
+                      memory_tier=MemoryTier(persist_interval_steps=10**9, linger_s=600,
+                                             replicas=0 if parity else replicas, parity=int(parity and replicas > 0)))
     res: dict[str, Any] = {"keeper": ck._engine.writer.pid}
     print("KEEPER", res["keeper"], flush=True)
     if phase == "resume":
@@ -181,7 +186,8 @@ def _start(phase: str, d: Path, hosts: list[str], port: int, a: argparse.Namespa
         env = host_rank_env(host, port, ROOT)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.replicas", "--rank", phase, str(r), str(d), str(a.mib),
-             str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json"), str(a.between_s)],
+             str(replicas), str(a.saves), str(d.parent / f"{phase}-{replicas}-{r}.json"), str(a.between_s),
+             str(int(a.parity))],
             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
     return procs
 
@@ -304,19 +310,20 @@ def summarize(mib: int, floors: list[float], jobs: dict[int, dict[str, Any]],
 
 def lines(s: dict[str, Any]) -> list[str]:
     lost, cpu, wlost = s["lost_per_save_s"], s["keeper_cpu_per_save_s"], s["lost_per_save_s_waiting_steps"]
+    red = s.get("redundancy", "replicas=1")
     return [
-        f"replicas, {s['ranks']} ranks on {s['hosts']} hosts, {s['mib_per_rank']} MiB per rank: socket floor "
+        f"{red}, {s['ranks']} ranks on {s['hosts']} hosts, {s['mib_per_rank']} MiB per rank: socket floor "
         f"{s['floor_gbps']:.2f} GB/s ({s['floor_s']:.3f} s, median of {len(s['floors_s'])})",
         f"  replication: {s['replication_gbps']:.2f} GB/s per rank (memory-only save {s['memory_save_s']:.3f} s, "
-        f"with a replica {s['replicated_save_s']:.3f} s), {s['replication_x_floor']:.2f}x the floor (target >= 0.8x); "
+        f"with {red} {s['replicated_save_s']:.3f} s), {s['replication_x_floor']:.2f}x the floor (target >= 0.8x); "
         f"the {s['ranks']} ranks' steps cross at once: together {s['replication_all_ranks_x_floor']:.2f}x"
         + (f"; {s['ranks']} socket copies at once take {s['floor_together_s']:.3f} s, replication "
            f"{s['replication_x_floor_together']:.2f}x that" if "floor_together_s" in s else ""),
-        f"  training lost per save, steps computing on the CPU: {lost['replicas1']:.3f} s with replicas=1, "
+        f"  training lost per save, steps computing on the CPU: {lost['replicas1']:.3f} s with {red}, "
         f"{lost['replicas0']:.3f} s without: "
         + (f"{s['lost_x_without']:.2f}x (target <= 1.2x)" if s["lost_x_without"] is not None else "no loss measured")
         + f"; keeper CPU per save {cpu['replicas1']:.3f} s and {cpu['replicas0']:.3f} s (the cores the trainers use)",
-        f"  training lost per save, steps waiting as on an accelerator: {wlost['replicas1']:.3f} s with replicas=1, "
+        f"  training lost per save, steps waiting as on an accelerator: {wlost['replicas1']:.3f} s with {red}, "
         f"{wlost['replicas0']:.3f} s without: "
         + (f"{s['lost_x_without_waiting_steps']:.2f}x (target <= 1.2x)"
            if s["lost_x_without_waiting_steps"] is not None else "no loss to compare with"),
@@ -331,8 +338,8 @@ def lines(s: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank"]:
-        phase, rank, d, mib, replicas, saves, out, between = argv[1:9]
-        rank_main(phase, int(rank), d, int(mib), int(replicas), int(saves), out, float(between))
+        phase, rank, d, mib, replicas, saves, out, between, parity = argv[1:10]
+        rank_main(phase, int(rank), d, int(mib), int(replicas), int(saves), out, float(between), parity == "1")
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=256, help="MiB of state per rank (default 256)")
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--between-s", type=float, default=2.0,
                    help="seconds of compute between saves in the training-lost loop (default 2)")
     p.add_argument("--floor-repeats", type=int, default=3)
+    p.add_argument("--parity", action="store_true", help="MemoryTier(parity=1) instead of replicas=1")
     p.add_argument("--out", default=None, help="write the summary JSON here")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
@@ -357,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     floors += socket_floor_s(n, a.floor_repeats)
     together += concurrent_floor_s(n, a.floor_repeats)
     s = summarize(a.mib, floors, jobs, together)
+    s["redundancy"] = "parity=1" if a.parity else "replicas=1"
     report(s, lines(s), a.out)
     return 0
 
